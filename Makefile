@@ -1,0 +1,35 @@
+# Two commands: `make serve` and `make test`. Each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# CPU wheel by default so no multi-GB CUDA build is pulled on a CPU machine; on a GPU node pass
+# e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>".
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: install serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/v4serve serve $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/bench_model.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,115 @@
+"""Shapes of every KV tensor, derived once from the model config. Plain Python, no torch.
+
+A State Cache slot holds, per layer, the window ring (`window` rows, token p at row p mod window)
+and, for compressed layers, the compressor's pending rows as a ring too: CSA keeps two windows
+(2m rows, the previous window's rows feed the overlapping entry), HCA keeps one (m rows).
+A Block Cache block holds `block_size` tokens' worth of compressed entries for every compressed
+layer at the same block id: `block_size / m` entries (and, for CSA, as many indexer keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class ModelShape(Protocol):
+    num_layers: int
+    head_dim: int
+    index_head_dim: int
+    window: int
+    compress_ratios: tuple[int, ...]
+
+    def layer_kind(self, layer: int) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    kind: str  # "swa", "csa" or "hca"
+    ratio: int  # 0 for swa
+    head_dim: int
+    index_head_dim: int
+    window: int
+    block_size: int
+
+    @property
+    def overlap(self) -> bool:
+        return self.kind == "csa"
+
+    @property
+    def pending_rows(self) -> int:
+        """Compressor ring length: two windows when entries overlap, one otherwise."""
+        if not self.ratio:
+            return 0
+        return 2 * self.ratio if self.overlap else self.ratio
+
+    @property
+    def pending_width(self) -> int:
+        return (2 if self.overlap else 1) * self.head_dim
+
+    @property
+    def entries_per_block(self) -> int:
+        return self.block_size // self.ratio if self.ratio else 0
+
+    def state_elements(self) -> int:
+        """Elements per State Cache slot for this layer (fixed, whatever the context length)."""
+        n = self.window * self.head_dim
+        n += 2 * self.pending_rows * self.pending_width  # kv and score rows
+        if self.overlap:
+            n += 2 * self.pending_rows * 2 * self.index_head_dim
+        return n
+
+    def block_elements(self) -> int:
+        """Elements per Block Cache block for this layer."""
+        n = self.entries_per_block * self.head_dim
+        if self.overlap:
+            n += self.entries_per_block * self.index_head_dim
+        return n
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    layers: tuple[LayerLayout, ...]
+    block_size: int
+    window: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelShape) -> KVLayout:
+        block = cfg.block_size
+        layers = tuple(
+            LayerLayout(
+                kind=cfg.layer_kind(i),
+                ratio=cfg.compress_ratios[i],
+                head_dim=cfg.head_dim,
+                index_head_dim=cfg.index_head_dim,
+                window=cfg.window,
+                block_size=block,
+            )
+            for i in range(cfg.num_layers)
+        )
+        return cls(layers=layers, block_size=block, window=cfg.window)
+
+    def state_bytes_per_slot(self, itemsize: int) -> int:
+        return sum(layer.state_elements() for layer in self.layers) * itemsize
+
+    def block_bytes(self, itemsize: int) -> int:
+        return sum(layer.block_elements() for layer in self.layers) * itemsize
+
+    def paged_bytes_per_token(self, itemsize: int) -> int:
+        """What a uniform paged layout would keep: one uncompressed KV entry per token per layer."""
+        return sum(layer.head_dim for layer in self.layers) * itemsize
+
+    def table(self, itemsize: int) -> list[tuple[str, int, float, int]]:
+        """Rows of (layer kind, layer count, Block Cache bytes per token, State Cache bytes per slot)."""
+        rows = []
+        for kind in ("swa", "csa", "hca"):
+            group = [layer for layer in self.layers if layer.kind == kind]
+            if not group:
+                continue
+            per_token = sum(layer.block_elements() for layer in group) * itemsize / self.block_size
+            state = sum(layer.state_elements() for layer in group) * itemsize
+            rows.append((kind, len(group), per_token, state))
+        return rows
