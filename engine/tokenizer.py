@@ -1,0 +1,304 @@
+"""Tokenizers for v4serve.
+
+Two implementations share one small interface (:class:`Tokenizer`):
+
+- :class:`ByteTokenizer`, the embedded tiny model's tokenizer: 64 special tokens followed by the
+  256 raw bytes, so any text round-trips and the tiny model can be built without any files;
+- :class:`HFTokenizer`, a ``tokenizer.json`` read through the ``tokenizers`` library (the real
+  DeepSeek-V4 checkpoints ship one).
+
+:func:`write_byte_tokenizer_files` writes the byte tokenizer as a genuine ``tokenizer.json`` so a
+checkpoint folder made from the tiny model loads through the same path as a real one and
+tokenizes identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFBackend
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+PAD_TOKEN = "<｜▁pad▁｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+DSML_TOKEN = "｜DSML｜"
+LATEST_REMINDER_TOKEN = "<｜latest_reminder｜>"
+
+# The prompt-format tokens of DeepSeek-V4, in the order they get ids in the byte tokenizer.
+# BOS/EOS/PAD sit at 0/1/2 as in the real vocabulary; the rest are packed after them.
+_NAMED_SPECIALS: tuple[str, ...] = (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    USER_TOKEN,
+    ASSISTANT_TOKEN,
+    THINK_START_TOKEN,
+    THINK_END_TOKEN,
+    DSML_TOKEN,
+    LATEST_REMINDER_TOKEN,
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
+)
+
+NUM_SPECIAL_TOKENS = 64
+BYTE_OFFSET = NUM_SPECIAL_TOKENS
+BYTE_VOCAB_SIZE = BYTE_OFFSET + 256
+
+
+def _byte_special_tokens() -> tuple[str, ...]:
+    reserved = tuple(f"<｜reserved_{i}｜>" for i in range(len(_NAMED_SPECIALS), NUM_SPECIAL_TOKENS))
+    return _NAMED_SPECIALS + reserved
+
+
+BYTE_SPECIAL_TOKENS: tuple[str, ...] = _byte_special_tokens()
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine and server need from a tokenizer.
+
+    ``encode`` never adds BOS: prompt construction decides that. Special-token strings that
+    appear in the text are mapped to their ids, because chat prompts are built as text.
+
+    ``token_bytes(i)`` is the exact byte string token ``i`` contributes to decoded output (a
+    special token contributes its UTF-8 spelling, or ``b""`` when ``skip_special_tokens``).
+    A streaming detokeniser concatenates these and only emits complete UTF-8 sequences, so a
+    multi-byte character split across tokens is never sent half-finished. Ids outside the
+    vocabulary contribute ``b""`` (a model's embedding table may be padded past the vocabulary).
+    """
+
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    special_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes: ...
+
+
+def _special_pattern(tokens: Sequence[str]) -> re.Pattern[str]:
+    # Longest first so that, at a given position, the longest special wins, which is how the
+    # `tokenizers` added-vocabulary matcher behaves too.
+    ordered = sorted(tokens, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in ordered))
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer of the embedded tiny model: specials at 0..63, byte ``b`` at ``64 + b``."""
+
+    vocab_size: int = BYTE_VOCAB_SIZE
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+
+    def __init__(self) -> None:
+        self.special_tokens: tuple[str, ...] = BYTE_SPECIAL_TOKENS
+        self.special_token_ids: frozenset[int] = frozenset(range(NUM_SPECIAL_TOKENS))
+        self._special_to_id = {tok: i for i, tok in enumerate(self.special_tokens)}
+        self._special_re = _special_pattern(self.special_tokens)
+        self._special_bytes = [tok.encode("utf-8") for tok in self.special_tokens]
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        pos = 0
+        for match in self._special_re.finditer(text):
+            ids.extend(_text_to_byte_ids(text[pos : match.start()]))
+            ids.append(self._special_to_id[match.group()])
+            pos = match.end()
+        ids.extend(_text_to_byte_ids(text[pos:]))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        raw = b"".join(self.token_bytes(i, skip_special_tokens) for i in ids)
+        return raw.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        if BYTE_OFFSET <= token_id < BYTE_VOCAB_SIZE:
+            return bytes((token_id - BYTE_OFFSET,))
+        if 0 <= token_id < NUM_SPECIAL_TOKENS and not skip_special_tokens:
+            return self._special_bytes[token_id]
+        return b""
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._special_to_id.get(token)
+
+
+def _text_to_byte_ids(text: str) -> list[int]:
+    return [BYTE_OFFSET + b for b in text.encode("utf-8")]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The standard byte-level BPE alphabet: every byte gets a printable, non-space character.
+
+    Printable Latin-1 bytes map to themselves; the remaining 68 bytes are shifted to code points
+    256 and up, in byte order. Real byte-level ``tokenizer.json`` vocabularies are spelled in
+    this alphabet, so it must be reproduced exactly.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return dict(sorted(mapping.items()))
+
+
+def _build_byte_backend() -> _HFBackend:
+    alphabet = bytes_to_unicode()
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)}
+    vocab.update({alphabet[b]: BYTE_OFFSET + b for b in range(256)})
+    backend = _HFBackend(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: no word splitting, every byte stays its own token exactly as in
+    # ByteTokenizer (with no merges the split would not change ids, but it keeps the file honest).
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    # The specials already have ids in the model vocabulary, so registering them reuses those ids.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    return backend
+
+
+def write_byte_tokenizer_files(directory: str | os.PathLike[str]) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` equivalent to :class:`ByteTokenizer`."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    _build_byte_backend().save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` loaded with the ``tokenizers`` library.
+
+    BOS/EOS come from ``tokenizer_config.json`` (token strings) or ``config.json`` (ids), in that
+    order, defaulting to 0 and 1 as in DeepSeek-V4.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory)
+        self._backend = _HFBackend.from_file(str(self.path / "tokenizer.json"))
+        self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        added = self._backend.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._added_bytes = {i: t.content.encode("utf-8") for i, t in added.items()}
+        self._byte_level = _decoder_is_byte_level(self._backend)
+        self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self._bytes_cache: dict[int, bytes] = {}
+        self.bos_token_id, self.eos_token_id = self._read_bos_eos()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        if skip_special_tokens and token_id in self.special_token_ids:
+            return b""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            cached = self._compute_token_bytes(token_id)
+            self._bytes_cache[token_id] = cached
+        return cached
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def _compute_token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added_bytes:
+            return self._added_bytes[token_id]
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            # Same rule as the ByteLevel decoder: a piece spelled entirely in the byte alphabet
+            # stands for those bytes, anything else for its own UTF-8.
+            if all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            return piece.encode("utf-8")
+        # Non-byte-level vocabularies cannot always express partial characters; the single-token
+        # decode is the best available and is exact for whole-character tokens.
+        return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def _read_bos_eos(self) -> tuple[int, int]:
+        bos = eos = None
+        tok_cfg = _read_json(self.path / "tokenizer_config.json")
+        if tok_cfg is not None:
+            bos = self._token_id_from_config(tok_cfg.get("bos_token"))
+            eos = self._token_id_from_config(tok_cfg.get("eos_token"))
+        model_cfg = _read_json(self.path / "config.json")
+        if model_cfg is not None:
+            bos = bos if bos is not None else _first_int(model_cfg.get("bos_token_id"))
+            eos = eos if eos is not None else _first_int(model_cfg.get("eos_token_id"))
+        return (0 if bos is None else bos), (1 if eos is None else eos)
+
+    def _token_id_from_config(self, entry: Any) -> int | None:
+        # tokenizer_config.json spells tokens either as a string or as an AddedToken-like dict.
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        if not isinstance(entry, str):
+            return None
+        return self._backend.token_to_id(entry)
+
+
+def _decoder_is_byte_level(backend: _HFBackend) -> bool:
+    decoder = backend.decoder
+    if decoder is None:
+        return False
+    state = json.loads(decoder.__getstate__())
+    if state.get("type") == "ByteLevel":
+        return True
+    return any(d.get("type") == "ByteLevel" for d in state.get("decoders", []))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else None
+
+
+def _first_int(value: Any) -> int | None:
+    # config.json may list several EOS ids; the first is the canonical one.
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
+    """``None`` gives the embedded :class:`ByteTokenizer`; a folder with ``tokenizer.json`` an
+    :class:`HFTokenizer`."""
+    if path is None:
+        return ByteTokenizer()
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} does not exist or is not a folder")
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in model folder {str(folder)!r}")
+    return HFTokenizer(folder)
