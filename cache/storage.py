@@ -68,8 +68,17 @@ class KVStorage:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.block_tensors())
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:
-        """A copy of one slot's whole state (a snapshot), in a fixed order."""
-        return [t[slot].clone() for layer in self.layers for t in layer.slot_tensors()]
+        """A host copy of one slot's whole state (a snapshot), in a fixed order."""
+        return [t[slot].to("cpu", copy=True) for layer in self.layers for t in layer.slot_tensors()]
+
+    def slot_nbytes(self) -> int:
+        return self.state_bytes() // self.num_slots
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot so nothing of its previous owner can leak into a new request."""
+        for layer in self.layers:
+            for t in layer.slot_tensors():
+                t[slot].zero_()
 
     def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
         parts = [t for layer in self.layers for t in layer.slot_tensors()]

@@ -128,8 +128,8 @@ class Compressor(nn.Module):
         if lo < 0:
             parts_kv.append(kv.new_zeros(-lo, kv.shape[1]))
             parts_score.append(score.new_full((-lo, score.shape[1]), float("-inf")))
-        old = torch.arange(max(lo, 0), seq.start, device=kv.device)
-        if len(old):
+        if max(lo, 0) < seq.start:
+            old = torch.arange(max(lo, 0), seq.start, device=kv.device)
             rows = old % ring_kv.shape[0]
             parts_kv.append(ring_kv[rows].float())
             parts_score.append(ring_score[rows].float())
@@ -189,6 +189,10 @@ def read_entries(store: torch.Tensor, block_table: list[int], count: int) -> tor
 
 
 # ---- attention ------------------------------------------------------------------------------------------
+
+
+# Queries per attention tile on long chunks.
+ATTN_TILE = 256
 
 
 class Indexer(nn.Module):
@@ -270,41 +274,53 @@ class Attention(nn.Module):
         ring[torch.arange(seq.end - keep, seq.end, device=kv.device) % self.window] = kv[-keep:].to(ring.dtype)
         return keys, positions
 
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, seq: SeqChunk, store: LayerKV,
-                    rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update the compressed entries and return (entries [N, d], which entries each query
-        attends to, bool [n, N])."""
+    def _compressed(self, x: torch.Tensor, seq: SeqChunk, store: LayerKV, rotary: Rotary
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Add this chunk's finished entries (and indexer keys) to the Block Cache and return all
+        of the sequence's entries [N, d] and indexer keys [N, dI] (None without an indexer)."""
         assert self.compressor is not None and store.entries is not None
-        new, first = self.compressor(x, seq, store.pending_kv[seq.slot], store.pending_score[seq.slot], rotary)
-        write_entries(store.entries, seq.block_table, first, new)
+        slot, table = seq.slot, seq.block_table
+        new, first = self.compressor(x, seq, store.pending_kv[slot], store.pending_score[slot], rotary)
+        write_entries(store.entries, table, first, new)
         count = seq.end // self.ratio
-        entries = read_entries(store.entries, seq.block_table, count)
-        positions = torch.arange(seq.start, seq.end, device=x.device)
-        visible = torch.arange(count, device=x.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+        entries = read_entries(store.entries, table, count)
         if self.indexer is None:
-            return entries, visible
+            return entries, None
         assert store.index_keys is not None
-        slot = seq.slot
         new_keys, first = self.indexer.compressor(
             x, seq, store.index_pending_kv[slot], store.index_pending_score[slot], rotary)
-        write_entries(store.index_keys, seq.block_table, first, new_keys)
-        keys = read_entries(store.index_keys, seq.block_table, count)
-        return entries, self.indexer.select(x, qr, keys, visible, cos, sin)
+        write_entries(store.index_keys, table, first, new_keys)
+        return entries, read_entries(store.index_keys, table, count)
 
     def _attend_seq(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                     seq: SeqChunk, store: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor
                     ) -> torch.Tensor:
         keys, key_pos = self._window_keys(kv, seq, store.window[seq.slot])
-        positions = torch.arange(seq.start, seq.end, device=x.device)
-        dist = positions[:, None] - key_pos[None, :]
-        mask = (dist >= 0) & (dist < self.window)  # [n, Lw]
+        entries, index_keys = (None, None)
         if self.compressor is not None:
-            entries, chosen = self._compressed(x, qr, seq, store, rotary, cos, sin)
-            keys = torch.cat([keys, entries.to(keys.dtype)])
-            mask = torch.cat([mask, chosen], dim=1)
-        scale = self.head_dim**-0.5
-        logits = torch.einsum("nhd,kd->nhk", q, keys) * scale  # [n, H, L]
+            entries, index_keys = self._compressed(x, seq, store, rotary)
+        out = torch.empty_like(q)
+        # Query tiles bound the window branch to O(n·(tile+W)) instead of O(n²) on long chunks.
+        for a in range(0, seq.num_new, ATTN_TILE):
+            b = min(a + ATTN_TILE, seq.num_new)
+            positions = torch.arange(seq.start + a, seq.start + b, device=x.device)
+            lo = max(int(positions[0]) - self.window + 1 - int(key_pos[0]), 0)
+            hi = int(positions[-1]) + 1 - int(key_pos[0])
+            dist = positions[:, None] - key_pos[None, lo:hi]
+            tile_keys, mask = keys[lo:hi], (dist >= 0) & (dist < self.window)  # [k], [t, k]
+            if entries is not None:
+                count = (seq.start + b) // self.ratio
+                visible = torch.arange(count, device=x.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+                if self.indexer is not None and index_keys is not None:
+                    visible = self.indexer.select(x[a:b], qr[a:b], index_keys[:count], visible, cos[a:b], sin[a:b])
+                tile_keys = torch.cat([tile_keys, entries[:count].to(keys.dtype)])
+                mask = torch.cat([mask, visible], dim=1)
+            out[a:b] = self._softmax_attend(q[a:b], tile_keys, mask)
+        return out
+
+    def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One softmax over the allowed keys plus the per-head sink; V = K."""
+        logits = torch.einsum("nhd,kd->nhk", q, keys) * self.head_dim**-0.5  # [n, H, L]
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         sink = self.attn_sink.view(1, -1, 1).expand(logits.shape[0], -1, 1).to(logits.dtype)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]

@@ -1,0 +1,192 @@
+"""Block Cache bookkeeping: block ids, refcounts, sealing, the hash chain and LRU eviction.
+
+Plain Python, no torch. A block is either
+- free: refcount 0, no hash; reused first;
+- cached: refcount 0 with a hash; findable by prefix lookups until evicted (LRU order);
+- in use: refcount > 0 (private while being filled, or sealed and possibly shared).
+Free and cached blocks share one queue: unhashed ones at the front, cached ones appended as they
+are released, so allocation takes plain free blocks first and then evicts the least recently
+used cached block. A block in use is never in the queue, so it can never be evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def root_hash(namespace: bytes, cache_salt: str | None) -> bytes:
+    """Root of a request's hash chain: the model/layout namespace and the tenant's salt."""
+    return hashlib.sha256(b"v4serve-root\0" + namespace + b"\0" + (cache_salt or "").encode()).digest()
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """h_i = H(h_{i-1}, tokens of block i); stable across processes (the SSD store relies on it)."""
+    payload = b",".join(str(t).encode() for t in tokens)
+    return hashlib.sha256(parent + b"\0" + payload).digest()
+
+
+def block_hashes(root: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Hashes of every complete block of `tokens`."""
+    hashes, parent = [], root
+    for i in range(len(tokens) // block_size):
+        parent = chain_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("the Block Cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[bytes, int] = {}
+        self.evictions = 0
+
+    # ---- queries --------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that an allocation can take (free or evictable cached)."""
+        return len(self._queue)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(1 for i in self._queue if self.blocks[i].block_hash is not None)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._queue)
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def longest_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest run of leading hashes that are cached (in use or not)."""
+        hit = []
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    # ---- changes --------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """n private blocks with refcount 1, evicting the least recently used cached ones."""
+        if n > len(self._queue):
+            raise NoFreeBlocks(f"need {n} blocks, {len(self._queue)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._forget(block)
+                self.evictions += 1
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def take(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to cached blocks (a prefix hit); they leave the eviction queue."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                raise ValueError(f"block {block_id} is not sealed; only sealed blocks are shared")
+            if block.ref_count == 0:
+                del self._queue[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per block. Pass a table tail-first so that, among blocks freed
+        together, the earliest blocks of a prefix are evicted last."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise ValueError(f"block {block_id} released more often than taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._queue[block_id] = None
+                if block.block_hash is None:
+                    self._queue.move_to_end(block_id, last=False)
+
+    def seal(self, block_id: int, block_hash: bytes) -> bool:
+        """Mark a full private block shareable under its chain hash. If another block already
+        holds that hash (two requests computed the same prefix), this one stays unshared and is
+        recycled when released. Returns whether the block became findable."""
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise ValueError(f"block {block_id} is not in use")
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self._by_hash:
+            return False
+        block.block_hash = block_hash
+        self._by_hash[block_hash] = block_id
+        return True
+
+    def evict(self, block_hash: bytes) -> bool:
+        """Forget one cached, unreferenced block (e.g. its content is known to be bad)."""
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None or self.blocks[block_id].ref_count:
+            return False
+        self._forget(self.blocks[block_id])
+        self._queue.move_to_end(block_id, last=False)
+        return True
+
+    def reset(self) -> int:
+        """Forget every cached block that no request holds (reset_prefix_cache). Blocks in use
+        keep their hashes: they are still valid and shared."""
+        dropped = 0
+        for block_id in list(self._queue):
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._forget(block)
+                dropped += 1
+        return dropped
+
+    def _forget(self, block: Block) -> None:
+        assert block.block_hash is not None
+        if self._by_hash.get(block.block_hash) == block.block_id:
+            del self._by_hash[block.block_hash]
+        block.block_hash = None
+
+    # ---- invariants -----------------------------------------------------------------------
+    def check_integrity(self, tables: Iterable[Sequence[int]] | None = None) -> None:
+        """free + cached + used == total; queue holds exactly the refcount-0 blocks; the hash
+        index points at blocks carrying that hash; with `tables`, refcounts equal the number of
+        block-table references."""
+        queued = set(self._queue)
+        free = sum(1 for i in queued if self.blocks[i].block_hash is None)
+        cached = len(queued) - free
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert free + cached + used == self.num_blocks, (free, cached, used, self.num_blocks)
+        for block in self.blocks:
+            assert (block.ref_count == 0) == (block.block_id in queued), block
+            assert block.ref_count >= 0, block
+        for h, block_id in self._by_hash.items():
+            assert self.blocks[block_id].block_hash == h, (block_id, h)
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for table in tables:
+                for block_id in table:
+                    counts[block_id] += 1
+            for block in self.blocks:
+                assert block.ref_count == counts[block.block_id], (block, counts[block.block_id])

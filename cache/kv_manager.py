@@ -1,0 +1,209 @@
+"""The KV manager: one facade over the State Cache (slots), the Block Cache (pool + storage) and
+the host snapshot store, speaking in token counts and block tables.
+
+Prefix reuse. A new request's complete prompt blocks are hashed; the longest chain of cached
+blocks (capped so the last prompt token is always computed) gives H = h·B tokens whose
+compressed entries need not be computed again. The next token also needs every layer's window
+and compressor tail at H, restored from the cheapest valid point p ≤ H:
+- a snapshot of the slot state at a sealed boundary kB (modes `full` and `periodic`), or
+- p = H − (window−1)·L from an empty state (any mode; the only one in `zero`): recomputing
+  [p, H) while attention reads the cached entries is exact for layer ℓ from position
+  p + (window−1)(ℓ+1) on, so every layer's state at H is exact.
+Tokens [p, H) are recomputed with their entries frozen (cached blocks are never written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
+from cache.slots import SlotAllocator
+from cache.snapshots import SnapshotStore
+
+SWA_CACHE_MODES = ("full", "periodic", "zero")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    window: int
+    num_layers: int
+    num_slots: int
+    num_blocks: int
+    swa_cache_mode: str = "periodic"
+    swa_checkpoint_interval: int = 4096
+    enable_prefix_caching: bool = True
+    snapshot_bytes: int = 1 << 30
+    # Widest compressor overlap (CSA ratio): its tail rows must also be exact after a zero-mode
+    # recompute, so the recompute span covers at least that many tokens per layer.
+    overlap_ratio: int = 0
+
+    def __post_init__(self) -> None:
+        if self.swa_cache_mode not in SWA_CACHE_MODES:
+            raise ValueError(f"swa_cache_mode must be one of {SWA_CACHE_MODES}, got {self.swa_cache_mode!r}")
+        if self.swa_checkpoint_interval <= 0 or self.swa_checkpoint_interval % self.block_size:
+            raise ValueError(f"swa_checkpoint_interval must be a positive multiple of the block size "
+                             f"({self.block_size}), got {self.swa_checkpoint_interval}")
+
+    @property
+    def zero_mode_span(self) -> int:
+        """Tokens recomputed before a hit boundary to rebuild the state from nothing."""
+        return max(self.window - 1, self.overlap_ratio) * self.num_layers
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    hit_blocks: list[int]  # cached block ids to take, in order
+    hit_tokens: int  # H: tokens whose compressed entries come from the cache
+    resume_from: int  # where computation resumes
+    snapshot_key: bytes | None  # snapshot restoring the slot at `resume_from`, if any
+
+    @property
+    def recompute_tokens(self) -> int:
+        return self.hit_tokens - self.resume_from
+
+    @property
+    def window_from(self) -> int:
+        """Window KV below this position is absent (zero-mode recompute starts empty)."""
+        return 0 if self.snapshot_key is not None else self.resume_from
+
+
+NO_HIT = PrefixPlan(hit_blocks=[], hit_tokens=0, resume_from=0, snapshot_key=None)
+
+
+class StateStorage:
+    """What the manager needs from the torch storage: copy a slot's state out and back in."""
+
+    def read_slot(self, slot: int) -> Any: ...
+    def write_slot(self, slot: int, state: Any) -> None: ...
+    def slot_nbytes(self) -> int: ...
+    def clear_slot(self, slot: int) -> None: ...
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, storage: StateStorage, namespace: bytes) -> None:
+        self.config = config
+        self.storage = storage
+        self.namespace = namespace
+        self.pool = BlockPool(config.num_blocks)
+        self.slots = SlotAllocator(config.num_slots)
+        self.snapshots: SnapshotStore[Any] = SnapshotStore(config.snapshot_bytes)
+
+    # ---- hashing -------------------------------------------------------------------------
+    def root(self, cache_salt: str | None) -> bytes:
+        return root_hash(self.namespace, cache_salt)
+
+    def hashes(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        return block_hashes(self.root(cache_salt), tokens, self.config.block_size)
+
+    def extend_hashes(self, hashes: list[bytes], tokens: Sequence[int], cache_salt: str | None) -> None:
+        """Append the hashes of blocks of `tokens` completed since `hashes` was last extended."""
+        b = self.config.block_size
+        parent = hashes[-1] if hashes else self.root(cache_salt)
+        for i in range(len(hashes), len(tokens) // b):
+            parent = chain_hash(parent, tokens[i * b:(i + 1) * b])
+            hashes.append(parent)
+
+    # ---- prefix reuse ----------------------------------------------------------------------
+    def plan_prefix(self, prompt_hashes: Sequence[bytes], prompt_len: int) -> PrefixPlan:
+        if not self.config.enable_prefix_caching or prompt_len <= 1:
+            return NO_HIT
+        b = self.config.block_size
+        usable = list(prompt_hashes[: (prompt_len - 1) // b])
+        hit = self.pool.longest_prefix(usable)
+        if not hit:
+            return NO_HIT
+        h_tokens = len(hit) * b
+        resume, key = max(0, h_tokens - self.config.zero_mode_span), None
+        if self.config.swa_cache_mode != "zero":
+            for k in range(len(hit), 0, -1):
+                if k * b <= resume:
+                    break
+                if prompt_hashes[k - 1] in self.snapshots:
+                    resume, key = k * b, prompt_hashes[k - 1]
+                    break
+        return PrefixPlan(hit_blocks=hit, hit_tokens=h_tokens, resume_from=resume, snapshot_key=key)
+
+    def blocks_needed(self, num_tokens: int, table_len: int) -> int:
+        return max(0, -(-num_tokens // self.config.block_size) - table_len)
+
+    def admit(self, plan: PrefixPlan, first_chunk_end: int) -> tuple[int, list[int]] | None:
+        """Take a slot and the blocks to hold tokens [0, first_chunk_end); restore the slot's
+        state per the plan. None (and nothing taken) if either is short."""
+        need = self.blocks_needed(first_chunk_end, len(plan.hit_blocks))
+        if self.slots.num_free == 0 or need > self.pool.num_free - self._evictable_hits(plan):
+            return None
+        slot = self.slots.allocate()
+        assert slot is not None
+        self.pool.take(plan.hit_blocks)
+        table = list(plan.hit_blocks) + self.pool.allocate(need)
+        if plan.snapshot_key is not None:
+            state = self.snapshots.get(plan.snapshot_key)
+            assert state is not None
+            self.storage.write_slot(slot, state)
+        else:
+            self.storage.clear_slot(slot)
+        return slot, table
+
+    def _evictable_hits(self, plan: PrefixPlan) -> int:
+        # Hit blocks sitting in the free queue leave it when taken: they cannot also be allocated.
+        return sum(1 for i in plan.hit_blocks if self.pool.blocks[i].ref_count == 0)
+
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extend a block table to cover num_tokens; False (nothing taken) if blocks are short."""
+        need = self.blocks_needed(num_tokens, len(table))
+        if need > self.pool.num_free:
+            return False
+        try:
+            table.extend(self.pool.allocate(need))
+        except NoFreeBlocks:
+            return False
+        return True
+
+    def seal(self, table: Sequence[int], hashes: Sequence[bytes], num_sealed: int, num_computed: int) -> int:
+        """Seal every block fully computed since the last call; returns the new sealed count."""
+        full = min(num_computed // self.config.block_size, len(hashes))
+        for i in range(num_sealed, full):
+            self.pool.seal(table[i], hashes[i])
+        return max(num_sealed, full)
+
+    # ---- snapshots -------------------------------------------------------------------------
+    def is_snapshot_point(self, position: int, prompt_len: int) -> bool:
+        """Boundaries where the slot state is saved: every sealed boundary (`full`), or every
+        interval and the prompt's last boundaries (`periodic`)."""
+        cfg, b = self.config, self.config.block_size
+        if not cfg.enable_prefix_caching or cfg.swa_cache_mode == "zero" or position <= 0 or position % b:
+            return False
+        if cfg.swa_cache_mode == "full":
+            return True
+        ends = {(prompt_len // b) * b, ((prompt_len - 1) // b) * b}
+        return position % cfg.swa_checkpoint_interval == 0 or position in ends
+
+    def next_snapshot_point(self, position: int, prompt_len: int, limit: int) -> int | None:
+        """The first snapshot point in (position, limit], so a prefill chunk can end on it."""
+        b = self.config.block_size
+        for p in range((position // b + 1) * b, limit + 1, b):
+            if self.is_snapshot_point(p, prompt_len):
+                return p
+        return None
+
+    def save_snapshot(self, slot: int, key: bytes) -> None:
+        if key not in self.snapshots:
+            self.snapshots.put(key, self.storage.read_slot(slot), self.storage.slot_nbytes())
+
+    # ---- release ----------------------------------------------------------------------------
+    def free(self, slot: int | None, table: list[int]) -> None:
+        if slot is not None:
+            self.slots.free(slot)
+        self.pool.release(reversed(table))
+        table.clear()
+
+    def reset_prefix_cache(self) -> int:
+        self.snapshots.clear()
+        return self.pool.reset()
+
+    def check_integrity(self, tables: Sequence[Sequence[int]] | None = None) -> None:
+        self.pool.check_integrity(tables)
+        self.slots.check_integrity()

@@ -1,0 +1,213 @@
+"""The engine: requests in, tokens out. `step()` is schedule → run → update."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.kv_manager import CacheConfig, KVCacheManager
+from cache.layout import KVLayout
+from cache.storage import KVStorage
+from engine.metadata import AttentionMetadata, SeqChunk
+from engine.model import DeepseekV4
+from engine.request import Request, RequestStatus
+from engine.sampler import Sample, Sampler
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+# Bumped whenever the meaning of stored KV changes (layout, pooling, rope placement).
+KV_FORMAT_VERSION = 1
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (the server answers 400)."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 32768
+    max_num_seqs: int = 16
+    num_blocks: int | None = None  # default: every slot can hold max_model_len tokens
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 1024
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    swa_cache_mode: str = "periodic"
+    swa_checkpoint_interval: int = 4096
+    snapshot_bytes: int = 1 << 30
+    kv_dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    samples: list[Sample] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+def weights_fingerprint(model: DeepseekV4) -> bytes:
+    """A content digest of the weights from a strided sample of every tensor: cheap at any
+    model size, and different for any fine-tune that moved the weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().flatten()
+        stride = max(1, flat.numel() // 4096)
+        h.update(name.encode())
+        h.update(flat[::stride].float().cpu().numpy().tobytes())
+    return h.digest()
+
+
+def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype) -> bytes:
+    """Changes whenever the weights, the KV dtype or the KV layout change: cached KV from a
+    different namespace must never be served."""
+    h = hashlib.sha256()
+    h.update(json.dumps(model.cfg.to_official_dict(), sort_keys=True).encode())
+    h.update(weights_fingerprint(model))
+    h.update(f"{kv_dtype}|format={KV_FORMAT_VERSION}".encode())
+    return h.digest()
+
+
+class LLMEngine:
+    def __init__(self, model: DeepseekV4, config: EngineConfig, eos_token_id: int | None = None) -> None:
+        self.model = model
+        self.config = config
+        cfg = model.cfg
+        self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
+        self.layout = KVLayout.from_config(cfg)
+        block = cfg.block_size
+        num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
+        device = next(model.parameters()).device
+        self.storage = KVStorage(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype, device)
+        self.cache_config = CacheConfig(
+            block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
+            num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
+            swa_checkpoint_interval=config.swa_checkpoint_interval,
+            enable_prefix_caching=config.enable_prefix_caching, snapshot_bytes=config.snapshot_bytes,
+            overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0)
+        self.kv = KVCacheManager(self.cache_config, self.storage, kv_namespace(model, config.kv_dtype))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
+            max_waiting=config.max_waiting), self.kv)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+
+    # ---- requests -------------------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        prompt, params, cfg = request.prompt_token_ids, request.sampling, self.model.cfg
+        if not prompt:
+            raise RequestError("the prompt is empty", param="prompt")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
+                               param="prompt")
+        if params.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        total = len(prompt) + params.max_tokens
+        if total > self.config.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt)} in the messages, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                code="context_length_exceeded", param="messages")
+        if self.kv.blocks_needed(total, 0) > self.cache_config.num_blocks:
+            raise RequestError(f"the request needs {total} tokens of KV cache, more than the "
+                               f"{self.cache_config.num_blocks} blocks configured", code="context_length_exceeded")
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request)
+        if request.request_id in self.requests:
+            raise RequestError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.sampler.forget(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.execute(chunks)
+        return self.update(chunks, logits)
+
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """One forward over every scheduled chunk → logits of the chunks that complete."""
+        seqs, ids, rows, offset = [], [], [], 0
+        for c in chunks:
+            r = c.request
+            seqs.append(SeqChunk(slot=r.slot, block_table=r.block_table, start=r.num_computed_tokens,
+                                 num_new=c.num_new, offset=offset, frozen_until=r.frozen_until,
+                                 window_from=r.window_from))
+            ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + c.num_new])
+            offset += c.num_new
+            if c.completes:
+                rows.append(offset - 1)
+        meta = AttentionMetadata(seqs=seqs, logits_rows=rows)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.storage.device)
+        return self.model(input_ids, meta, self.storage)
+
+    def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        completing = [c for c in chunks if c.completes]
+        self.scheduler.advance(chunks)
+        outputs = []
+        for chunk, row in zip(completing, logits, strict=True):
+            outputs.append(self._sample_and_check(chunk.request, row))
+        return outputs
+
+    def _sample_and_check(self, request: Request, row: torch.Tensor) -> RequestOutput:
+        sample = self.sampler.sample(request, row)
+        self.scheduler.append_token(request, sample.token)
+        out = RequestOutput(request.request_id, [sample.token], [sample])
+        reason = self._stop_reason(request, sample.token)
+        if reason is not None:
+            self.finish(request, reason)
+            out.finished, out.finish_reason = True, reason
+        return out
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.sampling
+        if token == self.eos_token_id and not params.ignore_eos:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, request: Request, reason: str) -> None:
+        status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        request.finish_reason = reason
+        self.scheduler.finish(request, status)
+        self.requests.pop(request.request_id, None)
+        self.sampler.forget(request.request_id)
+
+    # ---- convenience --------------------------------------------------------------------------------
+    def generate(self, requests: list[Request]) -> dict[str, list[int]]:
+        """Run requests to completion (tests, benchmarks); returns each one's output tokens."""
+        for r in requests:
+            self.add_request(r)
+        while self.has_work():
+            self.step()
+        return {r.request_id: r.output_token_ids for r in requests}
