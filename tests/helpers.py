@@ -1,0 +1,78 @@
+"""Shared test helpers: small models and engines that record the logits they sample from."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.model import DeepseekV4
+from engine.request import Request, SamplingParams
+from engine.single import SingleSequence
+from engine.tiny import build_tiny, tiny_config
+
+# Window 8 and ratios 4/16 (blocks of 16 tokens): short prompts cross many edges.
+SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, rope_dim=8, q_lora_rank=32, o_groups=2,
+             o_lora_rank=32, index_n_heads=16, index_head_dim=16, index_topk=6, moe_intermediate_size=32,
+             n_routed_experts=6, num_experts_per_tok=2, num_layers=5, compress_ratios=(0, 4, 16, 4, 16),
+             window=8, num_hash_layers=1)
+
+
+@functools.cache
+def small_model() -> DeepseekV4:
+    return build_tiny(tiny_config(**SMALL), seed=11)
+
+
+@functools.cache
+def tiny_model() -> DeepseekV4:
+    return build_tiny()
+
+
+class RecordingEngine(LLMEngine):
+    """An engine that keeps every logits row it samples from, per request."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def update(self, chunks, logits):
+        for chunk, row in zip([c for c in chunks if c.completes], logits, strict=True):
+            self.logits.setdefault(chunk.request.request_id, []).append(row.clone())
+        return super().update(chunks, logits)
+
+    def check(self) -> None:
+        self.kv.check_integrity([r.block_table for r in self.scheduler.running])
+
+    def run_checked(self) -> None:
+        """Step to completion, checking cache integrity after every step."""
+        while self.has_work():
+            self.step()
+            self.check()
+
+
+def engine_for(model: DeepseekV4, **overrides) -> RecordingEngine:
+    cfg = dict(max_model_len=4096, max_num_seqs=4, swa_checkpoint_interval=4 * model.cfg.block_size)
+    cfg.update(overrides)
+    return RecordingEngine(model, EngineConfig(**cfg))
+
+
+def greedy(rid: str, prompt: list[int], n: int = 6, salt: str | None = None) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=n, ignore_eos=True), cache_salt=salt)
+
+
+def reference(model: DeepseekV4, prompt: list[int], outputs: list[int]) -> torch.Tensor:
+    """Each decision's logits from one uncached sequence: the prompt, then the chosen tokens."""
+    seq = SingleSequence(model, len(prompt) + len(outputs) + 1)
+    rows = [seq.step(prompt)[-1]]
+    for tok in outputs[:-1]:
+        rows.append(seq.step([tok])[-1])
+    return torch.stack(rows)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
+    return torch.randint(64, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -1,0 +1,105 @@
+"""Mixed batches through the cache equal each request's own uncached forward; block pressure
+preempts or delays requests without touching blocks in use, and everything completes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import RequestError
+from tests.helpers import engine_for, greedy, reference, rel_err, small_model, tokens
+
+
+def check_against_reference(engine, requests):
+    model = engine.model
+    for req in requests:
+        ref = reference(model, req.prompt_token_ids, req.output_token_ids)
+        assert rel_err(torch.stack(engine.logits[req.request_id]), ref) <= 1e-4, req.request_id
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_mixed_batches_with_requests_joining_and_leaving(prefix_caching):
+    model = small_model()
+    engine = engine_for(model, max_num_seqs=4, max_num_batched_tokens=24, max_prefill_chunk=11,
+                        enable_prefix_caching=prefix_caching)
+    shared = tokens(40, 1)
+    prompts = [tokens(37, 2), shared + tokens(5, 3), tokens(3, 4), shared + tokens(30, 5), tokens(70, 6)]
+    reqs = [greedy(f"r{i}", p, n=n) for i, (p, n) in enumerate(zip(prompts, [9, 4, 14, 6, 3], strict=True))]
+    arrivals = {0: reqs[:2], 3: reqs[2:4], 7: reqs[4:]}  # join mid-way while others decode
+    step = 0
+    mixed_steps = 0
+    while step in arrivals or engine.has_work():
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        chunks = engine.scheduler.schedule()
+        if chunks:
+            kinds = {c.num_new > 1 or not c.completes for c in chunks}
+            mixed_steps += len(kinds) == 2 and len(chunks) > 1
+            engine.update(chunks, engine.execute(chunks))
+        engine.check()
+        step += 1
+    assert mixed_steps > 0, "some steps must mix prefill chunks and decodes"
+    assert [len(r.output_token_ids) for r in reqs] == [9, 4, 14, 6, 3]
+    check_against_reference(engine, reqs)
+
+
+def test_block_pressure_preempts_the_newest_and_everything_completes():
+    model = small_model()  # 16-token blocks
+    engine = engine_for(model, max_num_seqs=3, num_blocks=9, max_prefill_chunk=64, swa_cache_mode="full")
+    reqs = [greedy(f"r{i}", tokens(40, 10 + i), n=40) for i in range(3)]  # 80 tokens = 5 blocks each
+    for r in reqs:
+        engine.add_request(r)
+    held_by_running: dict[int, torch.Tensor] = {}
+    while engine.has_work():
+        engine.step()
+        engine.check()
+        # Blocks a running request holds keep their content from one step to the next.
+        for r in engine.scheduler.running:
+            for i, b in enumerate(r.block_table[: r.num_sealed_blocks]):
+                entry = engine.storage.layers[1].entries[b]
+                if (r.request_id, i) in held_by_running:
+                    assert torch.equal(held_by_running[(r.request_id, i)], entry)
+                held_by_running[(r.request_id, i)] = entry.clone()
+        held_by_running = {k: v for k, v in held_by_running.items()
+                           if any(r.request_id == k[0] for r in engine.scheduler.running)}
+    assert engine.scheduler.stats.preemptions > 0
+    assert all(len(r.output_token_ids) == 40 for r in reqs)
+    for r in reqs:
+        assert r.output_token_ids == engine_for(model, enable_prefix_caching=False).generate(
+            [greedy("cold", r.prompt_token_ids, n=40)])["cold"]
+
+
+def test_a_request_that_cannot_be_admitted_waits_and_later_completes():
+    model = small_model()
+    engine = engine_for(model, max_num_seqs=1, num_blocks=6)
+    first, second = greedy("a", tokens(50, 20), n=20), greedy("b", tokens(30, 21), n=5)
+    engine.add_request(first)
+    engine.add_request(second)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["a"]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b"]  # no free slot yet
+    engine.run_checked()
+    assert len(first.output_token_ids) == 20 and len(second.output_token_ids) == 5
+    check_against_reference(engine, [first, second])
+    assert engine.kv.pool.num_used == 0 and engine.kv.slots.num_free == 1
+
+
+def test_requests_larger_than_the_cache_are_rejected_up_front():
+    engine = engine_for(small_model(), num_blocks=4, max_model_len=4096)
+    with pytest.raises(RequestError, match="blocks"):
+        engine.add_request(greedy("big", tokens(60, 30), n=10))  # 70 tokens > 4 blocks of 16
+    with pytest.raises(RequestError) as err:
+        engine_for(small_model(), max_model_len=64).add_request(greedy("long", tokens(60, 31), n=10))
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_abort_frees_slot_and_blocks_at_once():
+    engine = engine_for(small_model(), max_num_seqs=2)
+    r = greedy("a", tokens(50, 40), n=30)
+    engine.add_request(r)
+    engine.step()
+    assert engine.kv.pool.num_used > 0 and engine.kv.slots.num_free == 1
+    assert engine.abort("a")
+    assert engine.kv.pool.num_used == 0 and engine.kv.slots.num_free == 2
+    engine.check()
+    assert not engine.has_work()
