@@ -113,3 +113,27 @@ class KVLayout:
             state = sum(layer.state_elements() for layer in group) * itemsize
             rows.append((kind, len(group), per_token, state))
         return rows
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cache_table(layout: KVLayout, itemsize: int, num_slots: int, num_blocks: int) -> str:
+    """The startup table: bytes per token per layer kind, per slot, and the totals."""
+    lines = [f"KV cache: {layout.block_size}-token blocks, window {layout.window}, {itemsize}-byte elements",
+             f"{'layer kind':<11}{'layers':>7}{'Block Cache B/token':>21}{'State Cache per slot':>22}"]
+    for kind, count, per_token, state in layout.table(itemsize):
+        lines.append(f"{kind:<11}{count:>7}{per_token:>21.1f}{_human(state):>22}")
+    per_token = layout.block_bytes(itemsize) / layout.block_size
+    slot = layout.state_bytes_per_slot(itemsize)
+    lines.append(f"{'total':<11}{len(layout.layers):>7}{per_token:>21.1f}{_human(slot):>22}")
+    paged = layout.paged_bytes_per_token(itemsize)
+    lines.append(f"State Cache: {num_slots} slots = {_human(num_slots * slot)}; Block Cache: {num_blocks} blocks "
+                 f"({num_blocks * layout.block_size} tokens) = {_human(num_blocks * layout.block_bytes(itemsize))}; "
+                 f"a uniform paged layout would need {paged} B/token ({paged / per_token:.1f}x)")
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.kv_manager import CacheConfig, KVCacheManager
-from cache.layout import KVLayout
+from cache.layout import KVLayout, cache_table
 from cache.storage import KVStorage
 from engine.metadata import AttentionMetadata, SeqChunk
 from engine.model import DeepseekV4
@@ -103,6 +103,8 @@ class LLMEngine:
             max_waiting=config.max_waiting), self.kv)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
+        itemsize = torch.empty((), dtype=config.kv_dtype).element_size()
+        log.info("%s", cache_table(self.layout, itemsize, config.max_num_seqs, num_blocks))
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:

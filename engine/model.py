@@ -20,6 +20,7 @@ from torch import nn
 from cache.storage import KVStorage, LayerKV
 from engine.config import ModelConfig, YarnScaling
 from engine.metadata import AttentionMetadata, SeqChunk
+from kernels.attention import sparse_attention
 
 
 class RMSNorm(nn.Module):
@@ -206,19 +207,17 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """→ bool [n, N]: which of the N compressed entries each query attends to."""
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (indices [n, k], valid [n, k]): the top-k visible entries of the N for each query."""
         n = x.shape[0]
         q = apply_rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), cos, sin)  # [n, hI, dI]
-        logits = torch.einsum("nhc,sc->nhs", q.float(), keys)
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [n, hI]
-        scores = (logits.relu() * self.head_dim**-0.5 * weights[..., None]).sum(1)  # [n, N]
+        logits = torch.einsum("nhc,sc->nhs", q.float(), keys).relu_()  # [n, hI, N]
+        weights = self.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [n, hI]
+        scores = torch.bmm(weights.unsqueeze(1), logits).squeeze(1)  # Σ_h w·relu(q·k) → [n, N]
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, keys.shape[0])
         top = scores.topk(k, dim=-1).indices
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, top, True)
-        return chosen & visible
+        return top, visible.gather(1, top)
 
 
 class Attention(nn.Module):
@@ -307,24 +306,21 @@ class Attention(nn.Module):
             lo = max(int(positions[0]) - self.window + 1 - int(key_pos[0]), 0)
             hi = int(positions[-1]) + 1 - int(key_pos[0])
             dist = positions[:, None] - key_pos[None, lo:hi]
-            tile_keys, mask = keys[lo:hi], (dist >= 0) & (dist < self.window)  # [k], [t, k]
+            shared, mask = keys[lo:hi], (dist >= 0) & (dist < self.window)  # [L], [t, L]
+            picked, picked_mask = None, None
             if entries is not None:
                 count = (seq.start + b) // self.ratio
                 visible = torch.arange(count, device=x.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
                 if self.indexer is not None and index_keys is not None:
-                    visible = self.indexer.select(x[a:b], qr[a:b], index_keys[:count], visible, cos[a:b], sin[a:b])
-                tile_keys = torch.cat([tile_keys, entries[:count].to(keys.dtype)])
-                mask = torch.cat([mask, visible], dim=1)
-            out[a:b] = self._softmax_attend(q[a:b], tile_keys, mask)
+                    top, picked_mask = self.indexer.select(x[a:b], qr[a:b], index_keys[:count], visible,
+                                                           cos[a:b], sin[a:b])
+                    picked = entries[top]  # [t, k, d]
+                else:
+                    shared = torch.cat([shared, entries[:count].to(keys.dtype)])
+                    mask = torch.cat([mask, visible], dim=1)
+            out[a:b] = sparse_attention(q[a:b], shared, mask, picked, picked_mask, self.attn_sink,
+                                        self.head_dim**-0.5)
         return out
-
-    def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One softmax over the allowed keys plus the per-head sink; V = K."""
-        logits = torch.einsum("nhd,kd->nhk", q, keys) * self.head_dim**-0.5  # [n, H, L]
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sink = self.attn_sink.view(1, -1, 1).expand(logits.shape[0], -1, 1).to(logits.dtype)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("nhk,kd->nhd", probs, keys)
 
 
 # ---- mixture of experts ------------------------------------------------------------------------------
