@@ -1,0 +1,87 @@
+"""Prefill and decode tokens/s of the tiny model: v4serve vs transformers on the same weights.
+
+    python bench/bench_model.py [--prompt 1024,4096] [--decode 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import interleaved, print_table, write_results  # noqa: E402
+from engine.checkpoint import load_model, write_checkpoint  # noqa: E402
+from engine.single import SingleSequence  # noqa: E402
+from engine.tiny import build_tiny  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", default="1024,4096", help="prompt lengths for prefill")
+    parser.add_argument("--decode", type=int, default=64, help="decode steps after a 512-token prompt")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import transformers
+
+    folder = write_checkpoint(build_tiny(), Path(tempfile.mkdtemp(prefix="bench-tiny-")))
+    ours = load_model(folder, progress=False)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    vocab = ours.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows, results = [], {"prefill": [], "decode": {}}
+
+    for n in [int(x) for x in args.prompt.split(",")]:
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+
+        def run_ours(ids=ids) -> None:
+            SingleSequence(ours, len(ids)).step(ids.tolist())
+
+        def run_hf(ids=ids) -> None:
+            with torch.no_grad():
+                hf(ids[None], logits_to_keep=1)
+
+        t = interleaved({"v4serve": run_ours, "transformers": run_hf}, args.repeats)
+        ours_tps, hf_tps = n / t["v4serve"], n / t["transformers"]
+        rows.append([f"prefill {n}", ours_tps, hf_tps, ours_tps / hf_tps])
+        results["prefill"].append({"tokens": n, "v4serve_tok_s": ours_tps, "transformers_tok_s": hf_tps})
+
+    prompt = torch.randint(0, vocab, (512,), generator=gen)
+    steps = torch.randint(0, vocab, (args.decode,), generator=gen).tolist()
+
+    def decode_ours() -> None:
+        seq = SingleSequence(ours, 512 + len(steps))
+        seq.step(prompt.tolist())
+        for tok in steps:
+            seq.step([tok])
+
+    def decode_hf() -> None:
+        with torch.no_grad():
+            out = hf(prompt[None], use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            for tok in steps:
+                cache = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+
+    prefill_only = interleaved({
+        "v4serve": lambda: SingleSequence(ours, 512).step(prompt.tolist()),
+        "transformers": lambda: hf(prompt[None], logits_to_keep=1),
+    }, args.repeats)
+    t = interleaved({"v4serve": decode_ours, "transformers": decode_hf}, args.repeats)
+    ours_tps = len(steps) / max(t["v4serve"] - prefill_only["v4serve"], 1e-9)
+    hf_tps = len(steps) / max(t["transformers"] - prefill_only["transformers"], 1e-9)
+    rows.append([f"decode {len(steps)} @512", ours_tps, hf_tps, ours_tps / hf_tps])
+    results["decode"] = {"steps": len(steps), "context": 512, "v4serve_tok_s": ours_tps,
+                         "transformers_tok_s": hf_tps}
+
+    print_table("tiny model, batch 1, fp32 CPU (tokens/s; ratio = v4serve / transformers)",
+                ["workload", "v4serve", "transformers", "ratio"], rows)
+    write_results("bench_model", results)
+
+
+if __name__ == "__main__":
+    main()
