@@ -154,8 +154,17 @@ class LLMEngine:
         logits = self.execute(chunks)
         return self.update(chunks, logits)
 
+    @staticmethod
+    def logit_rows(chunk: ScheduledChunk) -> range:
+        """Rows of the chunk whose logits are needed: every prompt row when the request wants
+        prompt logprobs, else the last row when the chunk completes."""
+        r = chunk.request
+        if r.sampling.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
+            return range(chunk.num_new)
+        return range(chunk.num_new - 1, chunk.num_new) if chunk.completes else range(0)
+
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One forward over every scheduled chunk → logits of the chunks that complete."""
+        """One forward over every scheduled chunk → the logits of `logit_rows` of each chunk."""
         seqs, ids, rows, offset = [], [], [], 0
         for c in chunks:
             r = c.request
@@ -163,20 +172,40 @@ class LLMEngine:
                                  num_new=c.num_new, offset=offset, frozen_until=r.frozen_until,
                                  window_from=r.window_from))
             ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + c.num_new])
+            rows.extend(offset + i for i in self.logit_rows(c))
             offset += c.num_new
-            if c.completes:
-                rows.append(offset - 1)
         meta = AttentionMetadata(seqs=seqs, logits_rows=rows)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.storage.device)
         return self.model(input_ids, meta, self.storage)
 
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
-        completing = [c for c in chunks if c.completes]
+        # Row layout and completion are decided on the pre-step counts.
+        plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
         self.scheduler.advance(chunks)
-        outputs = []
-        for chunk, row in zip(completing, logits, strict=True):
-            outputs.append(self._sample_and_check(chunk.request, row))
+        outputs, i = [], 0
+        for chunk, n, start, completes in plan:
+            rows = logits[i:i + n]
+            i += n
+            if chunk.request.sampling.prompt_logprobs is not None:
+                self._record_prompt_logprobs(chunk.request, start, rows)
+            if completes:
+                outputs.append(self._sample_and_check(chunk.request, rows[-1]))
         return outputs
+
+    def _record_prompt_logprobs(self, request: Request, start: int, rows: torch.Tensor) -> None:
+        """Row p predicts prompt token p+1; the first prompt token has no logprob."""
+        prompt, k = request.prompt_token_ids, request.sampling.prompt_logprobs or 0
+        logprobs = rows.float().log_softmax(-1)
+        for j in range(len(rows)):
+            p = start + j
+            if p + 1 >= len(prompt) or len(request.prompt_logprobs) != p + 1:
+                continue  # past the prompt, or already recorded before a preemption
+            tok = prompt[p + 1]
+            top = []
+            if k:
+                vals, ids = logprobs[j].topk(k)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            request.prompt_logprobs.append(Sample(token=tok, logprob=float(logprobs[j, tok]), top=top))
 
     def _sample_and_check(self, request: Request, row: torch.Tensor) -> RequestOutput:
         sample = self.sampler.sample(request, row)

@@ -64,6 +64,8 @@ class Request:
     num_hit_tokens: int = 0  # prompt tokens whose compressed entries came from the cache
     num_recomputed_tokens: int = 0  # tokens recomputed to rebuild the window state after a hit
     num_preemptions: int = 0
+    # One entry per prompt token from the second on (the first has none), when asked for.
+    prompt_logprobs: list = field(default_factory=lambda: [None])
     first_token_time: float | None = None
     finish_reason: str | None = None
 

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cache.kv_manager import KVCacheManager
+from cache.kv_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestStatus
 
 
@@ -80,7 +80,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
             n = self._chunk_size(request, request.num_computed_tokens, budget)
-            if not self._grow_or_preempt(request, n, chunks):
+            if n <= 0 or not self._grow_or_preempt(request, n, chunks):
                 continue
             chunks.append(ScheduledChunk(request, n))
             budget -= n
@@ -124,6 +124,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             plan = self.kv.plan_prefix(request.block_hashes, request.num_tokens)
+            if request.sampling.prompt_logprobs is not None:
+                plan = NO_HIT  # every prompt row's logits are wanted: nothing may be skipped
             request.frozen_until, request.window_from = plan.hit_tokens, plan.window_from
             n = self._chunk_size(request, plan.resume_from, budget)
             admitted = self.kv.admit(plan, plan.resume_from + n)

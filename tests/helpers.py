@@ -37,8 +37,11 @@ class RecordingEngine(LLMEngine):
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def update(self, chunks, logits):
-        for chunk, row in zip([c for c in chunks if c.completes], logits, strict=True):
-            self.logits.setdefault(chunk.request.request_id, []).append(row.clone())
+        i = 0
+        for chunk in chunks:
+            i += len(self.logit_rows(chunk))
+            if chunk.completes:
+                self.logits.setdefault(chunk.request.request_id, []).append(logits[i - 1].clone())
         return super().update(chunks, logits)
 
     def check(self) -> None:

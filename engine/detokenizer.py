@@ -1,0 +1,137 @@
+"""Streaming detokenization: generated token ids in, text that is safe to send out.
+
+One :class:`IncrementalDetokenizer` lives per generated sequence. Each :meth:`~IncrementalDetokenizer.push`
+returns only text that can never change later:
+
+- bytes of a UTF-8 character split across tokens are held until the character is complete, so a
+  client never receives half a character (or a U+FFFD that later "should have been" a character);
+- a tail of the text that could still grow into a stop string is held until it either completes
+  the stop string (and is dropped) or stops being a candidate (and is emitted).
+
+So the chunks a streaming client receives, joined, are exactly the non-streaming result, however
+the text happened to be split into tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+from engine.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated tokens into emit-ready text, honouring stop strings.
+
+    When several stop strings occur, the one whose last character arrives first wins (ties go to
+    the one starting earlier). That is the only rule that does not depend on how the text was split
+    into tokens: a stream stops the moment any stop string is complete.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
+        self._stops = _normalise_stops(stop)
+        # Proper prefixes only: a complete stop string is a match, never something to wait on.
+        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
+        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        # errors="replace" with final=False holds an incomplete trailing sequence (it may still be
+        # completed) but turns bytes that can never be valid into U+FFFD straight away.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+        self._chunks: list[str] = []
+        self._stop_reason: str | None = None
+        self._flushed = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            # Joined lazily and kept joined, so repeated reads do not re-join every chunk.
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has matched; later tokens are then ignored."""
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that matched, or None."""
+        return self._stop_reason
+
+    def push(self, token_id: int) -> str:
+        """Feed one generated token; return the text that became safe to emit (possibly "")."""
+        if self._flushed:
+            raise RuntimeError("push() after flush(): the sequence has already finished")
+        if self.stopped:
+            return ""
+        raw = self._tokenizer.token_bytes(token_id, skip_special_tokens=self._skip_special_tokens)
+        return self._advance(self._utf8.decode(raw), final=False)
+
+    def flush(self) -> str:
+        """End of generation: release everything held back; incomplete UTF-8 becomes U+FFFD."""
+        if self._flushed:
+            return ""
+        self._flushed = True
+        if self.stopped:
+            return ""
+        return self._advance(self._utf8.decode(b"", final=True), final=True)
+
+    def _advance(self, new: str, final: bool) -> str:
+        if not new and not final:
+            return ""
+        # Any stop string not yet seen must start inside the held tail (a longer-ago start would
+        # have kept its beginning held), so the tail plus the new text is the whole search space.
+        window = self._pending + new
+        match = self._find_stop(window)
+        if match is not None:
+            return self._finish_at(window, *match)
+        hold = 0 if final else self._held_suffix_len(window)
+        cut = len(window) - hold
+        self._pending = window[cut:]
+        return self._emit(window[:cut])
+
+    def _find_stop(self, window: str) -> tuple[int, str] | None:
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
+            start = window.find(stop)
+            if start < 0:
+                continue
+            candidate = (start + len(stop), start, stop)
+            if best is None or candidate < best:
+                best = candidate
+        return None if best is None else (best[1], best[2])
+
+    def _finish_at(self, window: str, start: int, stop: str) -> str:
+        self._stop_reason = stop
+        self._pending = ""
+        end = start + len(stop) if self._include_stop else start
+        return self._emit(window[:end])
+
+    def _held_suffix_len(self, window: str) -> int:
+        # Longest first: holding a shorter candidate would leak the start of a longer one.
+        for k in range(min(len(window), self._max_hold), 0, -1):
+            if window[-k:] in self._stop_prefixes:
+                return k
+        return 0
+
+    def _emit(self, chunk: str) -> str:
+        if chunk:
+            self._chunks.append(chunk)
+        return chunk
+
+
+def _normalise_stops(stop: Sequence[str] | str) -> tuple[str, ...]:
+    # A bare string is one stop string, not a list of one-character ones; an empty stop string
+    # would end every sequence before its first token, so it is treated as absent.
+    items = (stop,) if isinstance(stop, str) else tuple(stop)
+    return tuple(dict.fromkeys(s for s in items if s))
