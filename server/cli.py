@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -41,9 +42,97 @@ def make_checkpoint_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# (flag, type, help); every flag is also a key of --config FILE and a V4SERVE_* variable.
+SERVE_FLAGS: list[tuple[str, Any, str]] = [
+    ("--model", str, "'tiny' (the embedded model) or a checkpoint folder"),
+    ("--host", str, "address to bind (default 0.0.0.0)"),
+    ("--port", int, "port (default 8000)"),
+    ("--served-model-name", str, "model name clients send and see"),
+    ("--device", str, "auto, cpu or cuda"),
+    ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),
+    ("--max-model-len", int, "longest prompt + completion, in tokens"),
+    ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
+    ("--max-num-batched-tokens", int, "token budget of one engine step"),
+    ("--max-waiting", int, "waiting requests before new ones get 503"),
+    ("--num-blocks", int, "Block Cache blocks (default: every slot can hold max-model-len tokens)"),
+    ("--no-prefix-caching", bool, "never reuse cached prefixes"),
+    ("--kv-store-dir", str, "folder of the SSD prefix store"),
+    ("--kv-store-max-bytes", int, "size bound of the SSD prefix store"),
+    ("--no-kv-store", bool, "do not use the SSD prefix store"),
+    ("--swa-cache-mode", str, "full, periodic (default) or zero: how window state is restored after a hit"),
+    ("--swa-checkpoint-interval", int, "periodic mode: tokens between state snapshots (multiple of the block)"),
+    ("--api-key", str, "require 'Authorization: Bearer KEY' on /v1"),
+    ("--seed", int, "seed of the embedded weights and of unseeded sampling"),
+    ("--log-level", str, "debug, info, warning or error"),
+]
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
+
+
+def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
+    """Defaults < --config FILE < V4SERVE_* environment < command line."""
+    import yaml
+
+    types = {flag[2:].replace("-", "_"): kind for flag, kind, _ in SERVE_FLAGS}
+    merged: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: expected a mapping of flag names to values")
+        for key, value in data.items():
+            name = str(key).lstrip("-").replace("-", "_")
+            if name not in types:
+                raise ValueError(f"{args.config}: unknown setting {key!r}")
+            merged[name] = value
+    for name in types:
+        env = environ.get("V4SERVE_" + name.upper())
+        if env is not None:
+            merged[name] = env
+    merged.update({k: v for k, v in vars(args).items() if k in types})
+    out = {}
+    for name, value in merged.items():
+        kind = types[name]
+        try:
+            out[name] = _bool(value) if kind is bool else (None if value is None else kind(value))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--{name.replace('_', '-')}: {exc}") from exc
+    return out
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from server.serve import ServeConfig, run
+
+    try:
+        cfg = ServeConfig(**serve_settings(args, dict(os.environ)))
+        logging.getLogger().setLevel(cfg.log_level.upper())
+        run(cfg)
+    except (ValueError, OSError) as exc:
+        print(f"v4serve serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="v4serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible daemon", argument_default=argparse.SUPPRESS)
+    serve.add_argument("--config", help="YAML file of settings (long flag names as keys; the command line wins)")
+    for flag, kind, doc in SERVE_FLAGS:
+        if kind is bool:
+            serve.add_argument(flag, action="store_true", help=doc)
+        else:
+            serve.add_argument(flag, type=kind, help=doc)
+    serve.set_defaults(func=serve_main)
     make = sub.add_parser("make-checkpoint", help="write the embedded tiny model as a checkpoint folder")
     make.add_argument("dir", help="output folder")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0, the served tiny model)")

@@ -1,0 +1,86 @@
+"""Prometheus metrics, one registry per server (so several servers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.engine import LLMEngine
+from engine.request import Request
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    """Implements the engine's observer interface; counters advance by the scheduler's deltas."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+        self._label = label
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, ["model_name", *extra], registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model_name"], registry=r)
+
+        self.prefix_queries = counter("v4serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("v4serve_prefix_cache_hits", "Prompt tokens served from cache", ("source",))
+        self.recompute = counter("v4serve_swa_recompute_tokens", "Tokens recomputed to restore window state")
+        self.preemptions = counter("v4serve_num_preemptions", "Requests preempted for lack of blocks")
+        self.evictions = counter("v4serve_block_cache_evictions", "Cached blocks evicted to make room")
+        self.prompt_tokens = counter("v4serve_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("v4serve_generation_tokens", "Generated tokens")
+        self.finished = counter("v4serve_request_success", "Finished requests", ("finished_reason",))
+        self.state_usage = gauge("v4serve_state_cache_usage", "Fraction of State Cache slots in use")
+        self.block_usage = gauge("v4serve_block_cache_usage", "Fraction of Block Cache blocks in use")
+        self.running = gauge("v4serve_requests_running", "Requests in the running batch")
+        self.waiting = gauge("v4serve_requests_waiting", "Requests waiting to be admitted")
+        self.ttft = Histogram("v4serve_time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("v4serve_inter_token_latency_seconds", "Time between output tokens",
+                             ["model_name"], buckets=_ITL, registry=r)
+        self.e2e = Histogram("v4serve_e2e_request_latency_seconds", "Arrival to finish", ["model_name"],
+                             buckets=_LATENCY, registry=r)
+        self.prefix_hits.labels(**label, source="device")
+        self.prefix_hits.labels(**label, source="disk")
+        self._last = {"queries": 0, "hits": 0, "recompute": 0, "preemptions": 0, "evictions": 0}
+        self._last_token: dict[str, float] = {}
+
+    def on_step(self, engine: LLMEngine) -> None:
+        stats, pool = engine.scheduler.stats, engine.kv.pool
+        now = {"queries": stats.prefix_queries, "hits": stats.prefix_hits, "recompute": stats.recomputed,
+               "preemptions": stats.preemptions, "evictions": pool.evictions}
+        delta = {k: now[k] - self._last[k] for k in now}
+        self._last = now
+        lb = self._label
+        self.prefix_queries.labels(**lb).inc(delta["queries"])
+        self.prefix_hits.labels(**lb, source="device").inc(delta["hits"])
+        self.recompute.labels(**lb).inc(delta["recompute"])
+        self.preemptions.labels(**lb).inc(delta["preemptions"])
+        self.evictions.labels(**lb).inc(delta["evictions"])
+        self.sample_queues(engine)
+
+    def sample_queues(self, engine: LLMEngine) -> None:
+        lb = self._label
+        self.state_usage.labels(**lb).set(engine.kv.slots.usage())
+        self.block_usage.labels(**lb).set(engine.kv.pool.usage())
+        self.running.labels(**lb).set(len(engine.scheduler.running))
+        self.waiting.labels(**lb).set(len(engine.scheduler.waiting))
+
+    def on_token(self, request: Request, now: float, first: bool) -> None:
+        lb = self._label
+        self.generation_tokens.labels(**lb).inc()
+        if first:
+            self.ttft.labels(**lb).observe(now - request.arrival_time)
+        elif request.request_id in self._last_token:
+            self.itl.labels(**lb).observe(now - self._last_token[request.request_id])
+        self._last_token[request.request_id] = now
+
+    def on_finish(self, request: Request, now: float) -> None:
+        lb = self._label
+        self._last_token.pop(request.request_id, None)
+        self.e2e.labels(**lb).observe(now - request.arrival_time)
+        self.prompt_tokens.labels(**lb).inc(request.num_prompt_tokens)
+        self.finished.labels(**lb, finished_reason=request.finish_reason or "abort").inc()

@@ -1,0 +1,119 @@
+"""Build and run the daemon from one frozen config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.checkpoint import load_model
+from engine.engine import EngineConfig, LLMEngine
+from engine.model import DeepseekV4
+from engine.tiny import build_tiny
+from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from server.app import ServerConfig, build_app
+from server.metrics import Metrics
+
+log = logging.getLogger("v4serve")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    num_blocks: int | None = None
+    no_prefix_caching: bool = False
+    kv_store_dir: str | None = None
+    kv_store_max_bytes: int | None = None
+    no_kv_store: bool = False
+    swa_cache_mode: str = "periodic"
+    swa_checkpoint_interval: int | None = None
+    api_key: str | None = None
+    seed: int = 0
+    log_level: str = "info"
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA device is available")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            # CPUs without bf16 units run bf16 matmuls far slower than fp32.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "v4serve-tiny" if self.model == "tiny" else Path(self.model).name
+
+
+def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
+    device = cfg.resolved_device()
+    dtype = cfg.resolved_dtype(device)
+    if cfg.model == "tiny":
+        model = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype)
+        return model, ByteTokenizer()
+    folder = Path(cfg.model)
+    if not folder.is_dir():
+        raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
+    return load_model(folder, device=device, dtype=dtype), load_tokenizer(folder)
+
+
+def engine_config(cfg: ServeConfig, model: DeepseekV4) -> EngineConfig:
+    block = model.cfg.block_size
+    max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
+    interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
+    if cfg.kv_store_dir and not cfg.no_kv_store:
+        raise ValueError("the SSD prefix store (--kv-store-dir) is not available in this build")
+    return EngineConfig(max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
+                        enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
+                        swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype, seed=cfg.seed)
+
+
+def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
+    model, tokenizer = load(cfg)
+    econf = engine_config(cfg, model)
+    engine = LLMEngine(model, econf, eos_token_id=tokenizer.eos_token_id)
+    metrics = Metrics(cfg.model_name)
+    async_engine = AsyncEngine(engine, tokenizer, observer=metrics)
+    app = build_app(async_engine, tokenizer, ServerConfig(cfg.model_name, econf.max_model_len, cfg.api_key), metrics)
+
+    device = next(model.parameters()).device
+    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s", cfg.model_name, cfg.model,
+             model.cfg.num_layers, sum(p.numel() for p in model.parameters()) / 1e6,
+             str(next(model.parameters()).dtype).removeprefix("torch."), device)
+    log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
+             "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
+             econf.max_model_len)
+    return app, async_engine
+
+
+def run(cfg: ServeConfig) -> None:
+    import uvicorn
+
+    app, _ = build(cfg)
+    shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name, shown, cfg.port)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
