@@ -1,0 +1,384 @@
+"""DeepSeek-V4 attention: a sliding window on every layer, plus compressed entries on CSA layers
+(overlapping m-token pooling, Lightning Indexer top-k) and HCA layers (m'-token pooling, all
+visible entries). One softmax over every key with a per-head sink; K = V.
+
+Shapes: n = one sequence's new tokens, D = sequences decoding one token each, H = heads,
+d = head dim, m = compress ratio, N = compressed entries, k = indexer top-k.
+
+Two paths compute the same thing: sequences with several new tokens (prefill chunks) go one by
+one through query tiles; sequences decoding a single token go through one batched pass, since
+per-sequence overhead is what bounds decode throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cache.storage import LayerKV
+from engine.config import ModelConfig
+from engine.layers import RMSNorm, Rotary, apply_rope, rms_unit
+from engine.metadata import AttentionMetadata, SeqChunk
+from kernels.attention import sparse_attention
+
+# Queries per attention tile on long chunks: bounds the window branch to O(n·(tile+W)).
+ATTN_TILE = 256
+
+
+# ---- block-cache access ----------------------------------------------------------------------------
+
+
+def write_entries(store: torch.Tensor, block_table: list[int], first: int, entries: torch.Tensor) -> None:
+    """Scatter entries first.. into the blocks they belong to (entry i → block i // per_block)."""
+    if not len(entries):
+        return
+    per_block = store.shape[1]
+    idx = torch.arange(first, first + len(entries))
+    blocks = torch.tensor(block_table, dtype=torch.long)[idx // per_block]
+    store[blocks.to(store.device), (idx % per_block).to(store.device)] = entries.to(store.dtype)
+
+
+def read_entries(store: torch.Tensor, block_table: list[int], count: int) -> torch.Tensor:
+    """Entries 0..count−1 of a sequence, gathered through its block table → [count, d]."""
+    per_block = store.shape[1]
+    nblocks = -(-count // per_block)
+    blocks = torch.tensor(block_table[:nblocks], dtype=torch.long, device=store.device)
+    return store[blocks].flatten(0, 1)[:count].float()
+
+
+def read_entries_batched(store: torch.Tensor, tables: torch.Tensor, count: int) -> torch.Tensor:
+    """Entries 0..count−1 of several sequences through padded block tables [D, nb] → [D, count, d]."""
+    per_block = store.shape[1]
+    nblocks = -(-count // per_block)
+    return store[tables[:, :nblocks]].flatten(1, 2)[:, :count].float()
+
+
+# ---- compressor ---------------------------------------------------------------------------------------
+
+
+class Compressor(nn.Module):
+    """Pools every m tokens into one entry: softmax over the m slots per channel (plus, with
+    overlap, the previous window's m slots through the first half of the projection), then
+    RMSNorm and RoPE at position i·m. Pending rows live in the slot's ring (token p at p mod R)."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = nn.Linear(dim, width, bias=False)
+        self.wgate = nn.Linear(dim, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] → kv and score rows [T, c·d] (score includes the slot's position bias)."""
+        return self.wkv(x).float(), self.wgate(x).float() + self.ape[positions % self.ratio].float()
+
+    def update(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, ring_kv: torch.Tensor,
+               ring_score: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, int]:
+        """One sequence's new rows → (entries finished by them [k, d], index of the first).
+        Updates the ring in place. Entries below `frozen_until` are already cached: skipped."""
+        m = self.ratio
+        first = max(seq.start // m, seq.frozen_until // m)
+        stop = seq.end // m
+        entries = kv.new_zeros(0, self.head_dim)
+        if first < stop:
+            lo = (first - 1) * m if self.overlap else first * m
+            rows_kv, rows_score = self._rows(kv, score, seq, lo, ring_kv, ring_score)
+            windows = rows_kv.shape[0] // m
+            entries = self._pool(rows_kv.view(1, windows, m, -1), rows_score.view(1, windows, m, -1),
+                                 torch.arange(first, stop, device=kv.device), rotary)[0]
+        keep = min(seq.num_new, ring_kv.shape[0])
+        rows = torch.arange(seq.end - keep, seq.end, device=kv.device) % ring_kv.shape[0]
+        ring_kv[rows] = kv[-keep:].to(ring_kv.dtype)
+        ring_score[rows] = score[-keep:].to(ring_score.dtype)
+        return entries, first
+
+    def _rows(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, lo: int, ring_kv: torch.Tensor,
+              ring_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for positions [lo, end): ring rows below `start`, new rows above; positions below
+        zero are empty slots (zero kv, −inf score). Trailing partial-window rows are dropped."""
+        parts_kv, parts_score = [], []
+        if lo < 0:
+            parts_kv.append(kv.new_zeros(-lo, kv.shape[1]))
+            parts_score.append(score.new_full((-lo, score.shape[1]), float("-inf")))
+        if max(lo, 0) < seq.start:
+            ring_rows = torch.arange(max(lo, 0), seq.start, device=kv.device) % ring_kv.shape[0]
+            parts_kv.append(ring_kv[ring_rows].float())
+            parts_score.append(ring_score[ring_rows].float())
+        skip = max(lo - seq.start, 0)
+        parts_kv.append(kv[skip:])
+        parts_score.append(score[skip:])
+        rows_kv, rows_score = torch.cat(parts_kv), torch.cat(parts_score)
+        usable = (seq.end // self.ratio) * self.ratio - lo
+        return rows_kv[:usable], rows_score[:usable]
+
+    def _pool(self, win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor,
+              rotary: Rotary) -> torch.Tensor:
+        """win_* [B, w, m, c·d]: consecutive windows, starting one window before the first entry
+        when entries overlap → entries [B, E, d] at entry indices `index` [E] or [B, E]."""
+        d = self.head_dim
+        if self.overlap:
+            # Entry i pools window i−1 through channels [:d] and window i through [d:].
+            kv = torch.cat([win_kv[:, :-1, :, :d], win_kv[:, 1:, :, d:]], dim=2)
+            score = torch.cat([win_score[:, :-1, :, :d], win_score[:, 1:, :, d:]], dim=2)
+        else:
+            kv, score = win_kv, win_score
+        pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, E, d]
+        cos, sin = rotary.cos_sin((index * self.ratio).reshape(-1))
+        return apply_rope(pooled.reshape(-1, d), cos, sin).view(pooled.shape)
+
+    def decode_update(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
+                      frozen: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                      rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new row for each of D decoding sequences (rows at positions t [D]) → (entries
+        [Dc, d] finished by them, the indices into D of those Dc sequences)."""
+        m, rows = self.ratio, ring_kv.shape[1]
+        ring_kv[slots, t % rows] = kv.to(ring_kv.dtype)
+        ring_score[slots, t % rows] = score.to(ring_score.dtype)
+        entry = (t + 1) // m - 1
+        done = (((t + 1) % m) == 0) & (entry >= frozen // m)
+        which = done.nonzero().flatten()
+        if not len(which):
+            return kv.new_zeros(0, self.head_dim), which
+        entry, slot = entry[which], slots[which]
+        span = 2 * m if self.overlap else m
+        pos = (entry + 1)[:, None] * m - span + torch.arange(span, device=kv.device)[None, :]  # [Dc, span]
+        win_kv = ring_kv[slot[:, None], pos % rows].float()
+        win_score = ring_score[slot[:, None], pos % rows].float()
+        empty = (pos < 0)[..., None]
+        win_kv = win_kv.masked_fill(empty, 0.0)
+        win_score = win_score.masked_fill(empty, float("-inf"))
+        n = len(which)
+        entries = self._pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1),
+                             entry[:, None], rotary)
+        return entries[:, 0], which
+
+
+# ---- indexer ----------------------------------------------------------------------------------------------
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer: I[t,s] = Σ_h relu(qI[t,h]·kI[s]) · w[t,h]; top-k picks CSA entries."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (qI [T, hI, dI] with RoPE, head weights w [T, hI] with both scales folded in)."""
+        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
+        return q, self.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, n, hI, dI], w [B, n, hI], keys [B, N, dI], visible [B, n, N] →
+        (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
+        logits = torch.einsum("bnhc,bsc->bnhs", q, keys).relu_()  # [B, n, hI, N]
+        scores = (w.unsqueeze(-2) @ logits).squeeze(-2)  # Σ_h w·relu(q·k) → [B, n, N]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        return top, visible.gather(-1, top)
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Projected:
+    """Everything computed for the whole batch at once, sliced per sequence later."""
+
+    x: torch.Tensor  # [T, D]
+    q: torch.Tensor  # [T, H, d]
+    kv: torch.Tensor  # [T, d]
+    comp: tuple[torch.Tensor, torch.Tensor] | None = None  # compressor kv, score rows
+    index_comp: tuple[torch.Tensor, torch.Tensor] | None = None
+    index_q: tuple[torch.Tensor, torch.Tensor] | None = None  # indexer queries and head weights
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.kind = cfg.layer_kind(layer)
+        self.ratio = cfg.compress_ratios[layer]
+        h, d = cfg.num_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.window = h, d, cfg.window
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.ratio:
+            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, self.kind == "csa", cfg.rms_norm_eps)
+        if self.kind == "csa":
+            self.indexer = Indexer(cfg, self.ratio)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, store: LayerKV, rotary: Rotary,
+                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, D] → [T, D]."""
+        t = x.shape[0]
+        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        q = rms_unit(self.wq_b(qr).view(t, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
+        p = _Projected(x=x, q=apply_rope(q, cos, sin), kv=apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        if self.compressor is not None:
+            p.comp = self.compressor.project(x, positions)
+        if self.indexer is not None:
+            p.index_comp = self.indexer.compressor.project(x, positions)
+            p.index_q = self.indexer.queries(x, qr, cos, sin)
+        out = torch.empty_like(p.q)
+        decodes = [s for s in meta.seqs if s.num_new == 1]
+        if decodes:
+            rows = torch.tensor([s.offset for s in decodes], device=x.device)
+            out[rows] = self._attend_decodes(p, decodes, rows, store, rotary)
+        for seq in meta.seqs:
+            if seq.num_new > 1:
+                rows_ = slice(seq.offset, seq.offset + seq.num_new)
+                out[rows_] = self._attend_chunk(p, seq, rows_, store, rotary)
+        out = apply_rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
+        groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
+        wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("tgi,goi->tgo", groups, wo_a).flatten(1))
+
+    # ---- prefill chunks: one sequence at a time, tiles of queries ---------------------------------------
+    def _attend_chunk(self, p: _Projected, seq: SeqChunk, rows: slice, store: LayerKV, rotary: Rotary
+                      ) -> torch.Tensor:
+        q, kv = p.q[rows], p.kv[rows]
+        keys, key_pos = self._window_keys(kv, seq, store.window[seq.slot])
+        entries, index_keys = (None, None)
+        if self.compressor is not None:
+            entries, index_keys = self._chunk_entries(p, seq, rows, store, rotary)
+        out = torch.empty_like(q)
+        for a in range(0, seq.num_new, ATTN_TILE):
+            b = min(a + ATTN_TILE, seq.num_new)
+            positions = torch.arange(seq.start + a, seq.start + b, device=q.device)
+            lo = max(int(positions[0]) - self.window + 1 - int(key_pos[0]), 0)
+            hi = int(positions[-1]) + 1 - int(key_pos[0])
+            dist = positions[:, None] - key_pos[None, lo:hi]
+            shared, mask = keys[lo:hi], (dist >= 0) & (dist < self.window)  # [L, d], [t, L]
+            picked, picked_mask = None, None
+            if entries is not None:
+                count = (seq.start + b) // self.ratio
+                visible = torch.arange(count, device=q.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+                if index_keys is not None and p.index_q is not None:
+                    iq, iw = p.index_q[0][rows][a:b], p.index_q[1][rows][a:b]
+                    top, valid = self.indexer.select(iq[None], iw[None], index_keys[None, :count], visible[None])
+                    picked, picked_mask = entries[top[0]], valid[0]  # [t, k, d], [t, k]
+                else:
+                    shared = torch.cat([shared, entries[:count].to(keys.dtype)])
+                    mask = torch.cat([mask, visible], dim=1)
+            out[a:b] = sparse_attention(q[a:b], shared, mask, picked, picked_mask, self.attn_sink,
+                                        self.head_dim**-0.5)
+        return out
+
+    def _window_keys(self, kv: torch.Tensor, seq: SeqChunk, ring: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys for the window branch: ring rows for [start−W+1, start) then the new ones."""
+        lo = max(seq.start - self.window + 1, seq.window_from, 0)
+        old = torch.arange(lo, seq.start, device=kv.device)
+        keys = torch.cat([ring[old % self.window].to(kv.dtype), kv])
+        positions = torch.arange(lo, seq.end, device=kv.device)
+        keep = min(seq.num_new, self.window)
+        ring[torch.arange(seq.end - keep, seq.end, device=kv.device) % self.window] = kv[-keep:].to(ring.dtype)
+        return keys, positions
+
+    def _chunk_entries(self, p: _Projected, seq: SeqChunk, rows: slice, store: LayerKV, rotary: Rotary
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Add this chunk's finished entries (and indexer keys) to the Block Cache and return all
+        of the sequence's entries [N, d] and indexer keys [N, dI] (None without an indexer)."""
+        assert self.compressor is not None and store.entries is not None and p.comp is not None
+        slot, table, count = seq.slot, seq.block_table, seq.end // self.ratio
+        new, first = self.compressor.update(p.comp[0][rows], p.comp[1][rows], seq, store.pending_kv[slot],
+                                            store.pending_score[slot], rotary)
+        write_entries(store.entries, table, first, new)
+        entries = read_entries(store.entries, table, count)
+        if self.indexer is None:
+            return entries, None
+        assert store.index_keys is not None and p.index_comp is not None
+        new, first = self.indexer.compressor.update(p.index_comp[0][rows], p.index_comp[1][rows], seq,
+                                                    store.index_pending_kv[slot], store.index_pending_score[slot],
+                                                    rotary)
+        write_entries(store.index_keys, table, first, new)
+        return entries, read_entries(store.index_keys, table, count)
+
+    # ---- decodes: every sequence with one new token, in one batched pass ----------------------------------
+    def _attend_decodes(self, p: _Projected, seqs: list[SeqChunk], rows: torch.Tensor, store: LayerKV,
+                        rotary: Rotary) -> torch.Tensor:
+        dev = rows.device
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        t = torch.tensor([s.start for s in seqs], device=dev)
+        keys, mask = self._decode_window(p.kv[rows], slots, t, seqs, store.window)
+        picked, picked_mask = None, None
+        if self.compressor is not None:
+            entries, index_keys, visible = self._decode_entries(p, seqs, rows, slots, t, store, rotary)
+            if entries is not None and index_keys is not None and p.index_q is not None:
+                iq, iw = p.index_q[0][rows][:, None], p.index_q[1][rows][:, None]
+                top, valid = self.indexer.select(iq, iw, index_keys, visible[:, None])
+                top = top[:, 0]
+                picked = entries.gather(1, top[..., None].expand(-1, -1, entries.shape[-1]))  # [D, k, d]
+                picked_mask = valid[:, 0]
+            elif entries is not None:
+                keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+                mask = torch.cat([mask, visible], dim=1)
+        # Every decoding sequence has its own keys: pass them as "picked" keys of each query.
+        if picked is not None:
+            keys, mask = torch.cat([keys, picked.to(keys.dtype)], 1), torch.cat([mask, picked_mask], 1)
+        q = p.q[rows]
+        return sparse_attention(q, q.new_zeros(0, self.head_dim), mask.new_zeros(len(seqs), 0), keys, mask,
+                                self.attn_sink, self.head_dim**-0.5)
+
+    def _decode_window(self, kv: torch.Tensor, slots: torch.Tensor, t: torch.Tensor, seqs: list[SeqChunk],
+                       window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each new window key, then read every slot's whole ring → keys [D, W, d] and which
+        rows hold a position inside the window [D, W]."""
+        w = self.window
+        window[slots, t % w] = kv.to(window.dtype)
+        keys = window[slots].to(kv.dtype)
+        row = torch.arange(w, device=kv.device)
+        pos = t[:, None] - ((t[:, None] - row[None, :]) % w)  # position held by each ring row
+        floor = torch.tensor([max(s.window_from, 0) for s in seqs], device=kv.device)
+        return keys, pos >= floor[:, None]
+
+    def _decode_entries(self, p: _Projected, seqs: list[SeqChunk], rows: torch.Tensor, slots: torch.Tensor,
+                        t: torch.Tensor, store: LayerKV, rotary: Rotary
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Update compressors, write finished entries, and gather every sequence's entries
+        [D, N, d] (N = the most any sequence has), indexer keys [D, N, dI] and visibility [D, N]."""
+        assert self.compressor is not None and store.entries is not None and p.comp is not None
+        frozen = torch.tensor([s.frozen_until for s in seqs], device=t.device)
+        new, which = self.compressor.decode_update(p.comp[0][rows], p.comp[1][rows], slots, t, frozen,
+                                                   store.pending_kv, store.pending_score, rotary)
+        self._write_decoded(store.entries, seqs, t, which, new)
+        if self.indexer is not None:
+            assert store.index_keys is not None and p.index_comp is not None
+            new, which = self.indexer.compressor.decode_update(
+                p.index_comp[0][rows], p.index_comp[1][rows], slots, t, frozen, store.index_pending_kv,
+                store.index_pending_score, rotary)
+            self._write_decoded(store.index_keys, seqs, t, which, new)
+        counts = (t + 1) // self.ratio
+        n = int(counts.max())
+        visible = torch.arange(n, device=t.device)[None, :] < counts[:, None]
+        if n == 0:
+            return None, None, visible
+        per_block = store.entries.shape[1]
+        nb = -(-n // per_block)
+        tables = torch.tensor([(s.block_table + [0] * nb)[:nb] for s in seqs], device=t.device)
+        entries = read_entries_batched(store.entries, tables, n)
+        index_keys = read_entries_batched(store.index_keys, tables, n) if store.index_keys is not None else None
+        return entries, index_keys, visible
+
+    def _write_decoded(self, dest: torch.Tensor, seqs: list[SeqChunk], t: torch.Tensor, which: torch.Tensor,
+                       entries: torch.Tensor) -> None:
+        for j, e in zip(which.tolist(), entries, strict=True):
+            write_entries(dest, seqs[j].block_table, int(t[j] + 1) // self.ratio - 1, e[None])

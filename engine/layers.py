@@ -1,0 +1,77 @@
+"""Building blocks shared by the attention and the rest of the model: norms and rotary
+embeddings (interleaved pairs on the last r dims, YaRN-scaled on compressed layers)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.config import YarnScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a weight (per-head query norm, mHC input norm)."""
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------------
+
+
+class Rotary:
+    """Interleaved RoPE on the last r dims of a vector; YaRN-scaled frequencies when given."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: YarnScaling | None) -> None:
+        self.rope_dim = rope_dim
+        self.inv_freq = self._inv_freq(rope_dim, theta, yarn)
+
+    @staticmethod
+    def _inv_freq(dim: int, base: float, yarn: YarnScaling | None) -> torch.Tensor:
+        # Built on the CPU explicitly: the model may be constructed under the meta device.
+        freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
+        inv = 1.0 / freqs
+        if yarn is None:
+            return inv
+
+        # YaRN: interpolate the slow (low-frequency) pairs by `factor`, keep the fast ones,
+        # ramp linearly between; no attention-scale change (V4 applies none).
+        def correction_dim(rotations: float) -> float:
+            orig = yarn.original_max_position_embeddings
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp
+        return (inv / yarn.factor) * (1 - keep) + inv * keep
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [n, r/2]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing r dims of x [n, ..., D] pairwise (x_2i, x_2i+1) by cos/sin [n, r/2]."""
+    r = cos.shape[-1] * 2
+    extra = x.dim() - 2
+    cos = cos.view(cos.shape[0], *([1] * extra), -1)
+    sin = sin.view(sin.shape[0], *([1] * extra), -1)
+    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
+    x0, x1 = rope[..., 0], rope[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
