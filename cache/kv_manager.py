@@ -14,11 +14,14 @@ Tokens [p, H) are recomputed with their entries frozen (cached blocks are never 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
+from cache.kv_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore
 from cache.slots import SlotAllocator
 from cache.snapshots import SnapshotStore
 
@@ -74,19 +77,36 @@ NO_HIT = PrefixPlan(hit_blocks=[], hit_tokens=0, resume_from=0, snapshot_key=Non
 
 
 class StateStorage:
-    """What the manager needs from the torch storage: copy a slot's state out and back in."""
+    """What the manager needs from the torch storage: slot state out and in, block and snapshot
+    bytes for the SSD store."""
 
     def read_slot(self, slot: int) -> Any: ...
     def write_slot(self, slot: int, state: Any) -> None: ...
     def slot_nbytes(self) -> int: ...
     def clear_slot(self, slot: int) -> None: ...
+    def block_payload(self, block_id: int) -> list[memoryview]: ...
+    def load_block_payload(self, block_id: int, payload: memoryview) -> None: ...
+    def snapshot_payload(self, state: Any) -> list[memoryview]: ...
+    def snapshot_from_payload(self, payload: memoryview) -> Any: ...
+
+
+@dataclass
+class DiskLoad:
+    """Blocks (and at most one snapshot) read from the SSD store for one waiting request."""
+
+    first: int  # index of the first block loaded
+    blocks: list[tuple[bytes, memoryview]] = field(default_factory=list)  # (hash, payload)
+    snapshot: tuple[bytes, Any] | None = None  # (key, host state)
+    seconds: float = 0.0
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig, storage: StateStorage, namespace: bytes) -> None:
+    def __init__(self, config: CacheConfig, storage: StateStorage, namespace: bytes,
+                 store: KVStore | None = None) -> None:
         self.config = config
         self.storage = storage
         self.namespace = namespace
+        self.store = store
         self.pool = BlockPool(config.num_blocks)
         self.slots = SlotAllocator(config.num_slots)
         self.snapshots: SnapshotStore[Any] = SnapshotStore(config.snapshot_bytes)
@@ -162,11 +182,16 @@ class KVCacheManager:
             return False
         return True
 
-    def seal(self, table: Sequence[int], hashes: Sequence[bytes], num_sealed: int, num_computed: int) -> int:
-        """Seal every block fully computed since the last call; returns the new sealed count."""
-        full = min(num_computed // self.config.block_size, len(hashes))
+    def seal(self, table: Sequence[int], hashes: Sequence[bytes], num_sealed: int, num_computed: int,
+             tokens: Sequence[int]) -> int:
+        """Seal every block fully computed since the last call (and queue it for the SSD store);
+        returns the new sealed count."""
+        b = self.config.block_size
+        full = min(num_computed // b, len(hashes))
         for i in range(num_sealed, full):
             self.pool.seal(table[i], hashes[i])
+            if self.store is not None and self.store.writing:
+                self.store.put(KIND_BLOCK, hashes[i], tokens[i * b:(i + 1) * b], self.storage.block_payload(table[i]))
         return max(num_sealed, full)
 
     # ---- snapshots -------------------------------------------------------------------------
@@ -189,9 +214,75 @@ class KVCacheManager:
                 return p
         return None
 
-    def save_snapshot(self, slot: int, key: bytes) -> None:
-        if key not in self.snapshots:
-            self.snapshots.put(key, self.storage.read_slot(slot), self.storage.slot_nbytes())
+    def save_snapshot(self, slot: int, key: bytes, last_block_tokens: Sequence[int]) -> None:
+        if key in self.snapshots:
+            return
+        state = self.storage.read_slot(slot)
+        self.snapshots.put(key, state, self.storage.slot_nbytes())
+        if self.store is not None and self.store.writing:
+            self.store.put(KIND_SNAPSHOT, key, last_block_tokens, self.storage.snapshot_payload(state))
+
+    # ---- the SSD store ---------------------------------------------------------------------------
+    def disk_blocks(self, hashes: Sequence[bytes], prompt_len: int, device_hit: int) -> int:
+        """How many blocks after the device hit the SSD store holds (same cap as plan_prefix)."""
+        if self.store is None or not self.config.enable_prefix_caching:
+            return 0
+        usable = hashes[: (prompt_len - 1) // self.config.block_size]
+        return self.store.longest_prefix(usable[device_hit:])
+
+    def start_load(self, hashes: Sequence[bytes], tokens: Sequence[int], first: int, count: int) -> Future:
+        """Read blocks [first, first+count) and the best snapshot on a reader thread."""
+        assert self.store is not None
+        return self.store.submit(lambda: self._load(list(hashes), list(tokens), first, count))
+
+    def _load(self, hashes: list[bytes], tokens: list[int], first: int, count: int) -> DiskLoad:
+        assert self.store is not None
+        t0, b = time.perf_counter(), self.config.block_size
+        load = DiskLoad(first=first)
+        for i in range(first, first + count):
+            payload = self.store.get(KIND_BLOCK, hashes[i], tokens[i * b:(i + 1) * b])
+            if payload is None:
+                break  # a bad or vanished file ends the usable prefix
+            load.blocks.append((hashes[i], payload))
+        if self.config.swa_cache_mode != "zero":
+            load.snapshot = self._load_snapshot(hashes, tokens, first + len(load.blocks))
+        load.seconds = time.perf_counter() - t0
+        return load
+
+    def _load_snapshot(self, hashes: list[bytes], tokens: list[int], top: int) -> tuple[bytes, Any] | None:
+        assert self.store is not None
+        b, floor = self.config.block_size, top * self.config.block_size - self.config.zero_mode_span
+        for k in range(top, 0, -1):
+            if k * b <= floor:
+                return None  # a zero-mode recompute is already as cheap
+            key = hashes[k - 1]
+            if key in self.snapshots:
+                return None
+            if self.store.contains(KIND_SNAPSHOT, key):
+                payload = self.store.get(KIND_SNAPSHOT, key, tokens[(k - 1) * b:k * b])
+                if payload is not None:
+                    return key, self.storage.snapshot_from_payload(payload)
+        return None
+
+    def install(self, load: DiskLoad, hashes: Sequence[bytes]) -> int:
+        """Copy loaded blocks into free device blocks and make them findable (refcount 0, like
+        any cached block); returns how many were installed. The request's device-hit blocks are
+        held meanwhile so that making room cannot evict them."""
+        device_hit = self.pool.longest_prefix(hashes[: load.first])
+        self.pool.take(device_hit)
+        try:
+            n = min(len(load.blocks), self.pool.num_free)
+            ids = self.pool.allocate(n)
+            for block_id, (h, payload) in zip(ids, load.blocks, strict=False):
+                self.storage.load_block_payload(block_id, payload)
+                self.pool.seal(block_id, h)
+            self.pool.release(reversed(ids))
+        finally:
+            self.pool.release(reversed(list(device_hit)))
+        if load.snapshot is not None:
+            key, state = load.snapshot
+            self.snapshots.put(key, state, self.storage.slot_nbytes())
+        return n
 
     # ---- release ----------------------------------------------------------------------------
     def free(self, slot: int | None, table: list[int]) -> None:
@@ -200,8 +291,10 @@ class KVCacheManager:
         self.pool.release(reversed(table))
         table.clear()
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, store: bool = False) -> int:
         self.snapshots.clear()
+        if store and self.store is not None:
+            self.store.clear()
         return self.pool.reset()
 
     def check_integrity(self, tables: Sequence[Sequence[int]] | None = None) -> None:

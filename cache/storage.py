@@ -80,9 +80,73 @@ class KVStorage:
             for t in layer.slot_tensors():
                 t[slot].zero_()
 
+    # Serialised forms for the SSD store (see the functions below).
+    def block_payload(self, block_id: int) -> list[memoryview]:
+        return block_payload(self, block_id)
+
+    def load_block_payload(self, block_id: int, payload: memoryview) -> None:
+        load_block_payload(self, block_id, payload)
+
+    def snapshot_payload(self, state: list[torch.Tensor]) -> list[memoryview]:
+        return snapshot_payload(state)
+
+    def snapshot_from_payload(self, payload: memoryview) -> list[torch.Tensor]:
+        return snapshot_from_payload(self, payload)
+
+    def layout_descriptor(self) -> bytes:
+        return layout_descriptor(self)
+
     def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
         parts = [t for layer in self.layers for t in layer.slot_tensors()]
         if len(parts) != len(state):
             raise ValueError(f"snapshot has {len(state)} tensors, layout needs {len(parts)}")
         for dst, src in zip(parts, state, strict=True):
             dst[slot].copy_(src, non_blocking=True)
+
+
+# ---- bytes for the SSD store ------------------------------------------------------------------------
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+
+
+def _from_bytes(buf: memoryview, like: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
+    n = like.numel() * like.element_size()
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+    return raw.view(like.dtype).view(like.shape), offset + n
+
+
+def layout_descriptor(storage: KVStorage) -> bytes:
+    """Shapes and dtypes of one block's and one slot's tensors: a file written under any other
+    layout must never be read as this one."""
+    blocks = [(tuple(t.shape[1:]), str(t.dtype)) for layer in storage.layers for t in layer.block_tensors()]
+    slots = [(tuple(t.shape[1:]), str(t.dtype)) for layer in storage.layers for t in layer.slot_tensors()]
+    return repr((storage.layout.block_size, blocks, slots)).encode()
+
+
+def block_payload(storage: KVStorage, block_id: int) -> list[memoryview]:
+    """Host bytes of one block across all layers (copied now: the block may be reused later)."""
+    return [_as_bytes(t[block_id].clone()) for layer in storage.layers for t in layer.block_tensors()]
+
+
+def load_block_payload(storage: KVStorage, block_id: int, payload: memoryview) -> None:
+    offset = 0
+    for layer in storage.layers:
+        for t in layer.block_tensors():
+            src, offset = _from_bytes(payload, t[block_id], offset)
+            t[block_id].copy_(src, non_blocking=True)
+
+
+def snapshot_payload(state: list[torch.Tensor]) -> list[memoryview]:
+    return [_as_bytes(t) for t in state]
+
+
+def snapshot_from_payload(storage: KVStorage, payload: memoryview) -> list[torch.Tensor]:
+    """A host snapshot (as `read_slot` returns) from store bytes."""
+    out, offset = [], 0
+    for layer in storage.layers:
+        for t in layer.slot_tensors():
+            src, offset = _from_bytes(payload, t[0], offset)
+            out.append(src.clone())
+    return out

@@ -99,6 +99,7 @@ class AsyncEngine:
         self._commands.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine.close()  # queued SSD store writes land before exit
 
     @property
     def alive(self) -> bool:

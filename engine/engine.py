@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import torch
 
 from cache.kv_manager import CacheConfig, KVCacheManager
+from cache.kv_store import KVStore
 from cache.layout import KVLayout, cache_table
 from cache.storage import KVStorage
 from engine.metadata import AttentionMetadata, SeqChunk
@@ -46,6 +48,8 @@ class EngineConfig:
     snapshot_bytes: int = 1 << 30
     kv_dtype: torch.dtype = torch.float32
     seed: int = 0
+    kv_store_dir: str | None = None  # the SSD prefix store; None = off
+    kv_store_max_bytes: int | None = None
 
 
 @dataclass
@@ -96,7 +100,12 @@ class LLMEngine:
             swa_checkpoint_interval=config.swa_checkpoint_interval,
             enable_prefix_caching=config.enable_prefix_caching, snapshot_bytes=config.snapshot_bytes,
             overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0)
-        self.kv = KVCacheManager(self.cache_config, self.storage, kv_namespace(model, config.kv_dtype))
+        namespace = kv_namespace(model, config.kv_dtype)
+        store = None
+        if config.kv_store_dir and config.enable_prefix_caching:
+            store = KVStore(config.kv_store_dir, namespace, self.storage.layout_descriptor(),
+                            max_bytes=config.kv_store_max_bytes)
+        self.kv = KVCacheManager(self.cache_config, self.storage, namespace, store)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
@@ -150,6 +159,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.scheduler.loading:  # only store reads in flight: wait for one, don't spin
+                futures.wait([r.disk_load for r in self.scheduler.loading], timeout=0.01,
+                             return_when=futures.FIRST_COMPLETED)
             return []
         logits = self.execute(chunks)
         return self.update(chunks, logits)
@@ -233,6 +245,11 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self.requests.pop(request.request_id, None)
         self.sampler.forget(request.request_id)
+
+    def close(self) -> None:
+        """Finish queued store writes and stop the store's threads."""
+        if self.kv.store is not None:
+            self.kv.store.close()
 
     # ---- convenience --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its cached prefix is being read from the SSD store
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -62,6 +64,9 @@ class Request:
     window_from: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose computation a cache hit skipped
     num_hit_tokens: int = 0  # prompt tokens whose compressed entries came from the cache
+    num_disk_hit_tokens: int = 0  # of those, tokens read from the SSD store for this request
+    disk_checked: bool = False
+    disk_load: Any = None  # the pending store read while LOADING
     num_recomputed_tokens: int = 0  # tokens recomputed to rebuild the window state after a hit
     num_preemptions: int = 0
     # One entry per prompt token from the second on (the first has none), when asked for.

@@ -10,12 +10,15 @@ tokens already computed; a preempted request goes back to the queue and resumes 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache.kv_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,11 @@ class ScheduledChunk:
 @dataclass
 class SchedulerStats:
     prefix_queries: int = 0  # prompt tokens looked up
-    prefix_hits: int = 0  # prompt tokens whose entries came from the cache
+    prefix_hits: int = 0  # prompt tokens whose entries came from device memory
+    prefix_hits_disk: int = 0  # prompt tokens whose entries were read from the SSD store
     recomputed: int = 0  # tokens recomputed to rebuild window state after hits
     preemptions: int = 0
+    load_seconds: list[float] = field(default_factory=list)  # per-request store reads, drained by metrics
 
 
 class Scheduler:
@@ -51,6 +56,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
+        self.loading: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
 
@@ -66,14 +72,17 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.loading:
+            self.loading.remove(request)
         self.kv.free(request.slot, request.block_table)
         request.slot = None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
+        self._finish_loads()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for request in self._running_decodes_first():
@@ -126,6 +135,8 @@ class Scheduler:
             plan = self.kv.plan_prefix(request.block_hashes, request.num_tokens)
             if request.sampling.prompt_logprobs is not None:
                 plan = NO_HIT  # every prompt row's logits are wanted: nothing may be skipped
+            elif self._start_disk_load(request, len(plan.hit_blocks)):
+                continue
             request.frozen_until, request.window_from = plan.hit_tokens, plan.window_from
             n = self._chunk_size(request, plan.resume_from, budget)
             admitted = self.kv.admit(plan, plan.resume_from + n)
@@ -140,12 +151,46 @@ class Scheduler:
                 request.num_hit_tokens = plan.hit_tokens
                 request.num_cached_tokens = plan.resume_from
                 request.num_recomputed_tokens = plan.recompute_tokens
+                request.num_disk_hit_tokens = min(request.num_disk_hit_tokens, plan.hit_tokens)
                 self.stats.prefix_queries += request.num_prompt_tokens
-                self.stats.prefix_hits += plan.hit_tokens
+                self.stats.prefix_hits += plan.hit_tokens - request.num_disk_hit_tokens
+                self.stats.prefix_hits_disk += request.num_disk_hit_tokens
             self.stats.recomputed += plan.recompute_tokens
             self.running.append(request)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
+
+    # ---- the SSD store ----------------------------------------------------------------------------
+    def _start_disk_load(self, request: Request, device_hit: int) -> bool:
+        """Once per request: if the store holds blocks past the device hit, read them in the
+        background while the request waits in LOADING (others keep running)."""
+        if request.disk_checked or self.kv.store is None:
+            return False
+        request.disk_checked = True
+        count = self.kv.disk_blocks(request.block_hashes, request.num_tokens, device_hit)
+        if not count:
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.LOADING
+        request.disk_load = self.kv.start_load(request.block_hashes, request.all_token_ids, device_hit, count)
+        self.loading.append(request)
+        return True
+
+    def _finish_loads(self) -> None:
+        done = [r for r in self.loading if r.disk_load.done()]
+        for request in sorted(done, key=lambda r: r.arrival_time, reverse=True):
+            self.loading.remove(request)
+            load, request.disk_load = request.disk_load, None
+            try:
+                result = load.result()
+            except Exception:  # a failed read is a miss: the request computes instead
+                log.exception("reading %s's prefix from the KV store failed", request.request_id)
+            else:
+                installed = self.kv.install(result, request.block_hashes)
+                request.num_disk_hit_tokens = installed * self.kv.config.block_size
+                self.stats.load_seconds.append(result.seconds)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     # ---- after the forward ----------------------------------------------------------------------
     def advance(self, chunks: Iterable[ScheduledChunk]) -> None:
@@ -154,11 +199,13 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new
             pos = request.num_computed_tokens
+            tokens = request.all_token_ids
             request.num_sealed_blocks = self.kv.seal(request.block_table, request.block_hashes,
-                                                     request.num_sealed_blocks, pos)
+                                                     request.num_sealed_blocks, pos, tokens)
             exact = request.window_from == 0 or pos >= request.frozen_until
             if exact and self.kv.is_snapshot_point(pos, request.num_prompt_tokens):
-                self.kv.save_snapshot(request.slot, request.block_hashes[pos // self.kv.config.block_size - 1])
+                b = self.kv.config.block_size
+                self.kv.save_snapshot(request.slot, request.block_hashes[pos // b - 1], tokens[pos - b:pos])
 
     def append_token(self, request: Request, token: int) -> None:
         request.output_token_ids.append(token)

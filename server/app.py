@@ -482,8 +482,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, Any]:
-        dropped = await engine.call(lambda eng: eng.kv.reset_prefix_cache())
-        return {"status": "ok", "dropped_blocks": dropped}
+    async def reset_prefix_cache(store: bool = False) -> dict[str, Any]:
+        """Empty the device prefix cache; with `?store=true` also the SSD store."""
+        dropped = await engine.call(lambda eng: eng.kv.reset_prefix_cache(store=store))
+        return {"status": "ok", "dropped_blocks": dropped, "store_cleared": store}
 
     return app

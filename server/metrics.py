@@ -43,15 +43,25 @@ class Metrics:
                              ["model_name"], buckets=_ITL, registry=r)
         self.e2e = Histogram("v4serve_e2e_request_latency_seconds", "Arrival to finish", ["model_name"],
                              buckets=_LATENCY, registry=r)
+        self.store_read = counter("v4serve_kv_store_read_bytes", "Bytes read from the SSD prefix store")
+        self.store_written = counter("v4serve_kv_store_written_bytes", "Bytes written to the SSD prefix store")
+        self.store_errors = counter("v4serve_kv_store_errors", "SSD store faults (bad files, full disk)", ("kind",))
+        self.store_usage = gauge("v4serve_kv_store_usage_bytes", "Bytes the SSD prefix store holds")
+        self.store_read_seconds = Histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time",
+                                            ["model_name"], buckets=_ITL, registry=r)
         self.prefix_hits.labels(**label, source="device")
         self.prefix_hits.labels(**label, source="disk")
-        self._last = {"queries": 0, "hits": 0, "recompute": 0, "preemptions": 0, "evictions": 0}
+        self._last = {"queries": 0, "hits": 0, "disk_hits": 0, "recompute": 0, "preemptions": 0, "evictions": 0,
+                      "read": 0, "written": 0}
+        self._last_errors: dict[str, int] = {}
         self._last_token: dict[str, float] = {}
 
     def on_step(self, engine: LLMEngine) -> None:
         stats, pool = engine.scheduler.stats, engine.kv.pool
-        now = {"queries": stats.prefix_queries, "hits": stats.prefix_hits, "recompute": stats.recomputed,
-               "preemptions": stats.preemptions, "evictions": pool.evictions}
+        store = engine.kv.store
+        now = {"queries": stats.prefix_queries, "hits": stats.prefix_hits, "disk_hits": stats.prefix_hits_disk,
+               "recompute": stats.recomputed, "preemptions": stats.preemptions, "evictions": pool.evictions,
+               "read": store.stats.bytes_read if store else 0, "written": store.stats.bytes_written if store else 0}
         delta = {k: now[k] - self._last[k] for k in now}
         self._last = now
         lb = self._label
@@ -60,6 +70,15 @@ class Metrics:
         self.recompute.labels(**lb).inc(delta["recompute"])
         self.preemptions.labels(**lb).inc(delta["preemptions"])
         self.evictions.labels(**lb).inc(delta["evictions"])
+        self.prefix_hits.labels(**lb, source="disk").inc(delta["disk_hits"])
+        self.store_read.labels(**lb).inc(delta["read"])
+        self.store_written.labels(**lb).inc(delta["written"])
+        while stats.load_seconds:
+            self.store_read_seconds.labels(**lb).observe(stats.load_seconds.pop())
+        if store is not None:
+            for kind, count in list(store.stats.errors.items()):
+                self.store_errors.labels(**lb, kind=kind).inc(count - self._last_errors.get(kind, 0))
+                self._last_errors[kind] = count
         self.sample_queues(engine)
 
     def sample_queues(self, engine: LLMEngine) -> None:
@@ -67,7 +86,9 @@ class Metrics:
         self.state_usage.labels(**lb).set(engine.kv.slots.usage())
         self.block_usage.labels(**lb).set(engine.kv.pool.usage())
         self.running.labels(**lb).set(len(engine.scheduler.running))
-        self.waiting.labels(**lb).set(len(engine.scheduler.waiting))
+        self.waiting.labels(**lb).set(len(engine.scheduler.waiting) + len(engine.scheduler.loading))
+        if engine.kv.store is not None:
+            self.store_usage.labels(**lb).set(engine.kv.store.used_bytes)
 
     def on_token(self, request: Request, now: float, first: bool) -> None:
         lb = self._label

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,14 @@ class ServeConfig:
         return "v4serve-tiny" if self.model == "tiny" else Path(self.model).name
 
 
+DEFAULT_STORE_BYTES = 32 << 30
+
+
+def default_store_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "v4serve", "kv-store")
+
+
 def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     device = cfg.resolved_device()
     dtype = cfg.resolved_dtype(device)
@@ -84,9 +93,9 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4) -> EngineConfig:
     block = model.cfg.block_size
     max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
     interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
-    if cfg.kv_store_dir and not cfg.no_kv_store:
-        raise ValueError("the SSD prefix store (--kv-store-dir) is not available in this build")
-    return EngineConfig(max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
+    store_dir = None if cfg.no_kv_store or cfg.no_prefix_caching else (cfg.kv_store_dir or default_store_dir())
+    return EngineConfig(kv_store_dir=store_dir, kv_store_max_bytes=cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES,
+                        max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
                         swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype, seed=cfg.seed)
@@ -107,6 +116,8 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
              econf.max_model_len)
+    log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
+             if econf.kv_store_dir else "off")
     return app, async_engine
 
 

@@ -27,6 +27,8 @@ def free_port() -> int:
 def daemon(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) of a running daemon; stop it afterwards."""
     port = free_port()
+    if "--kv-store-dir" not in args and "--no-kv-store" not in args:
+        args = (*args, "--no-kv-store")  # tests never write to the user's cache folder
     cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"v4serve-test-{port}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
