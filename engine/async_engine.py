@@ -110,13 +110,7 @@ class AsyncEngine:
         """Submit the choices of one API request (n ≥ 1, same prompt) and yield their deltas.
         Choices after the first start once the first has finished its prefill, so they share
         its prompt blocks through the prefix cache."""
-        if not self.alive:
-            raise EngineDead("the engine loop is not running")
-        for r in requests:
-            self.engine.validate(r)
-        waiting = len(self.engine.scheduler.waiting) + self._pending
-        if waiting + len(requests) > self.engine.scheduler.config.max_waiting:
-            raise EngineOverloaded(f"{waiting} requests are already waiting")
+        self.check(requests)
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
 
@@ -136,6 +130,17 @@ class AsyncEngine:
         finally:
             if remaining:  # the consumer went away (client disconnect): free everything at once
                 self.abort([r.request_id for r in requests])
+
+    def check(self, requests: list[Request]) -> None:
+        """Raise now (before any response bytes are sent) if these requests cannot be served:
+        RequestError (400), EngineOverloaded (503) or EngineDead (503)."""
+        if not self.alive:
+            raise EngineDead("the engine loop is not running")
+        for r in requests:
+            self.engine.validate(r)
+        waiting = len(self.engine.scheduler.waiting) + len(self.engine.scheduler.loading) + self._pending
+        if waiting + len(requests) > self.engine.scheduler.config.max_waiting:
+            raise EngineOverloaded(f"{waiting} requests are already waiting")
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(lambda: self._abort(request_ids))

@@ -96,9 +96,10 @@ class Api:
                  prompt_logprobs: int | None = None, seed_offset: int = 0) -> SamplingParams:
         vocab = self.engine.engine.model.cfg.vocab_size
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-        bad = [t for t in list(bias) + list(body.stop_token_ids or []) if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="logit_bias")
+        for name, ids in (("logit_bias", list(bias)), ("stop_token_ids", list(body.stop_token_ids or []))):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param=name)
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
@@ -129,11 +130,11 @@ class Api:
         return raw.decode("utf-8", errors="replace"), list(raw)
 
     @staticmethod
-    def usage(requests: list[EngineRequest]) -> dict[str, Any]:
-        first = requests[0]
-        prompt = first.num_prompt_tokens
-        completion = sum(len(r.output_token_ids) for r in requests)
-        cached = first.num_cached_tokens
+    def usage(groups: list[list[EngineRequest]]) -> dict[str, Any]:
+        """Usage of one API request: each prompt counted once, every choice's completion."""
+        prompt = sum(g[0].num_prompt_tokens for g in groups)
+        cached = sum(g[0].num_cached_tokens for g in groups)
+        completion = sum(len(r.output_token_ids) for g in groups for r in g)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached},
                 "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt - cached}
@@ -179,6 +180,7 @@ class Api:
         requests = self.choices(rid, prompt, body, max_tokens, logprobs)
         options = self.output_options(body, reasoning_end_token=self.think_end_id if thinking else None)
         created = int(time.time())
+        self.engine.check(requests)  # errors must come before a stream's first byte
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self.sse(self.chat_stream(rid, created, requests, options, include_usage, body.logprobs))
@@ -192,7 +194,7 @@ class Api:
                             "logprobs": self.chat_logprobs(deltas) if body.logprobs else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.config.served_model_name, "choices": choices,
-                             "usage": self.usage(requests)})
+                             "usage": self.usage([requests])})
 
     def chat_logprobs(self, deltas: list[Delta]) -> dict[str, Any]:
         content = []
@@ -225,14 +227,14 @@ class Api:
                 body["reasoning_content"] = delta.reasoning
             if delta.text:
                 body["content"] = delta.text
-            if not body and not delta.finished:
-                continue
+            if not body and not delta.finished and not (logprobs and delta.samples):
+                continue  # bytes held back (partial character, stop-string prefix, skipped special)
             yield chunk([{"index": delta.index, "delta": body,
                           "logprobs": self.chat_logprobs([delta]) if logprobs else None,
                           "finish_reason": delta.finish_reason if delta.finished else None}])
         else:
             if include_usage:
-                yield chunk([], self.usage(requests))
+                yield chunk([], self.usage([requests]))
         yield "data: [DONE]\n\n"
 
     async def guarded(self, requests: list[EngineRequest], options: OutputOptions) -> AsyncIterator[Delta]:
@@ -277,9 +279,7 @@ class Api:
             max_tokens = self.default_max_tokens(body.max_tokens, len(prompt))
             prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
             groups.append(self.choices(f"{rid}-{p}", prompt, body, max_tokens, body.logprobs, prompt_lp))
-        for group in groups:
-            for r in group:
-                self.engine.engine.validate(r)
+        self.engine.check([r for g in groups for r in g])  # errors must come before a stream's first byte
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -289,12 +289,7 @@ class Api:
         for p, (group, per_choice) in enumerate(zip(groups, results, strict=True)):
             for j, deltas in enumerate(per_choice):
                 choices.append(self.completion_choice(p * body.n + j, group[j], deltas, body))
-        usage = self.usage([r for g in groups for r in g])
-        usage["prompt_tokens"] = sum(g[0].num_prompt_tokens for g in groups)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        cached = sum(g[0].num_cached_tokens for g in groups)
-        usage.update(prompt_tokens_details={"cached_tokens": cached}, prompt_cache_hit_tokens=cached,
-                     prompt_cache_miss_tokens=usage["prompt_tokens"] - cached)
+        usage = self.usage(groups)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": self.config.served_model_name, "choices": choices, "usage": usage})
 
@@ -374,11 +369,30 @@ class Api:
                 yield chunk([{"index": p * body.n + delta.index, "text": delta.text, "logprobs": lp,
                               "finish_reason": delta.finish_reason if delta.finished else None}])
             if include_usage and not failed:
-                yield chunk([], self.usage([r for g in groups for r in g]))
+                yield chunk([], self.usage(groups))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
                 t.cancel()
+
+
+class ApiKeyAuth:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
+    handlers): `Authorization: Bearer KEY` on /v1 and the admin endpoint."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/reset_prefix_cache"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = JSONResponse(error_json("Incorrect API key provided.", "invalid_request_error",
+                                                   code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -421,15 +435,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
         type_ = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_json(str(exc.detail), type_), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        protected = request.url.path.startswith("/v1") or request.url.path == "/reset_prefix_cache"
-        if config.api_key and protected:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return JSONResponse(error_json("Incorrect API key provided.", "invalid_request_error",
-                                               code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:

@@ -1,0 +1,238 @@
+"""The SSD prefix store: restart hits in every SWA mode, file faults as misses, full disks,
+shared folders and hash collisions. Real files in a temporary folder; only ENOSPC is injected."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from cache.kv_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore, decode, encode
+from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
+
+NS = b"n" * 32
+
+
+def blk_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.blk"))
+
+
+def cold_output(model, prompt: list[int], n: int = 6) -> list[int]:
+    return engine_for(model, enable_prefix_caching=False).generate([greedy("cold", prompt, n)])["cold"]
+
+
+def populate(model, root: Path, prompt: list[int], **kw) -> None:
+    engine = engine_for(model, kv_store_dir=str(root), **kw)
+    engine.generate([greedy("first", prompt)])
+    engine.close()
+
+
+def restarted_request(model, root: Path, prompt: list[int], **kw):
+    engine = engine_for(model, kv_store_dir=str(root), **kw)
+    req = greedy("again", prompt)
+    engine.generate([req])
+    engine.check()
+    engine.close()
+    return req, engine
+
+
+# ---- file format ------------------------------------------------------------------------------------
+
+
+def test_encode_decode_round_trip_and_every_fault_is_named():
+    toks = list(range(16))
+    data = b"".join(bytes(p) for p in encode(KIND_BLOCK, NS, b"h" * 32, toks, b"L", [b"abc", b"de"]))
+    assert bytes(decode(data, NS, b"h" * 32, toks, b"L")) == b"abcde"
+    cases = {
+        "truncated": (data[:-3], NS, toks, b"L"),
+        "checksum": (data[:60] + bytes([data[60] ^ 1]) + data[61:], NS, toks, b"L"),
+        "namespace": (data, b"m" * 32, toks, b"L"),
+        "collision": (data, NS, list(range(1, 17)), b"L"),
+        "format": (b"garbage" * 20, NS, toks, b"L"),
+    }
+    for kind, (raw, ns, tk, layout) in cases.items():
+        with pytest.raises(Exception) as err:
+            decode(raw, ns, b"h" * 32, tk, layout)
+        assert getattr(err.value, "kind", None) == kind, kind
+
+
+# ---- restart hits --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
+@pytest.mark.parametrize("shared", [127, 128, 129, 256, 300])
+def test_restart_serves_the_prefix_from_disk_with_cold_tokens(tmp_path, mode, shared):
+    model = tiny_model()
+    doc = tokens(400, 1)
+    populate(model, tmp_path, doc, swa_cache_mode=mode, swa_checkpoint_interval=256)
+    prompt = doc[:shared] + tokens(20, 2)
+    req, engine = restarted_request(model, tmp_path, prompt, swa_cache_mode=mode, swa_checkpoint_interval=256)
+    expected = shared // 128 * 128
+    assert req.num_hit_tokens == expected and req.num_disk_hit_tokens == expected
+    assert engine.scheduler.stats.prefix_hits_disk == expected
+    assert req.output_token_ids == cold_output(model, prompt)
+    if mode == "full":
+        assert req.num_recomputed_tokens == 0  # the boundary's snapshot came from disk too
+
+
+def test_store_writes_blocks_and_snapshots_per_mode(tmp_path):
+    model = small_model()  # 16-token blocks
+    prompt = tokens(100, 3)  # 6 full blocks
+    written = {}
+    for mode in ("full", "periodic", "zero"):
+        root = tmp_path / mode
+        populate(model, root, prompt, swa_cache_mode=mode, swa_checkpoint_interval=32)
+        written[mode] = (len(blk_files(root)), len(list(root.rglob("*.snap"))))
+    # The prompt's 6 blocks and the first generated token's block boundary stay below 112.
+    assert written["full"] == (6, 6)
+    assert written["periodic"] == (6, 3)  # at 32 and 64 (interval), 96 (interval and the prompt's end)
+    assert written["zero"] == (6, 0)
+
+
+# ---- faults ----------------------------------------------------------------------------------------------
+
+
+def corrupt(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flipped":
+        path.write_bytes(data[:-40] + bytes([data[-40] ^ 0xFF]) + data[-39:])
+    elif how == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif how == "namespace":  # a well-formed file written for another model (valid checksum)
+        body = data[:11] + bytes(32) + data[43:-4]
+        path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+    elif how == "unreadable":
+        path.unlink()
+        path.mkdir()
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "garbage", "namespace", "unreadable"])
+def test_a_bad_block_file_is_a_quarantined_miss(tmp_path, how):
+    model = small_model()
+    prompt = tokens(90, 4)
+    populate(model, tmp_path, prompt, swa_cache_mode="zero")
+    files = blk_files(tmp_path)
+    engine0 = engine_for(model, kv_store_dir=str(tmp_path))
+    third = engine0.kv.store.path(KIND_BLOCK, engine0.kv.hashes(prompt, None)[2])
+    engine0.close()
+    assert third in files
+    corrupt(third, how)
+    req, engine = restarted_request(model, tmp_path, prompt, swa_cache_mode="zero")
+    assert req.num_disk_hit_tokens == 32  # blocks 0 and 1; the bad third ends the prefix
+    assert req.output_token_ids == cold_output(model, prompt)
+    errors = engine.kv.store.stats.errors
+    kinds = {"flipped": "checksum", "garbage": "format"}
+    assert errors[kinds.get(how, how)] == 1, errors
+    assert any((tmp_path / "quarantine").iterdir())
+    assert not third.exists() or third.is_file()  # moved aside (and rewritten once recomputed)
+
+
+def test_stale_temp_files_are_removed_on_start(tmp_path):
+    model = small_model()
+    populate(model, tmp_path, tokens(40, 5))
+    stale = blk_files(tmp_path)[0].parent / ".tmp-deadbeef"
+    stale.write_bytes(b"half a file")
+    engine = engine_for(model, kv_store_dir=str(tmp_path))
+    engine.close()
+    assert not stale.exists()
+
+
+def test_hash_collision_never_serves_other_tokens(tmp_path):
+    model = small_model()
+    prompt, other = tokens(50, 6), tokens(50, 7)
+    populate(model, tmp_path, other)
+    engine = engine_for(model, kv_store_dir=str(tmp_path))
+    # Force a collision: the file for prompt's first block hash now holds the other prompt's block.
+    src = engine.kv.store.path(KIND_BLOCK, engine.kv.hashes(other, None)[0])
+    dst = engine.kv.store.path(KIND_BLOCK, engine.kv.hashes(prompt, None)[0])
+    engine.close()
+    data = bytearray(src.read_bytes())
+    data[43:75] = engine.kv.hashes(prompt, None)[0]  # claim the colliding hash (then fix the CRC)
+    body = len(data) - 4
+    data[body:] = struct.pack("<I", zlib.crc32(bytes(data[:body])))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(bytes(data))
+    req, engine = restarted_request(model, tmp_path, prompt)
+    assert req.num_disk_hit_tokens == 0
+    assert engine.kv.store.stats.errors["collision"] == 1
+    assert req.output_token_ids == cold_output(model, prompt)
+
+
+def test_full_disk_stops_writes_not_serving(tmp_path, monkeypatch):
+    model = small_model()
+    real_open = open
+
+    def no_space(path, mode="r", *args, **kwargs):
+        if "w" in mode and ".tmp-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_space)
+    engine = engine_for(model, kv_store_dir=str(tmp_path))
+    prompt = tokens(60, 8)
+    out = engine.generate([greedy("a", prompt)])["a"]
+    engine.kv.store.flush()
+    assert not engine.kv.store.writing
+    assert engine.kv.store.stats.errors["enospc"] == 1
+    again = greedy("b", prompt)
+    assert engine.generate([again])["b"] == out  # device cache and serving go on
+    assert again.num_hit_tokens == 48
+    engine.close()
+    monkeypatch.undo()
+    assert blk_files(tmp_path) == [] and not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_two_engines_share_one_folder(tmp_path):
+    model = small_model()
+    a = engine_for(model, kv_store_dir=str(tmp_path))
+    b = engine_for(model, kv_store_dir=str(tmp_path))  # started before a wrote anything
+    prompt = tokens(70, 9)
+    a.generate([greedy("a", prompt)])
+    a.kv.store.flush()
+    req = greedy("b", prompt[:66] + tokens(10, 10))
+    b.generate([req])
+    assert req.num_disk_hit_tokens == 64
+    assert req.output_token_ids == cold_output(model, req.prompt_token_ids)
+    a.close()
+    b.close()
+
+
+def test_size_bound_evicts_least_recently_used_files(tmp_path):
+    model = small_model()
+    probe = engine_for(model, kv_store_dir=str(tmp_path / "probe"))
+    probe.generate([greedy("p", tokens(20, 11))])
+    probe.close()
+    size = blk_files(tmp_path / "probe")[0].stat().st_size
+    root = tmp_path / "bounded"
+    engine = engine_for(model, kv_store_dir=str(root), kv_store_max_bytes=3 * size, swa_cache_mode="zero")
+    engine.generate([greedy("a", tokens(90, 12))])  # 5 blocks, only 3 fit
+    engine.kv.store.flush()
+    assert len(blk_files(root)) == 3
+    assert engine.kv.store.used_bytes <= 3 * size
+    engine.close()
+
+
+def test_reset_with_store_empties_the_folder(tmp_path):
+    model = small_model()
+    engine = engine_for(model, kv_store_dir=str(tmp_path))
+    engine.generate([greedy("a", tokens(60, 13))])
+    engine.kv.store.flush()
+    assert blk_files(tmp_path)
+    engine.kv.reset_prefix_cache(store=True)
+    assert blk_files(tmp_path) == [] and not list(tmp_path.rglob("*.snap"))
+    assert engine.kv.store.contains(KIND_SNAPSHOT, b"x" * 32) is False
+    engine.close()
+
+
+def test_store_survives_a_foreign_file_layout(tmp_path):
+    """A store written under another KV layout (another model) is never read as this one."""
+    populate(small_model(), tmp_path, tokens(60, 14))
+    other = KVStore(tmp_path, b"z" * 32, b"other-layout")
+    assert other.longest_prefix([b"a" * 32]) == 0
+    other.close()
