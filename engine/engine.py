@@ -22,6 +22,9 @@ from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
+# Steps with at least this many tokens use every intra-op CPU thread.
+PARALLEL_STEP_TOKENS = 128
+
 # Bumped whenever the meaning of stored KV changes (layout, pooling, rope placement).
 KV_FORMAT_VERSION = 1
 
@@ -112,6 +115,7 @@ class LLMEngine:
             max_waiting=config.max_waiting), self.kv)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
+        self._cpu_threads = torch.get_num_threads()
         itemsize = torch.empty((), dtype=config.kv_dtype).element_size()
         log.info("%s", cache_table(self.layout, itemsize, config.max_num_seqs, num_blocks))
 
@@ -188,7 +192,15 @@ class LLMEngine:
             offset += c.num_new
         meta = AttentionMetadata(seqs=seqs, logits_rows=rows)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.storage.device)
+        self._set_cpu_threads(len(ids))
         return self.model(input_ids, meta, self.storage)
+
+    def _set_cpu_threads(self, num_tokens: int) -> None:
+        """On CPU, small (decode) steps run on one intra-op thread: the others would only spin
+        against the serving threads; large (prefill) steps use them all."""
+        if self.storage.device.type != "cpu" or self._cpu_threads <= 1:
+            return
+        torch.set_num_threads(self._cpu_threads if num_tokens >= PARALLEL_STEP_TOKENS else 1)
 
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         # Row layout and completion are decided on the pre-step counts.
