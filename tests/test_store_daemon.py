@@ -1,0 +1,135 @@
+"""The SSD prefix store through the real daemon: a restart between two requests serves the
+shared prefix from disk (usage and metrics say so) with the cold run's greedy tokens in every
+SWA mode; bad files, a full disk and a shared folder never stop serving."""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.daemon import daemon
+from tests.helpers import tokens
+
+DOC = tokens(760, 21)
+QUESTION = tokens(30, 22)
+
+
+def complete(url: str, prompt: list[int], n: int = 8) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def output_tokens(result: dict) -> list[str]:
+    return result["choices"][0]["logprobs"]["tokens"]
+
+
+def block_position(path: Path, sequence: list[int]) -> int:
+    """Where a block file's tokens sit in `sequence` (read from its header); past the end if
+    they are not in it (a block ending in generated tokens)."""
+    data = path.read_bytes()
+    head = struct.calcsize("<8sHB32s32sIIQ")
+    block = struct.unpack_from("<128i", data, head)
+    return next((i for i in range(0, len(sequence), 128) if tuple(sequence[i:i + 128]) == block), len(sequence))
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def cold() -> dict[int, list[str]]:
+    """Reference outputs from a daemon that caches nothing."""
+    with daemon("--no-prefix-caching") as url:
+        return {shared: output_tokens(complete(url, DOC[:shared] + QUESTION)) for shared in (640, 641, 700)}
+
+
+@pytest.mark.parametrize(("mode", "shared"), [("full", 640), ("periodic", 700), ("zero", 641)])
+def test_restart_serves_from_disk_with_cold_tokens(tmp_path, cold, mode, shared):
+    args = ("--kv-store-dir", str(tmp_path), "--swa-cache-mode", mode, "--swa-checkpoint-interval", "256")
+    with daemon(*args) as url:
+        complete(url, DOC + tokens(10, 23))
+    with daemon(*args) as url:
+        result = complete(url, DOC[:shared] + QUESTION)
+        disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+        read_bytes = metric(url, "v4serve_kv_store_read_bytes_total")
+        loads = metric(url, "v4serve_kv_store_read_seconds_count")
+    assert output_tokens(result) == cold[shared]
+    usage = result["usage"]
+    assert disk_hits == 640 and read_bytes > 0 and loads == 1
+    # full: the snapshot at 640; periodic: the latest at or below 640 is 512 (every 256 tokens and
+    # 768 at the first prompt's end); zero: recompute (window-1)·layers = 127·4 tokens.
+    resume = {"full": 640, "periodic": 512, "zero": 640 - 508}[mode]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == resume
+    assert usage["prompt_cache_hit_tokens"] + usage["prompt_cache_miss_tokens"] == usage["prompt_tokens"]
+
+
+def test_bad_files_are_misses_and_the_daemon_keeps_serving(tmp_path, cold):
+    args = ("--kv-store-dir", str(tmp_path), "--swa-cache-mode", "zero")
+    first = DOC + tokens(10, 24)
+    with daemon(*args) as url:
+        complete(url, first)
+    files = sorted(tmp_path.rglob("*.blk"), key=lambda p: block_position(p, first))
+    assert len(files) == 6  # 770 prompt tokens + 7 computed outputs: six full 128-token blocks
+    victim = files[3]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # flipped byte
+    files[4].write_bytes(b"not a store file at all")  # garbage
+    (victim.parent / ".tmp-leftover").write_bytes(b"partial")  # a crash mid-write
+    with daemon(*args) as url:
+        result = complete(url, DOC[:641] + QUESTION)
+        errors = metric(url, "v4serve_kv_store_errors_total")
+        disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+        again = complete(url, tokens(50, 25))  # still serving
+    assert output_tokens(result) == cold[641]
+    assert disk_hits == 3 * 128  # blocks 0..2; the flipped fourth ends the prefix
+    assert errors == 1  # the flipped file; the garbage one was never reached
+    assert again["choices"][0]["finish_reason"] == "length"
+    assert not (victim.parent / ".tmp-leftover").exists()
+    assert any((tmp_path / "quarantine").iterdir())
+
+
+def test_two_daemons_share_one_store_folder(tmp_path, cold):
+    args = ("--kv-store-dir", str(tmp_path), "--swa-cache-mode", "periodic", "--swa-checkpoint-interval", "256")
+    with daemon(*args) as first, daemon(*args) as second:
+        complete(first, DOC + tokens(10, 26))
+        result = complete(second, DOC[:700] + QUESTION)  # written by the other daemon
+        # Background writes may still be landing: a block not yet renamed is simply a miss.
+        disk_hits = metric(second, "v4serve_prefix_cache_hits_total", source="disk")
+    assert output_tokens(result) == cold[700]
+    assert disk_hits % 128 == 0 and disk_hits > 0
+
+
+def test_full_disk_stops_writes_not_serving(tmp_path, cold):
+    """A real full filesystem: a 96 KiB tmpfs (mounting needs root, as `make test` runs in CI)."""
+    mount = tmp_path / "tiny-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mount)], capture_output=True)
+    assert done.returncode == 0, f"cannot mount a tmpfs (needs root): {done.stderr.decode()}"
+    try:
+        with daemon("--kv-store-dir", str(mount), "--swa-cache-mode", "full") as url:
+            first = complete(url, DOC[:641] + QUESTION)
+            errors = metric(url, "v4serve_kv_store_errors_total", kind="enospc")
+            second = complete(url, DOC[:641] + QUESTION)
+            third = complete(url, tokens(40, 27))
+        assert output_tokens(first) == cold[641] == output_tokens(second)
+        assert errors == 1
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 640  # the device cache goes on
+        assert third["choices"][0]["finish_reason"] == "length"
+        assert not list(Path(mount).rglob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
