@@ -239,11 +239,10 @@ class KVCacheManager:
         assert self.store is not None
         t0, b = time.perf_counter(), self.config.block_size
         load = DiskLoad(first=first)
-        for i in range(first, first + count):
-            payload = self.store.get(KIND_BLOCK, hashes[i], tokens[i * b:(i + 1) * b])
-            if payload is None:
-                break  # a bad or vanished file ends the usable prefix
-            load.blocks.append((hashes[i], payload))
+        items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
+        # A bad or vanished file ends the usable prefix.
+        payloads = self.store.get_many(KIND_BLOCK, items)
+        load.blocks = [(h, p) for (h, _), p in zip(items, payloads, strict=False)]
         if self.config.swa_cache_mode != "zero":
             load.snapshot = self._load_snapshot(hashes, tokens, first + len(load.blocks))
         load.seconds = time.perf_counter() - t0
