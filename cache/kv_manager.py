@@ -86,6 +86,8 @@ class StateStorage:
     def clear_slot(self, slot: int) -> None: ...
     def block_payload(self, block_id: int) -> list[memoryview]: ...
     def load_block_payload(self, block_id: int, payload: memoryview) -> None: ...
+    def stack_block_payloads(self, payloads: list[memoryview]) -> list[Any]: ...
+    def install_blocks(self, block_ids: list[int], stacked: list[Any]) -> None: ...
     def snapshot_payload(self, state: Any) -> list[memoryview]: ...
     def snapshot_from_payload(self, payload: memoryview) -> Any: ...
 
@@ -95,7 +97,8 @@ class DiskLoad:
     """Blocks (and at most one snapshot) read from the SSD store for one waiting request."""
 
     first: int  # index of the first block loaded
-    blocks: list[tuple[bytes, memoryview]] = field(default_factory=list)  # (hash, payload)
+    hashes: list[bytes] = field(default_factory=list)  # of the blocks loaded, in order
+    stacked: list[Any] = field(default_factory=list)  # their contents, one host tensor per storage tensor
     snapshot: tuple[bytes, Any] | None = None  # (key, host state)
     seconds: float = 0.0
 
@@ -240,11 +243,18 @@ class KVCacheManager:
         t0, b = time.perf_counter(), self.config.block_size
         load = DiskLoad(first=first)
         items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
-        # A bad or vanished file ends the usable prefix.
-        payloads = self.store.get_many(KIND_BLOCK, items)
-        load.blocks = [(h, p) for (h, _), p in zip(items, payloads, strict=False)]
+        # The snapshot at the end of the run is read alongside the blocks; if a bad block cuts the
+        # run short, a nearer one is looked for afterwards.
+        snapshot = None
         if self.config.swa_cache_mode != "zero":
-            load.snapshot = self._load_snapshot(hashes, tokens, first + len(load.blocks))
+            snapshot = self.store.submit_io(lambda: self._load_snapshot(hashes, tokens, first + count))
+        payloads = self.store.get_many(KIND_BLOCK, items)  # a bad or vanished file ends the prefix
+        load.hashes = [h for h, _ in items[: len(payloads)]]
+        load.stacked = self.storage.stack_block_payloads(payloads) if payloads else []
+        if snapshot is not None:
+            load.snapshot = snapshot.result()
+            if len(payloads) < count:
+                load.snapshot = self._load_snapshot(hashes, tokens, first + len(payloads))
         load.seconds = time.perf_counter() - t0
         return load
 
@@ -270,10 +280,11 @@ class KVCacheManager:
         device_hit = self.pool.longest_prefix(hashes[: load.first])
         self.pool.take(device_hit)
         try:
-            n = min(len(load.blocks), self.pool.num_free)
+            n = min(len(load.hashes), self.pool.num_free)
             ids = self.pool.allocate(n)
-            for block_id, (h, payload) in zip(ids, load.blocks, strict=False):
-                self.storage.load_block_payload(block_id, payload)
+            if n:
+                self.storage.install_blocks(ids, load.stacked)
+            for block_id, h in zip(ids, load.hashes, strict=False):
                 self.pool.seal(block_id, h)
             self.pool.release(reversed(ids))
         finally:

@@ -127,6 +127,7 @@ class KVStore:
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="v4serve-kvstore-reader")
         # Several reads in flight: an SSD serves small files faster in parallel than one by one.
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="v4serve-kvstore-io")
+        self._io_threads = io_threads
 
     # ---- index ----------------------------------------------------------------------------------
     def path(self, kind: int, block_hash: bytes) -> Path:
@@ -287,13 +288,25 @@ class KVStore:
         return payload
 
     def get_many(self, kind: int, items: Sequence[tuple[bytes, Sequence[int] | None]]) -> list[memoryview]:
-        """Payloads of consecutive files, read in parallel, up to the first miss."""
-        out = []
-        for payload in self._io.map(lambda item: self.get(kind, *item), items):
-            if payload is None:
-                break
-            out.append(payload)
+        """Payloads of consecutive files, up to the first miss; a few runs of files are read in
+        parallel (an SSD serves several small reads at once faster than one by one)."""
+        size = -(-len(items) // self._io_threads) if items else 1
+        runs = [items[i:i + size] for i in range(0, len(items), size)]
+
+        def read_run(run: Sequence[tuple[bytes, Sequence[int] | None]]) -> list[memoryview | None]:
+            return [self.get(kind, h, tokens) for h, tokens in run]
+
+        out: list[memoryview] = []
+        for payloads in self._io.map(read_run, runs):
+            for payload in payloads:
+                if payload is None:
+                    return out
+                out.append(payload)
         return out
+
+    def submit_io(self, fn: Callable[[], object]) -> Future:
+        """Run one more read alongside the others (on the IO pool)."""
+        return self._io.submit(fn)
 
     def submit(self, fn: Callable[[], object]) -> Future:
         """Run a load on the reader pool (never on the engine step)."""

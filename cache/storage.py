@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cache.layout import KVLayout, LayerLayout
@@ -87,6 +88,16 @@ class KVStorage:
     def load_block_payload(self, block_id: int, payload: memoryview) -> None:
         load_block_payload(self, block_id, payload)
 
+    def stack_block_payloads(self, payloads: list[memoryview]) -> list[torch.Tensor]:
+        return stack_block_payloads(self, payloads)
+
+    def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
+        """Copy blocks read from the store into the Block Cache: one copy per storage tensor."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        parts = [t for layer in self.layers for t in layer.block_tensors()]
+        for dst, src in zip(parts, stacked, strict=True):
+            dst.index_copy_(0, index, src[: len(block_ids)].to(dst.device, non_blocking=True))
+
     def snapshot_payload(self, state: list[torch.Tensor]) -> list[memoryview]:
         return snapshot_payload(state)
 
@@ -136,6 +147,24 @@ def load_block_payload(storage: KVStorage, block_id: int, payload: memoryview) -
         for t in layer.block_tensors():
             src, offset = _from_bytes(payload, t[block_id], offset)
             t[block_id].copy_(src, non_blocking=True)
+
+
+def stack_block_payloads(storage: KVStorage, payloads: list[memoryview]) -> list[torch.Tensor]:
+    """Host tensors [n, ...] per storage tensor from n block payloads: one byte copy per block
+    into a single matrix, then views (built off the engine thread; pinned when the storage is on
+    a GPU so the copies in can be asynchronous)."""
+    width = len(payloads[0])
+    rows = torch.empty((len(payloads), width), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+    matrix = rows.numpy()
+    for i, payload in enumerate(payloads):
+        matrix[i] = np.frombuffer(payload, dtype=np.uint8)
+    out, offset = [], 0
+    for layer in storage.layers:
+        for t in layer.block_tensors():
+            n = t[0].numel() * t.element_size()
+            out.append(rows[:, offset:offset + n].view(t.dtype).view(len(payloads), *t.shape[1:]))
+            offset += n
+    return out
 
 
 def snapshot_payload(state: list[torch.Tensor]) -> list[memoryview]:

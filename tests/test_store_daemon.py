@@ -97,10 +97,10 @@ def test_bad_files_are_misses_and_the_daemon_keeps_serving(tmp_path, cold):
         again = complete(url, tokens(50, 25))  # still serving
     assert output_tokens(result) == cold[641]
     assert disk_hits == 3 * 128  # blocks 0..2; the flipped fourth ends the prefix
-    assert errors == 1  # the flipped file; the garbage one was never reached
+    assert errors == 2  # the flipped file and the garbage one (read alongside it), both quarantined
     assert again["choices"][0]["finish_reason"] == "length"
     assert not (victim.parent / ".tmp-leftover").exists()
-    assert any((tmp_path / "quarantine").iterdir())
+    assert len(list((tmp_path / "quarantine").iterdir())) == 2
 
 
 def test_two_daemons_share_one_store_folder(tmp_path, cold):
