@@ -75,10 +75,6 @@ class Metrics:
         self.store_written.labels(**lb).inc(delta["written"])
         while stats.load_seconds:
             self.store_read_seconds.labels(**lb).observe(stats.load_seconds.pop())
-        if store is not None:
-            for kind, count in list(store.stats.errors.items()):
-                self.store_errors.labels(**lb, kind=kind).inc(count - self._last_errors.get(kind, 0))
-                self._last_errors[kind] = count
         self.sample_queues(engine)
 
     def sample_queues(self, engine: LLMEngine) -> None:
@@ -87,8 +83,13 @@ class Metrics:
         self.block_usage.labels(**lb).set(engine.kv.pool.usage())
         self.running.labels(**lb).set(len(engine.scheduler.running))
         self.waiting.labels(**lb).set(len(engine.scheduler.waiting) + len(engine.scheduler.loading))
-        if engine.kv.store is not None:
-            self.store_usage.labels(**lb).set(engine.kv.store.used_bytes)
+        store = engine.kv.store
+        if store is not None:
+            # Store threads count faults as they happen: read them at every scrape too.
+            self.store_usage.labels(**lb).set(store.used_bytes)
+            for kind, count in list(store.stats.errors.items()):
+                self.store_errors.labels(**lb, kind=kind).inc(count - self._last_errors.get(kind, 0))
+                self._last_errors[kind] = count
 
     def on_token(self, request: Request, now: float, first: bool) -> None:
         lb = self._label

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,15 @@ def complete(url: str, prompt: list[int], n: int = 8) -> dict:
 
 def output_tokens(result: dict) -> list[str]:
     return result["choices"][0]["logprobs"]["tokens"]
+
+
+def wait_for_metric(url: str, name: str, value: float, timeout: float = 10.0) -> float:
+    """The metric once it reaches `value` (files read in the background may land a moment after
+    the response), or its last reading after the timeout."""
+    deadline = time.monotonic() + timeout
+    while (found := metric(url, name)) < value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
 
 
 def block_position(path: Path, sequence: list[int]) -> int:
@@ -92,7 +102,7 @@ def test_bad_files_are_misses_and_the_daemon_keeps_serving(tmp_path, cold):
     (victim.parent / ".tmp-leftover").write_bytes(b"partial")  # a crash mid-write
     with daemon(*args) as url:
         result = complete(url, DOC[:641] + QUESTION)
-        errors = metric(url, "v4serve_kv_store_errors_total")
+        errors = wait_for_metric(url, "v4serve_kv_store_errors_total", 2)
         disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
         again = complete(url, tokens(50, 25))  # still serving
     assert output_tokens(result) == cold[641]
