@@ -1,0 +1,92 @@
+"""The command line: make-checkpoint writes a folder the loader and the daemon read back; serve
+settings come from defaults < --config FILE < V4SERVE_* < flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine.checkpoint import load_model
+from engine.single import SingleSequence
+from engine.tiny import build_tiny
+from server.cli import build_parser, serve_settings
+from tests.daemon import ROOT, daemon
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_make_checkpoint_writes_the_served_tiny_model(tmp_path):
+    done = run_cli("make-checkpoint", str(tmp_path / "ckpt"), "--max-shard-bytes", "2000000")
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / "ckpt"
+    names = sorted(p.name for p in folder.iterdir())
+    assert "config.json" in names and "tokenizer.json" in names and "model.safetensors.index.json" in names
+    assert sum(n.endswith(".safetensors") for n in names) >= 2  # sharded
+    ids = list(range(64, 200))
+    loaded = SingleSequence(load_model(folder, progress=False), 200).prefill(ids)
+    embedded = SingleSequence(build_tiny(), 200).prefill(ids)
+    assert torch.equal(loaded, embedded)
+
+
+def test_make_checkpoint_sized_variant_and_bad_size(tmp_path):
+    done = run_cli("make-checkpoint", str(tmp_path / "big"), "--set", "hidden_size=192",
+                   "--set", "compress_ratios=[0,4,128,4,0]")
+    assert done.returncode == 0, done.stderr
+    model = load_model(tmp_path / "big", progress=False)
+    assert model.cfg.hidden_size == 192 and model.cfg.num_layers == 5
+    bad = run_cli("make-checkpoint", str(tmp_path / "bad"), "--set", "no_such_field=1")
+    assert bad.returncode == 2 and "invalid model size" in bad.stderr
+
+
+def test_settings_precedence(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 9001\nmax-num-seqs: 3\nswa_cache_mode: zero\nno-kv-store: true\n")
+    args = build_parser().parse_args(["serve", "--config", str(config), "--port", "9003"])
+    settings = serve_settings(args, {"V4SERVE_PORT": "9002", "V4SERVE_MAX_NUM_SEQS": "5"})
+    assert settings["port"] == 9003  # flag beats environment beats file
+    assert settings["max_num_seqs"] == 5  # environment beats file
+    assert settings["swa_cache_mode"] == "zero" and settings["no_kv_store"] is True
+    config.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="unknown setting"):
+        serve_settings(build_parser().parse_args(["serve", "--config", str(config)]), {})
+    with pytest.raises(ValueError, match="max-num-seqs"):
+        serve_settings(build_parser().parse_args(["serve"]), {"V4SERVE_MAX_NUM_SEQS": "many"})
+
+
+def test_bad_serve_settings_exit_with_a_message(tmp_path):
+    done = run_cli("serve", "--model", str(tmp_path / "missing"), "--no-kv-store")
+    assert done.returncode == 2 and "not a folder" in done.stderr
+    done = run_cli("serve", "--swa-cache-mode", "sometimes", "--no-kv-store")
+    assert done.returncode == 2 and "swa_cache_mode" in done.stderr
+
+
+def test_daemon_serves_a_checkpoint_folder(tmp_path):
+    folder = tmp_path / "my-model"
+    assert run_cli("make-checkpoint", str(folder)).returncode == 0
+    with daemon("--model", str(folder)) as url:
+        models = httpx.get(url + "/v1/models").json()
+        reply = httpx.post(url + "/v1/completions", json={"prompt": [70, 71, 72], "max_tokens": 3,
+                                                          "temperature": 0, "ignore_eos": True}).json()
+    assert models["data"][0]["id"] == "my-model"
+    assert reply["usage"]["completion_tokens"] == 3
+
+
+def test_checkpoint_loading_shows_progress(tmp_path, caplog):
+    folder = tmp_path / "ckpt"
+    assert run_cli("make-checkpoint", str(folder)).returncode == 0
+    with caplog.at_level("INFO"):
+        load_model(folder, progress=True)
+    assert any("model.safetensors" in r.getMessage() for r in caplog.records)
+
+
+def test_readme_names_the_two_commands():
+    readme = (Path(ROOT) / "README.md").read_text()
+    assert "make serve" in readme and "make test" in readme

@@ -1,0 +1,121 @@
+"""Faults around the daemon: a dying engine (injected), a full waiting queue, n > 1 sharing the
+prompt's blocks, and resetting the SSD store over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from server.serve import ServeConfig, build
+from tests.daemon import daemon, free_port
+from tests.helpers import tokens
+
+
+@contextmanager
+def in_process_server(cfg: ServeConfig) -> Iterator[tuple[str, object]]:
+    """The real app under uvicorn in a thread, so a fault can be injected into its engine."""
+    app, engine = build(cfg)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield url, engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def test_a_dying_engine_ends_streams_with_an_error_and_health_says_so():
+    with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=2)) as (url, engine):
+        model = engine.engine.model
+        calls = {"n": 0}
+        real_forward = model.forward
+
+        def failing_forward(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise RuntimeError("injected device fault")
+            return real_forward(*args, **kwargs)
+
+        model.forward = failing_forward
+        body = {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])
+        assert "injected device fault" in error["error"]["message"]
+        assert error["error"]["code"] == "generation_failed"
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        after = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=5)
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
+
+
+def test_full_waiting_queue_answers_503_with_retry_after():
+    with daemon("--max-num-seqs", "1", "--max-waiting", "1") as url:
+        long = {"prompt": [70] * 8, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        release = threading.Event()
+        statuses: list[int] = []
+
+        def occupy() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as resp:
+                statuses.append(resp.status_code)
+                for _ in resp.iter_lines():
+                    if release.is_set():
+                        break  # disconnect: the request is aborted
+
+        clients = [threading.Thread(target=occupy) for _ in range(2)]
+        clients[0].start()
+        time.sleep(1.0)  # the first request runs: the only slot is taken
+        clients[1].start()
+        time.sleep(1.0)  # the second waits for the slot: the queue is full
+        refused = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=10)
+        release.set()
+        for c in clients:
+            c.join(timeout=60)
+        assert statuses == [200, 200]
+        assert refused.status_code == 503, refused.text
+        assert refused.headers.get("retry-after") == "1"
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200  # serving resumes once the queue drains
+
+
+def test_n_choices_share_the_prompt_blocks():
+    with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=4)) as (url, engine):
+        prompt = tokens(400, 31)
+        reply = httpx.post(url + "/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 5,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=60).json()
+        texts = {c["text"] for c in reply["choices"]}
+        assert len(reply["choices"]) == 3 and len(texts) == 1  # greedy: identical choices
+        stats = engine.engine.scheduler.stats
+        assert stats.prefix_hits == 2 * 384  # the second and third choice reuse the first's 3 blocks
+
+
+def test_reset_prefix_cache_with_store_empties_the_store(tmp_path):
+    with daemon("--kv-store-dir", str(tmp_path)) as url:
+        prompt = tokens(300, 32)
+        httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+        deadline = time.monotonic() + 10
+        while not list(tmp_path.rglob("*.blk")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(tmp_path.rglob("*.blk"))
+        kept = httpx.post(url + "/reset_prefix_cache", timeout=10).json()
+        assert kept["store_cleared"] is False and list(tmp_path.rglob("*.blk"))
+        cleared = httpx.post(url + "/reset_prefix_cache?store=true", timeout=10).json()
+        assert cleared["store_cleared"] is True
+        assert not list(tmp_path.rglob("*.blk"))
+        again = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
