@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import print_table, time_to_first_token, write_results  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.tiny import build_tiny  # noqa: E402
@@ -52,17 +51,6 @@ def memory_rows(model, contexts: list[int]) -> tuple[list[list], list[dict]]:
     return rows, out
 
 
-def timed_first_token(engine: LLMEngine, req: Request) -> float:
-    t0 = time.perf_counter()
-    engine.add_request(req)
-    while not req.output_token_ids:
-        engine.step()
-    elapsed = time.perf_counter() - t0
-    while engine.has_work():
-        engine.step()
-    return elapsed
-
-
 def reuse_rows(model, doc_len: int) -> tuple[list[list], list[dict]]:
     doc = prompt(doc_len, 2)
     q1, q2 = prompt(24, 3), prompt(24, 4)
@@ -72,8 +60,8 @@ def reuse_rows(model, doc_len: int) -> tuple[list[list], list[dict]]:
                                                max_num_batched_tokens=2048, max_prefill_chunk=2048))
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         cold_req, hit_req = Request("cold", doc + q1, params), Request("hit", doc + q2, params)
-        cold = timed_first_token(engine, cold_req)
-        hit = timed_first_token(engine, hit_req)
+        cold = time_to_first_token(engine, cold_req)
+        hit = time_to_first_token(engine, hit_req)
         reference = LLMEngine(model, EngineConfig(max_model_len=doc_len + 64, max_num_seqs=1,
                                                   enable_prefix_caching=False))
         same = reference.generate([Request("ref", doc + q2, params)])["ref"] == hit_req.output_token_ids

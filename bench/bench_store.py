@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import print_table, time_to_first_token, write_results  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.tiny import build_tiny  # noqa: E402
@@ -72,14 +72,7 @@ def disk_read_bandwidth(folder: Path, size: int = 256 << 20) -> tuple[float, flo
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, Request]:
     req = Request(f"r{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    t0 = time.perf_counter()
-    engine.add_request(req)
-    while not req.output_token_ids:
-        engine.step()
-    elapsed = time.perf_counter() - t0
-    while engine.has_work():
-        engine.step()
-    return elapsed, req
+    return time_to_first_token(engine, req), req
 
 
 def one_case(model, mode: str, doc_len: int, folder: Path, bandwidth: float) -> dict:

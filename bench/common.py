@@ -15,6 +15,18 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def time_to_first_token(engine: Any, request: Any) -> float:
+    """Seconds from adding a request to an engine until its first token; then run it out."""
+    t0 = time.perf_counter()
+    engine.add_request(request)
+    while not request.output_token_ids:
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    while engine.has_work():
+        engine.step()
+    return elapsed
+
+
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median seconds of each function, run in turns (A B A B ...) so that noise from a shared
     machine lands on all of them alike."""

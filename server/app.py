@@ -208,19 +208,14 @@ class Api:
 
     async def chat_stream(self, rid: str, created: int, requests: list[EngineRequest], options: OutputOptions,
                           include_usage: bool, logprobs: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-            payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": self.config.served_model_name, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload)}\n\n"
+        chunk = self.chunker(rid, "chat.completion.chunk", created, include_usage)
 
         for i in range(len(requests)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         async for delta in self.guarded(requests, options):
             if delta.error:
-                yield f"data: {json.dumps(error_json(delta.error, 'server_error', code='generation_failed'))}\n\n"
+                yield self.error_event(delta.error)
                 break
             body: dict[str, Any] = {}
             if delta.reasoning:
@@ -241,6 +236,23 @@ class Api:
         async with contextlib.aclosing(self.engine.generate(requests, options)) as stream:
             async for delta in stream:
                 yield delta
+
+    def chunker(self, rid: str, obj: str, created: int, include_usage: bool) -> Any:
+        """Builds one SSE event per chunk; with include_usage every chunk carries `usage` (null
+        until the final, choice-less one)."""
+
+        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+            payload = {"id": rid, "object": obj, "created": created, "model": self.config.served_model_name,
+                       "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        return chunk
+
+    @staticmethod
+    def error_event(message: str) -> str:
+        return f"data: {json.dumps(error_json(message, 'server_error', code='generation_failed'))}\n\n"
 
     @staticmethod
     def sse(gen: AsyncIterator[str]) -> StreamingResponse:
@@ -327,12 +339,7 @@ class Api:
     async def completion_stream(self, rid: str, created: int, groups: list[list[EngineRequest]],
                                 options: OutputOptions, body: CompletionRequest,
                                 include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
-            payload = {"id": rid, "object": "text_completion", "created": created,
-                       "model": self.config.served_model_name, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload)}\n\n"
+        chunk = self.chunker(rid, "text_completion", created, include_usage)
 
         merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
 
@@ -358,7 +365,7 @@ class Api:
                     open_groups -= 1
                     continue
                 if delta.error:
-                    yield f"data: {json.dumps(error_json(delta.error, 'server_error', code='generation_failed'))}\n\n"
+                    yield self.error_event(delta.error)
                     failed = True
                     break
                 if not delta.text and not delta.finished and body.logprobs is None:
