@@ -186,15 +186,17 @@ class KVCacheManager:
         return True
 
     def seal(self, table: Sequence[int], hashes: Sequence[bytes], num_sealed: int, num_computed: int,
-             tokens: Sequence[int]) -> int:
+             tokens: Sequence[int], tokens_from: int = 0) -> int:
         """Seal every block fully computed since the last call (and queue it for the SSD store);
-        returns the new sealed count."""
+        `tokens` holds the sequence's tokens from position `tokens_from` on. Returns the new
+        sealed count."""
         b = self.config.block_size
         full = min(num_computed // b, len(hashes))
         for i in range(num_sealed, full):
             self.pool.seal(table[i], hashes[i])
             if self.store is not None and self.store.writing:
-                self.store.put(KIND_BLOCK, hashes[i], tokens[i * b:(i + 1) * b], self.storage.block_payload(table[i]))
+                block_tokens = tokens[i * b - tokens_from:(i + 1) * b - tokens_from]
+                self.store.put(KIND_BLOCK, hashes[i], block_tokens, self.storage.block_payload(table[i]))
         return max(num_sealed, full)
 
     # ---- snapshots -------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class LLMEngine:
             seqs.append(SeqChunk(slot=r.slot, block_table=r.block_table, start=r.num_computed_tokens,
                                  num_new=c.num_new, offset=offset, frozen_until=r.frozen_until,
                                  window_from=r.window_from))
-            ids.extend(r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + c.num_new])
+            ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new))
             rows.extend(offset + i for i in self.logit_rows(c))
             offset += c.num_new
         meta = AttentionMetadata(seqs=seqs, logits_rows=rows)

@@ -195,18 +195,22 @@ class Scheduler:
     # ---- after the forward ----------------------------------------------------------------------
     def advance(self, chunks: Iterable[ScheduledChunk]) -> None:
         """Account computed tokens: seal full blocks, save state snapshots at their points."""
+        b = self.kv.config.block_size
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new
             pos = request.num_computed_tokens
-            tokens = request.all_token_ids
-            request.num_sealed_blocks = self.kv.seal(request.block_table, request.block_hashes,
-                                                     request.num_sealed_blocks, pos, tokens)
+            if pos // b > request.num_sealed_blocks:
+                first = request.num_sealed_blocks * b
+                request.num_sealed_blocks = self.kv.seal(request.block_table, request.block_hashes,
+                                                         request.num_sealed_blocks, pos,
+                                                         request.token_slice(first, pos // b * b), first)
             exact = request.window_from == 0 or pos >= request.frozen_until
             if exact and self.kv.is_snapshot_point(pos, request.num_prompt_tokens):
-                b = self.kv.config.block_size
-                self.kv.save_snapshot(request.slot, request.block_hashes[pos // b - 1], tokens[pos - b:pos])
+                key = request.block_hashes[pos // b - 1]
+                self.kv.save_snapshot(request.slot, key, request.token_slice(pos - b, pos))
 
     def append_token(self, request: Request, token: int) -> None:
         request.output_token_ids.append(token)
-        self.kv.extend_hashes(request.block_hashes, request.all_token_ids, request.cache_salt)
+        if request.num_tokens % self.kv.config.block_size == 0:  # a block of known tokens completed
+            self.kv.extend_hashes(request.block_hashes, request.all_token_ids, request.cache_salt)
