@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cache.kv_store import ERROR_KINDS
 from engine.engine import LLMEngine
 from engine.request import Request
 
@@ -49,8 +50,19 @@ class Metrics:
         self.store_usage = gauge("v4serve_kv_store_usage_bytes", "Bytes the SSD prefix store holds")
         self.store_read_seconds = Histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time",
                                             ["model_name"], buckets=_ITL, registry=r)
-        self.prefix_hits.labels(**label, source="device")
-        self.prefix_hits.labels(**label, source="disk")
+        # Every series exists from the start (at 0), so dashboards and rate() see it before the
+        # first event.
+        for metric in (self.prefix_queries, self.recompute, self.preemptions, self.evictions, self.prompt_tokens,
+                       self.generation_tokens, self.store_read, self.store_written, self.state_usage,
+                       self.block_usage, self.running, self.waiting, self.store_usage, self.ttft, self.itl,
+                       self.e2e, self.store_read_seconds):
+            metric.labels(**label)
+        for source in ("device", "disk"):
+            self.prefix_hits.labels(**label, source=source)
+        for kind in ERROR_KINDS:
+            self.store_errors.labels(**label, kind=kind)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(**label, finished_reason=reason)
         self._last = {"queries": 0, "hits": 0, "disk_hits": 0, "recompute": 0, "preemptions": 0, "evictions": 0,
                       "read": 0, "written": 0}
         self._last_errors: dict[str, int] = {}

@@ -536,3 +536,28 @@ def test_thinking_mode(client: openai.OpenAI) -> None:
     assert (reasoning, content) == (message["reasoning_content"], message["content"])
     plain = client.chat.completions.create(model=MODEL, messages=args["messages"], max_tokens=4, **GREEDY)
     assert plain.choices[0].message.model_dump().get("reasoning_content") is None
+
+
+
+# DESIGN.md's metric contract: (name, labels that must appear on some series of it).
+DESIGN_METRICS = [
+    ("v4serve_prefix_cache_queries_total", {}), ("v4serve_prefix_cache_hits_total", {"source": "device"}),
+    ("v4serve_prefix_cache_hits_total", {"source": "disk"}), ("v4serve_swa_recompute_tokens_total", {}),
+    ("v4serve_state_cache_usage", {}), ("v4serve_block_cache_usage", {}), ("v4serve_kv_store_read_bytes_total", {}),
+    ("v4serve_kv_store_written_bytes_total", {}), ("v4serve_kv_store_read_seconds_bucket", {}),
+    ("v4serve_kv_store_usage_bytes", {}), ("v4serve_kv_store_errors_total", {"kind": "checksum"}),
+    ("v4serve_time_to_first_token_seconds_bucket", {}), ("v4serve_inter_token_latency_seconds_bucket", {}),
+    ("v4serve_e2e_request_latency_seconds_bucket", {}), ("v4serve_requests_running", {}),
+    ("v4serve_requests_waiting", {}), ("v4serve_prompt_tokens_total", {}), ("v4serve_generation_tokens_total", {}),
+]
+
+
+def test_metrics_expose_every_contract_name(http: httpx.Client) -> None:
+    series = []
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            series.append((name, dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))))
+    missing = [(name, want) for name, want in DESIGN_METRICS
+               if not any(n == name and want.items() <= labels.items() for n, labels in series)]
+    assert not missing, missing
