@@ -227,9 +227,11 @@ class AsyncEngine:
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._choices.pop(rid, None)
+            choice = self._choices.pop(rid, None)
             self._deferred.pop(rid, None)
-            self.engine.abort(rid)
+            if self.engine.abort(rid) and choice is not None and self.observer is not None:
+                choice.request.finish_reason = "abort"
+                self.observer.on_finish(choice.request, time.monotonic())
 
     def _release_siblings(self, parent_id: str) -> None:
         for sibling in self._deferred.pop(parent_id, []):

@@ -453,6 +453,7 @@ def test_stream_disconnect_frees_slot(lone_url: str) -> None:
             assert metric(http, "v4serve_state_cache_usage") > 0
         wait_for_metric(http, "v4serve_requests_running", 0)
         wait_for_metric(http, "v4serve_state_cache_usage", 0)
+        assert metric(http, "v4serve_request_success_total", finished_reason="abort") == 1
         assert http.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2}).status_code == 200
 
 
