@@ -30,6 +30,9 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(PY) bench/bench_model.py
+	$(PY) bench/bench_cache.py
+	$(PY) bench/bench_serve.py
+	$(PY) bench/bench_store.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
