@@ -63,6 +63,16 @@ def test_a_dying_engine_ends_streams_with_an_error_and_health_says_so():
         assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
 
 
+def wait_for_gauge(url: str, name: str, value: float, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + "{") and float(line.rsplit(" ", 1)[1]) == value:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never reached {value}")
+
+
 def test_full_waiting_queue_answers_503_with_retry_after():
     with daemon("--max-num-seqs", "1", "--max-waiting", "1") as url:
         long = {"prompt": [70] * 8, "max_tokens": 4000, "ignore_eos": True, "stream": True}
@@ -78,9 +88,9 @@ def test_full_waiting_queue_answers_503_with_retry_after():
 
         clients = [threading.Thread(target=occupy) for _ in range(2)]
         clients[0].start()
-        time.sleep(1.0)  # the first request runs: the only slot is taken
+        wait_for_gauge(url, "v4serve_requests_running", 1)  # the only slot is taken
         clients[1].start()
-        time.sleep(1.0)  # the second waits for the slot: the queue is full
+        wait_for_gauge(url, "v4serve_requests_waiting", 1)  # the queue is full
         refused = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=10)
         release.set()
         for c in clients:
