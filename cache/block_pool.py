@@ -142,15 +142,6 @@ class BlockPool:
         self._by_hash[block_hash] = block_id
         return True
 
-    def evict(self, block_hash: bytes) -> bool:
-        """Forget one cached, unreferenced block (e.g. its content is known to be bad)."""
-        block_id = self._by_hash.get(block_hash)
-        if block_id is None or self.blocks[block_id].ref_count:
-            return False
-        self._forget(self.blocks[block_id])
-        self._queue.move_to_end(block_id, last=False)
-        return True
-
     def reset(self) -> int:
         """Forget every cached block that no request holds (reset_prefix_cache). Blocks in use
         keep their hashes: they are still valid and shared."""

@@ -70,112 +70,77 @@ class KVStorage:
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """A host copy of one slot's whole state (a snapshot), in a fixed order."""
-        return [t[slot].to("cpu", copy=True) for layer in self.layers for t in layer.slot_tensors()]
+        return [t[slot].to("cpu", copy=True) for t in self._slot_parts()]
 
     def slot_nbytes(self) -> int:
         return self.state_bytes() // self.num_slots
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot so nothing of its previous owner can leak into a new request."""
-        for layer in self.layers:
-            for t in layer.slot_tensors():
-                t[slot].zero_()
-
-    # Serialised forms for the SSD store (see the functions below).
-    def block_payload(self, block_id: int) -> list[memoryview]:
-        return block_payload(self, block_id)
-
-    def load_block_payload(self, block_id: int, payload: memoryview) -> None:
-        load_block_payload(self, block_id, payload)
-
-    def stack_block_payloads(self, payloads: list[memoryview]) -> list[torch.Tensor]:
-        return stack_block_payloads(self, payloads)
-
-    def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
-        """Copy blocks read from the store into the Block Cache: one copy per storage tensor."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        parts = [t for layer in self.layers for t in layer.block_tensors()]
-        for dst, src in zip(parts, stacked, strict=True):
-            dst.index_copy_(0, index, src[: len(block_ids)].to(dst.device, non_blocking=True))
-
-    def snapshot_payload(self, state: list[torch.Tensor]) -> list[memoryview]:
-        return snapshot_payload(state)
-
-    def snapshot_from_payload(self, payload: memoryview) -> list[torch.Tensor]:
-        return snapshot_from_payload(self, payload)
-
-    def layout_descriptor(self) -> bytes:
-        return layout_descriptor(self)
+        for t in self._slot_parts():
+            t[slot].zero_()
 
     def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
-        parts = [t for layer in self.layers for t in layer.slot_tensors()]
+        parts = self._slot_parts()
         if len(parts) != len(state):
             raise ValueError(f"snapshot has {len(state)} tensors, layout needs {len(parts)}")
         for dst, src in zip(parts, state, strict=True):
             dst[slot].copy_(src, non_blocking=True)
 
+    def _slot_parts(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in layer.slot_tensors()]
 
-# ---- bytes for the SSD store ------------------------------------------------------------------------
+    def _block_parts(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in layer.block_tensors()]
+
+    # ---- bytes for the SSD store ------------------------------------------------------------------
+    def layout_descriptor(self) -> bytes:
+        """Shapes and dtypes of one block's and one slot's tensors: a file written under any other
+        layout must never be read as this one."""
+        blocks = [(tuple(t.shape[1:]), str(t.dtype)) for t in self._block_parts()]
+        slots = [(tuple(t.shape[1:]), str(t.dtype)) for t in self._slot_parts()]
+        return repr((self.layout.block_size, blocks, slots)).encode()
+
+    def block_payload(self, block_id: int) -> list[memoryview]:
+        """Host bytes of one block across all layers (copied now: the block may be reused later)."""
+        return [_as_bytes(t[block_id].clone()) for t in self._block_parts()]
+
+    def stack_block_payloads(self, payloads: list[memoryview]) -> list[torch.Tensor]:
+        """Host tensors [n, ...] per storage tensor from n block payloads: one byte copy per block
+        into a single matrix, then views (built off the engine thread; pinned when the storage is
+        on a GPU so the copies in can be asynchronous)."""
+        rows = torch.empty((len(payloads), len(payloads[0])), dtype=torch.uint8,
+                           pin_memory=self.device.type == "cuda")
+        matrix = rows.numpy()
+        for i, payload in enumerate(payloads):
+            matrix[i] = np.frombuffer(payload, dtype=np.uint8)
+        out, offset = [], 0
+        for t in self._block_parts():
+            n = t[0].numel() * t.element_size()
+            out.append(rows[:, offset:offset + n].view(t.dtype).view(len(payloads), *t.shape[1:]))
+            offset += n
+        return out
+
+    def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
+        """Copy blocks read from the store into the Block Cache: one copy per storage tensor."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for dst, src in zip(self._block_parts(), stacked, strict=True):
+            dst.index_copy_(0, index, src[: len(block_ids)].to(dst.device, non_blocking=True))
+
+    @staticmethod
+    def snapshot_payload(state: list[torch.Tensor]) -> list[memoryview]:
+        return [_as_bytes(t) for t in state]
+
+    def snapshot_from_payload(self, payload: memoryview) -> list[torch.Tensor]:
+        """A host snapshot (as `read_slot` returns) from store bytes."""
+        out, offset = [], 0
+        for t in self._slot_parts():
+            n = t[0].numel() * t.element_size()
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
+            out.append(raw.view(t.dtype).view(t.shape[1:]).clone())
+            offset += n
+        return out
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
-
-
-def _from_bytes(buf: memoryview, like: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
-    n = like.numel() * like.element_size()
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
-    return raw.view(like.dtype).view(like.shape), offset + n
-
-
-def layout_descriptor(storage: KVStorage) -> bytes:
-    """Shapes and dtypes of one block's and one slot's tensors: a file written under any other
-    layout must never be read as this one."""
-    blocks = [(tuple(t.shape[1:]), str(t.dtype)) for layer in storage.layers for t in layer.block_tensors()]
-    slots = [(tuple(t.shape[1:]), str(t.dtype)) for layer in storage.layers for t in layer.slot_tensors()]
-    return repr((storage.layout.block_size, blocks, slots)).encode()
-
-
-def block_payload(storage: KVStorage, block_id: int) -> list[memoryview]:
-    """Host bytes of one block across all layers (copied now: the block may be reused later)."""
-    return [_as_bytes(t[block_id].clone()) for layer in storage.layers for t in layer.block_tensors()]
-
-
-def load_block_payload(storage: KVStorage, block_id: int, payload: memoryview) -> None:
-    offset = 0
-    for layer in storage.layers:
-        for t in layer.block_tensors():
-            src, offset = _from_bytes(payload, t[block_id], offset)
-            t[block_id].copy_(src, non_blocking=True)
-
-
-def stack_block_payloads(storage: KVStorage, payloads: list[memoryview]) -> list[torch.Tensor]:
-    """Host tensors [n, ...] per storage tensor from n block payloads: one byte copy per block
-    into a single matrix, then views (built off the engine thread; pinned when the storage is on
-    a GPU so the copies in can be asynchronous)."""
-    width = len(payloads[0])
-    rows = torch.empty((len(payloads), width), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
-    matrix = rows.numpy()
-    for i, payload in enumerate(payloads):
-        matrix[i] = np.frombuffer(payload, dtype=np.uint8)
-    out, offset = [], 0
-    for layer in storage.layers:
-        for t in layer.block_tensors():
-            n = t[0].numel() * t.element_size()
-            out.append(rows[:, offset:offset + n].view(t.dtype).view(len(payloads), *t.shape[1:]))
-            offset += n
-    return out
-
-
-def snapshot_payload(state: list[torch.Tensor]) -> list[memoryview]:
-    return [_as_bytes(t) for t in state]
-
-
-def snapshot_from_payload(storage: KVStorage, payload: memoryview) -> list[torch.Tensor]:
-    """A host snapshot (as `read_slot` returns) from store bytes."""
-    out, offset = [], 0
-    for layer in storage.layers:
-        for t in layer.slot_tensors():
-            src, offset = _from_bytes(payload, t[0], offset)
-            out.append(src.clone())
-    return out

@@ -157,8 +157,7 @@ class DeepseekV4(nn.Module):
         self.rotary_compress = Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStorage,
-                hidden_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStorage) -> torch.Tensor:
         """input_ids [T] (the new tokens of every sequence, flattened) → logits [R, V] for
         `meta.logits_rows` (fp32)."""
         positions = torch.cat([torch.arange(s.start, s.end) for s in meta.seqs]).to(input_ids.device)
@@ -171,8 +170,6 @@ class DeepseekV4(nn.Module):
             h = block(h, input_ids, positions, meta, store, rotary, cos, sin)
         h = h[meta.logits_rows]
         x = self.norm(self._hc_head(h))
-        if hidden_only:
-            return x
         return F.linear(x.float(), self.head.weight.float())
 
     def _hc_head(self, h: torch.Tensor) -> torch.Tensor:
