@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
-from engine.checkpoint import load_model, write_checkpoint  # noqa: E402
-from engine.single import SingleSequence  # noqa: E402
-from engine.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
+from v4serve.engine.model.single import SingleSequence  # noqa: E402
+from v4serve.engine.model.tiny import build_tiny  # noqa: E402
 
 
 def main() -> None:

@@ -86,8 +86,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     gen = torch.Generator().manual_seed(0)
 
-    from engine.checkpoint import write_checkpoint
-    from engine.tiny import build_tiny
+    from v4serve.engine.model.checkpoint import write_checkpoint
+    from v4serve.engine.model.tiny import build_tiny
 
     folder = write_checkpoint(build_tiny(), Path(tempfile.mkdtemp(prefix="bench-serve-")))
     ours: dict[int, dict[str, float]] = {}

@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, time_to_first_token, write_results  # noqa: E402
-from engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
-from engine.tiny import build_tiny  # noqa: E402
+from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 
 
 def drop_page_cache(folder: Path) -> None:

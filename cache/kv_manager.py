@@ -20,10 +20,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
-from cache.kv_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore
-from cache.slots import SlotAllocator
-from cache.snapshots import SnapshotStore
+from v4serve.cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
+from v4serve.cache.slots import SlotAllocator
+from v4serve.cache.snapshots import SnapshotStore
+from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore
 
 SWA_CACHE_MODES = ("full", "periodic", "zero")
 

@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import LLMEngine, RequestError, RequestOutput
-from engine.request import Request
-from engine.sampler import Sample
-from engine.tokenizer import Tokenizer
+from v4serve.engine.engine import LLMEngine, RequestError, RequestOutput
+from v4serve.engine.request import Request
+from v4serve.engine.sampler import Sample
+from v4serve.server.text.detokenizer import IncrementalDetokenizer
+from v4serve.server.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

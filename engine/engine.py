@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache.kv_manager import CacheConfig, KVCacheManager
-from cache.kv_store import KVStore
-from cache.layout import KVLayout, cache_table
-from cache.storage import KVStorage
-from engine.metadata import AttentionMetadata, SeqChunk
-from engine.model import DeepseekV4
-from engine.request import Request, RequestStatus
-from engine.sampler import Sample, Sampler
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from v4serve.cache.device_kv import KVStorage
+from v4serve.cache.kv_manager import CacheConfig, KVCacheManager
+from v4serve.cache.layout import KVLayout, cache_table
+from v4serve.cache.ssd_store import KVStore
+from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.request import Request, RequestStatus
+from v4serve.engine.sampler import Sample, Sampler
+from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request, SamplingParams
+from v4serve.engine.request import Request, SamplingParams
 
 
 @dataclass

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cache.kv_manager import NO_HIT, KVCacheManager
-from engine.request import Request, RequestStatus
+from v4serve.cache.kv_manager import NO_HIT, KVCacheManager
+from v4serve.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine, Delta, EngineDead, EngineOverloaded, OutputOptions
-from engine.chat_encoding import THINK_END, encode_messages
-from engine.engine import RequestError
-from engine.request import Request as EngineRequest
-from engine.request import SamplingParams
-from engine.tokenizer import Tokenizer
-from server.metrics import Metrics
-from server.protocol import (
+from v4serve.engine.async_engine import AsyncEngine, Delta, EngineDead, EngineOverloaded, OutputOptions
+from v4serve.engine.engine import RequestError
+from v4serve.engine.request import Request as EngineRequest
+from v4serve.engine.request import SamplingParams
+from v4serve.server.metrics import Metrics
+from v4serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -34,6 +32,8 @@ from server.protocol import (
     TokenizeRequest,
     error_json,
 )
+from v4serve.server.text.chat_encoding import THINK_END, encode_messages
+from v4serve.server.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -22,8 +22,8 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def make_checkpoint_main(args: argparse.Namespace) -> int:
-    from engine.checkpoint import write_checkpoint
-    from engine.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.checkpoint import write_checkpoint
+    from v4serve.engine.model.tiny import build_tiny, tiny_config
 
     overrides = dict(args.set or [])
     if "compress_ratios" in overrides:
@@ -110,7 +110,7 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[st
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from server.serve import ServeConfig, run
+    from v4serve.server.serve import ServeConfig, run
 
     try:
         cfg = ServeConfig(**serve_settings(args, dict(os.environ)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cache.kv_store import ERROR_KINDS
-from engine.engine import LLMEngine
-from engine.request import Request
+from v4serve.cache.ssd_store import ERROR_KINDS
+from v4serve.engine.engine import LLMEngine
+from v4serve.engine.request import Request
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)

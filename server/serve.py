@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from engine.async_engine import AsyncEngine
-from engine.checkpoint import load_model
-from engine.engine import EngineConfig, LLMEngine
-from engine.model import DeepseekV4
-from engine.tiny import build_tiny
-from engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from server.app import ServerConfig, build_app
-from server.metrics import Metrics
+from v4serve.engine.async_engine import AsyncEngine
+from v4serve.engine.engine import EngineConfig, LLMEngine
+from v4serve.engine.model.checkpoint import load_model
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.tiny import build_tiny
+from v4serve.server.app import ServerConfig, build_app
+from v4serve.server.metrics import Metrics
+from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger("v4serve")
 

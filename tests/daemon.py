@@ -29,10 +29,10 @@ def daemon(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0)
     port = free_port()
     if "--kv-store-dir" not in args and "--no-kv-store" not in args:
         args = (*args, "--no-kv-store")  # tests never write to the user's cache folder
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "v4serve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"v4serve-test-{port}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

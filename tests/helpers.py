@@ -6,11 +6,11 @@ import functools
 
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.model import DeepseekV4
-from engine.request import Request, SamplingParams
-from engine.single import SingleSequence
-from engine.tiny import build_tiny, tiny_config
+from v4serve.engine.engine import EngineConfig, LLMEngine
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.request import Request, SamplingParams
 
 # Window 8 and ratios 4/16 (blocks of 16 tokens): short prompts cross many edges.
 SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, rope_dim=8, q_lora_rank=32, o_groups=2,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import RequestError
 from tests.helpers import engine_for, greedy, reference, rel_err, small_model, tokens
+from v4serve.engine.engine import RequestError
 
 
 def check_against_reference(engine, requests):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
-from cache.slots import SlotAllocator
-from cache.snapshots import SnapshotStore
+from v4serve.cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
+from v4serve.cache.slots import SlotAllocator
+from v4serve.cache.snapshots import SnapshotStore
 
 H = [bytes([i]) * 32 for i in range(16)]  # stand-in chain hashes
 

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from engine import chat_encoding as ce
-from engine.chat_encoding import (
+from v4serve.server.text import chat_encoding as ce
+from v4serve.server.text.chat_encoding import (
     ReasoningStream,
     encode_messages,
     generation_starts_in_reasoning,
     parse_tool_calls,
     split_reasoning,
 )
-from engine.tokenizer import ByteTokenizer
+from v4serve.server.text.tokenizer import ByteTokenizer
 
 BAR = "\uff5c"
 SP = "\u2581"

@@ -11,16 +11,16 @@ import httpx
 import pytest
 import torch
 
-from engine.checkpoint import load_model
-from engine.single import SingleSequence
-from engine.tiny import build_tiny
-from server.cli import build_parser, serve_settings
 from tests.daemon import ROOT, daemon
+from v4serve.engine.model.checkpoint import load_model
+from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.model.tiny import build_tiny
+from v4serve.server.cli import build_parser, serve_settings
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    return subprocess.run([sys.executable, "-m", "v4serve.server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin"})
 
 
 def test_make_checkpoint_writes_the_served_tiny_model(tmp_path):

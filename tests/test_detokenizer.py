@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import BYTE_OFFSET, ByteTokenizer, HFTokenizer, write_byte_tokenizer_files
+from v4serve.server.text.detokenizer import IncrementalDetokenizer
+from v4serve.server.text.tokenizer import BYTE_OFFSET, ByteTokenizer, HFTokenizer, write_byte_tokenizer_files
 
 BAR = "\uff5c"
 SP = "\u2581"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cache.kv_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore, decode, encode
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
+from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore, decode, encode
 
 NS = b"n" * 32
 

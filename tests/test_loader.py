@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import loader
-from engine.loader import CheckpointError, load_checkpoint, official_name, read_config_json
-from engine.quant import FP4_E2M1_VALUES, quantize_fp4_packed, quantize_fp8_block
+from v4serve.engine.model import loader
+from v4serve.engine.model.loader import CheckpointError, load_checkpoint, official_name, read_config_json
+from v4serve.engine.model.quant import FP4_E2M1_VALUES, quantize_fp4_packed, quantize_fp8_block
 
 transformers = pytest.importorskip("transformers")
 
@@ -295,7 +295,7 @@ def test_progress_lines_per_shard_and_mtp_note(
     folders: dict[str, Path], spec: Spec, caplog: pytest.LogCaptureFixture
 ) -> None:
     n_shards = len(list(folders["sharded"].glob("*.safetensors")))
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.loader"):
         load_checkpoint(folders["sharded"], spec)
         load_checkpoint(folders["official"], spec)
     lines = [r.getMessage() for r in caplog.records]
@@ -311,7 +311,7 @@ def test_heartbeat_inside_a_long_shard(
     folders: dict[str, Path], spec: Spec, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(loader, "_HEARTBEAT_S", 0.0)
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.loader"):
         load_checkpoint(folders["saved"], spec)
     beats = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading shard 1/1")]
     assert len(beats) > 10 and "tensors;" in beats[0] and "MB" in beats[0]

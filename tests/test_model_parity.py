@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers  # the numerical oracle (test-only dependency)
 
-from engine.checkpoint import load_model, write_checkpoint
-from engine.model import DeepseekV4
-from engine.single import SingleSequence
-from engine.tiny import build_tiny, tiny_config
+from v4serve.engine.model.checkpoint import load_model, write_checkpoint
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.model.tiny import build_tiny, tiny_config
 
 # Small dims keep transformers' eager forward quick; 16 indexer heads and a top-k well below
 # the number of visible entries make the indexer's choice matter without score ties.

@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, apply_penalties, filter_logits
-from engine.single import SingleSequence
 from tests.helpers import engine_for, greedy, small_model, tokens
+from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.request import Request, SamplingParams
+from v4serve.engine.sampler import Sampler, apply_penalties, filter_logits
 
 
 def req(**params) -> Request:

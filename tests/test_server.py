@@ -29,12 +29,6 @@ NO_EOS: dict[str, Any] = {"extra_body": {"ignore_eos": True}}
 
 # ---- fixtures -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with daemon() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def client(base_url: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
         yield c

@@ -20,12 +20,6 @@ KEY = "sekret"
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with daemon() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def http(base_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=base_url, timeout=60) as c:
         yield c

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from server.serve import ServeConfig, build
 from tests.daemon import daemon, free_port
 from tests.helpers import tokens
+from v4serve.server.serve import ServeConfig, build
 
 
 @contextmanager

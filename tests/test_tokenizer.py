@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.tokenizer import (
+from v4serve.server.text.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.loader import load_checkpoint, read_config_json
-from engine.model import DeepseekV4
-from engine.tokenizer import write_byte_tokenizer_files
+from v4serve.engine.model.config import ModelConfig
+from v4serve.engine.model.loader import load_checkpoint, read_config_json
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.server.text.tokenizer import write_byte_tokenizer_files
 
 log = logging.getLogger(__name__)
 

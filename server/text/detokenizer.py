@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from v4serve.server.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

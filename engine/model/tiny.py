@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from engine.config import ModelConfig, YarnScaling
-from engine.model import DeepseekV4
+from v4serve.engine.model.config import ModelConfig, YarnScaling
+from v4serve.engine.model.model import DeepseekV4
 
 TINY_CONFIG = ModelConfig(
     vocab_size=320,  # the byte tokenizer: 64 specials + 256 bytes

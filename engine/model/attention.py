@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cache.storage import LayerKV
-from engine.config import ModelConfig
-from engine.layers import RMSNorm, Rotary, apply_rope, rms_unit
-from engine.metadata import AttentionMetadata, SeqChunk
-from kernels.attention import sparse_attention
+from v4serve.cache.device_kv import LayerKV
+from v4serve.engine.model.config import ModelConfig
+from v4serve.engine.model.layers import RMSNorm, Rotary, apply_rope, rms_unit
+from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
+from v4serve.kernels.attention import sparse_attention
 
 # Queries per attention tile on long chunks: bounds the window branch to O(n·(tile+W)).
 ATTN_TILE = 256

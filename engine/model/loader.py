@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.quant import (
+from v4serve.engine.model.quant import (
     FP4_GROUP,
     FP8_BLOCK,
     dequant_fp4_packed,

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cache.storage import KVStorage, LayerKV
-from engine.attention import Attention
-from engine.config import ModelConfig
-from engine.layers import RMSNorm, Rotary, rms_unit
-from engine.metadata import AttentionMetadata
+from v4serve.cache.device_kv import KVStorage, LayerKV
+from v4serve.engine.model.attention import Attention
+from v4serve.engine.model.config import ModelConfig
+from v4serve.engine.model.layers import RMSNorm, Rotary, rms_unit
+from v4serve.engine.model.metadata import AttentionMetadata
 
 # ---- mixture of experts ------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import YarnScaling
+from v4serve.engine.model.config import YarnScaling
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cache.layout import KVLayout, LayerLayout
+from v4serve.cache.layout import KVLayout, LayerLayout
 
 
 @dataclass

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from cache.layout import KVLayout
-from cache.storage import KVStorage
-from engine.metadata import AttentionMetadata, SeqChunk
-from engine.model import DeepseekV4
+from v4serve.cache.device_kv import KVStorage
+from v4serve.cache.layout import KVLayout
+from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
+from v4serve.engine.model.model import DeepseekV4
 
 
 class SingleSequence:
