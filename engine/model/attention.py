@@ -18,176 +18,23 @@ import torch
 from torch import nn
 
 from v4serve.cache.device_kv import LayerKV
+from v4serve.engine.model.compressor import Compressor, Indexer
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary, apply_rope, rms_unit
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import sparse_attention
+from v4serve.kernels.paged import (
+    padded_tables,
+    read_entries,
+    read_entries_batched,
+    ring_read,
+    ring_write,
+    ring_write_batched,
+    write_entries,
+)
 
 # Queries per attention tile on long chunks: bounds the window branch to O(n·(tile+W)).
 ATTN_TILE = 256
-
-
-# ---- block-cache access ----------------------------------------------------------------------------
-
-
-def write_entries(store: torch.Tensor, block_table: list[int], first: int, entries: torch.Tensor) -> None:
-    """Scatter entries first.. into the blocks they belong to (entry i → block i // per_block)."""
-    if not len(entries):
-        return
-    per_block = store.shape[1]
-    idx = torch.arange(first, first + len(entries))
-    blocks = torch.tensor(block_table, dtype=torch.long)[idx // per_block]
-    store[blocks.to(store.device), (idx % per_block).to(store.device)] = entries.to(store.dtype)
-
-
-def read_entries(store: torch.Tensor, block_table: list[int], count: int) -> torch.Tensor:
-    """Entries 0..count−1 of a sequence, gathered through its block table → [count, d]."""
-    per_block = store.shape[1]
-    nblocks = -(-count // per_block)
-    blocks = torch.tensor(block_table[:nblocks], dtype=torch.long, device=store.device)
-    return store[blocks].flatten(0, 1)[:count].float()
-
-
-def read_entries_batched(store: torch.Tensor, tables: torch.Tensor, count: int) -> torch.Tensor:
-    """Entries 0..count−1 of several sequences through padded block tables [D, nb] → [D, count, d]."""
-    per_block = store.shape[1]
-    nblocks = -(-count // per_block)
-    return store[tables[:, :nblocks]].flatten(1, 2)[:, :count].float()
-
-
-# ---- compressor ---------------------------------------------------------------------------------------
-
-
-class Compressor(nn.Module):
-    """Pools every m tokens into one entry: softmax over the m slots per channel (plus, with
-    overlap, the previous window's m slots through the first half of the projection), then
-    RMSNorm and RoPE at position i·m. Pending rows live in the slot's ring (token p at p mod R)."""
-
-    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
-        super().__init__()
-        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
-        width = (2 if overlap else 1) * head_dim
-        self.wkv = nn.Linear(dim, width, bias=False)
-        self.wgate = nn.Linear(dim, width, bias=False)
-        self.ape = nn.Parameter(torch.zeros(ratio, width))
-        self.norm = RMSNorm(head_dim, eps)
-
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] → kv and score rows [T, c·d] (score includes the slot's position bias)."""
-        return self.wkv(x).float(), self.wgate(x).float() + self.ape[positions % self.ratio].float()
-
-    def update(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, ring_kv: torch.Tensor,
-               ring_score: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, int]:
-        """One sequence's new rows → (entries finished by them [k, d], index of the first).
-        Updates the ring in place. Entries below `frozen_until` are already cached: skipped."""
-        m = self.ratio
-        first = max(seq.start // m, seq.frozen_until // m)
-        stop = seq.end // m
-        entries = kv.new_zeros(0, self.head_dim)
-        if first < stop:
-            lo = (first - 1) * m if self.overlap else first * m
-            rows_kv, rows_score = self._rows(kv, score, seq, lo, ring_kv, ring_score)
-            windows = rows_kv.shape[0] // m
-            entries = self._pool(rows_kv.view(1, windows, m, -1), rows_score.view(1, windows, m, -1),
-                                 torch.arange(first, stop, device=kv.device), rotary)[0]
-        keep = min(seq.num_new, ring_kv.shape[0])
-        rows = torch.arange(seq.end - keep, seq.end, device=kv.device) % ring_kv.shape[0]
-        ring_kv[rows] = kv[-keep:].to(ring_kv.dtype)
-        ring_score[rows] = score[-keep:].to(ring_score.dtype)
-        return entries, first
-
-    def _rows(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, lo: int, ring_kv: torch.Tensor,
-              ring_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for positions [lo, end): ring rows below `start`, new rows above; positions below
-        zero are empty slots (zero kv, −inf score). Trailing partial-window rows are dropped."""
-        parts_kv, parts_score = [], []
-        if lo < 0:
-            parts_kv.append(kv.new_zeros(-lo, kv.shape[1]))
-            parts_score.append(score.new_full((-lo, score.shape[1]), float("-inf")))
-        if max(lo, 0) < seq.start:
-            ring_rows = torch.arange(max(lo, 0), seq.start, device=kv.device) % ring_kv.shape[0]
-            parts_kv.append(ring_kv[ring_rows].float())
-            parts_score.append(ring_score[ring_rows].float())
-        skip = max(lo - seq.start, 0)
-        parts_kv.append(kv[skip:])
-        parts_score.append(score[skip:])
-        rows_kv, rows_score = torch.cat(parts_kv), torch.cat(parts_score)
-        usable = (seq.end // self.ratio) * self.ratio - lo
-        return rows_kv[:usable], rows_score[:usable]
-
-    def _pool(self, win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor,
-              rotary: Rotary) -> torch.Tensor:
-        """win_* [B, w, m, c·d]: consecutive windows, starting one window before the first entry
-        when entries overlap → entries [B, E, d] at entry indices `index` [E] or [B, E]."""
-        d = self.head_dim
-        if self.overlap:
-            # Entry i pools window i−1 through channels [:d] and window i through [d:].
-            kv = torch.cat([win_kv[:, :-1, :, :d], win_kv[:, 1:, :, d:]], dim=2)
-            score = torch.cat([win_score[:, :-1, :, :d], win_score[:, 1:, :, d:]], dim=2)
-        else:
-            kv, score = win_kv, win_score
-        pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, E, d]
-        cos, sin = rotary.cos_sin((index * self.ratio).reshape(-1))
-        return apply_rope(pooled.reshape(-1, d), cos, sin).view(pooled.shape)
-
-    def decode_update(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
-                      frozen: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
-                      rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new row for each of D decoding sequences (rows at positions t [D]) → (entries
-        [Dc, d] finished by them, the indices into D of those Dc sequences)."""
-        m, rows = self.ratio, ring_kv.shape[1]
-        ring_kv[slots, t % rows] = kv.to(ring_kv.dtype)
-        ring_score[slots, t % rows] = score.to(ring_score.dtype)
-        entry = (t + 1) // m - 1
-        done = (((t + 1) % m) == 0) & (entry >= frozen // m)
-        which = done.nonzero().flatten()
-        if not len(which):
-            return kv.new_zeros(0, self.head_dim), which
-        entry, slot = entry[which], slots[which]
-        span = 2 * m if self.overlap else m
-        pos = (entry + 1)[:, None] * m - span + torch.arange(span, device=kv.device)[None, :]  # [Dc, span]
-        win_kv = ring_kv[slot[:, None], pos % rows].float()
-        win_score = ring_score[slot[:, None], pos % rows].float()
-        empty = (pos < 0)[..., None]
-        win_kv = win_kv.masked_fill(empty, 0.0)
-        win_score = win_score.masked_fill(empty, float("-inf"))
-        n = len(which)
-        entries = self._pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1),
-                             entry[:, None], rotary)
-        return entries[:, 0], which
-
-
-# ---- indexer ----------------------------------------------------------------------------------------------
-
-
-class Indexer(nn.Module):
-    """Lightning Indexer: I[t,s] = Σ_h relu(qI[t,h]·kI[s]) · w[t,h]; top-k picks CSA entries."""
-
-    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
-
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (qI [T, hI, dI] with RoPE, head weights w [T, hI] with both scales folded in)."""
-        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
-        return q, self.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
-
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, n, hI, dI], w [B, n, hI], keys [B, N, dI], visible [B, n, N] →
-        (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
-        logits = torch.einsum("bnhc,bsc->bnhs", q, keys).relu_()  # [B, n, hI, N]
-        scores = (w.unsqueeze(-2) @ logits).squeeze(-2)  # Σ_h w·relu(q·k) → [B, n, N]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
-        return top, visible.gather(-1, top)
-
-
-# ---- attention ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -286,12 +133,9 @@ class Attention(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys for the window branch: ring rows for [start−W+1, start) then the new ones."""
         lo = max(seq.start - self.window + 1, seq.window_from, 0)
-        old = torch.arange(lo, seq.start, device=kv.device)
-        keys = torch.cat([ring[old % self.window].to(kv.dtype), kv])
-        positions = torch.arange(lo, seq.end, device=kv.device)
-        keep = min(seq.num_new, self.window)
-        ring[torch.arange(seq.end - keep, seq.end, device=kv.device) % self.window] = kv[-keep:].to(ring.dtype)
-        return keys, positions
+        keys = torch.cat([ring_read(ring, torch.arange(lo, seq.start, device=kv.device)).to(kv.dtype), kv])
+        ring_write(ring, seq.end, kv)
+        return keys, torch.arange(lo, seq.end, device=kv.device)
 
     def _chunk_entries(self, p: _Projected, seq: SeqChunk, rows: slice, store: LayerKV, rotary: Rotary
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -343,7 +187,7 @@ class Attention(nn.Module):
         """Write each new window key, then read every slot's whole ring → keys [D, W, d] and which
         rows hold a position inside the window [D, W]."""
         w = self.window
-        window[slots, t % w] = kv.to(window.dtype)
+        ring_write_batched(window, slots, t, kv)
         keys = window[slots].to(kv.dtype)
         row = torch.arange(w, device=kv.device)
         pos = t[:, None] - ((t[:, None] - row[None, :]) % w)  # position held by each ring row
@@ -373,7 +217,7 @@ class Attention(nn.Module):
             return None, None, visible
         per_block = store.entries.shape[1]
         nb = -(-n // per_block)
-        tables = torch.tensor([(s.block_table + [0] * nb)[:nb] for s in seqs], device=t.device)
+        tables = padded_tables([s.block_table for s in seqs], nb, t.device)
         entries = read_entries_batched(store.entries, tables, n)
         index_keys = read_entries_batched(store.index_keys, tables, n) if store.index_keys is not None else None
         return entries, index_keys, visible

@@ -3,7 +3,7 @@
 Parameter names are the official checkpoint names, so a state_dict maps one to one onto a
 checkpoint. Shapes in comments: T = tokens in the flattened batch, D = hidden size,
 hc = residual streams. The attention (window, CSA, HCA, compressors, indexer) is in
-`engine/attention.py`.
+`engine/model/attention.py` (compressors and the indexer in `compressor.py`).
 
 The forward pass takes a flattened batch of new tokens from several sequences plus an
 `AttentionMetadata` describing each sequence (its State Cache slot, block table, start

@@ -1,0 +1,145 @@
+"""The compressors and the Lightning Indexer of DeepSeek-V4's compressed layers.
+
+A compressor pools every m tokens into one entry: a softmax over the m token slots per channel
+(CSA overlaps: entry i also pools window i−1 through the first half of a 2d-wide projection),
+then RMSNorm and RoPE at position i·m. Its pending rows live in a State Cache ring; finished entries
+go to the Block Cache. The indexer keeps its own (overlapping) compressor for its keys and picks,
+per query, the top-k CSA entries by I[t,s] = Σ_h relu(qI[t,h]·kI[s]) · w[t,h].
+
+Shapes: T = tokens in the batch, D = sequences decoding one token each, m = compress ratio,
+c·d = projection width (c = 2 with overlap), E = entries, hI/dI = indexer heads/dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v4serve.engine.model.config import ModelConfig
+from v4serve.engine.model.layers import RMSNorm, Rotary, apply_rope
+from v4serve.engine.model.metadata import SeqChunk
+from v4serve.kernels.paged import ring_read, ring_read_batched, ring_write, ring_write_batched
+
+
+class Compressor(nn.Module):
+    """Pools every m tokens into one entry: softmax over the m slots per channel (plus, with
+    overlap, the previous window's m slots through the first half of the projection), then
+    RMSNorm and RoPE at position i·m. Pending rows live in the slot's ring (token p at p mod R)."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = nn.Linear(dim, width, bias=False)
+        self.wgate = nn.Linear(dim, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] → kv and score rows [T, c·d] (score includes the slot's position bias)."""
+        return self.wkv(x).float(), self.wgate(x).float() + self.ape[positions % self.ratio].float()
+
+    def update(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, ring_kv: torch.Tensor,
+               ring_score: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, int]:
+        """One sequence's new rows → (entries finished by them [k, d], index of the first).
+        Updates the ring in place. Entries below `frozen_until` are already cached: skipped."""
+        m = self.ratio
+        first = max(seq.start // m, seq.frozen_until // m)
+        stop = seq.end // m
+        entries = kv.new_zeros(0, self.head_dim)
+        if first < stop:
+            lo = (first - 1) * m if self.overlap else first * m
+            rows_kv, rows_score = self._rows(kv, score, seq, lo, ring_kv, ring_score)
+            windows = rows_kv.shape[0] // m
+            entries = self._pool(rows_kv.view(1, windows, m, -1), rows_score.view(1, windows, m, -1),
+                                 torch.arange(first, stop, device=kv.device), rotary)[0]
+        ring_write(ring_kv, seq.end, kv)
+        ring_write(ring_score, seq.end, score)
+        return entries, first
+
+    def _rows(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, lo: int, ring_kv: torch.Tensor,
+              ring_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for positions [lo, end): ring rows below `start`, new rows above; positions below
+        zero are empty slots (zero kv, −inf score). Trailing partial-window rows are dropped."""
+        parts_kv, parts_score = [], []
+        if lo < 0:
+            parts_kv.append(kv.new_zeros(-lo, kv.shape[1]))
+            parts_score.append(score.new_full((-lo, score.shape[1]), float("-inf")))
+        if max(lo, 0) < seq.start:
+            held = torch.arange(max(lo, 0), seq.start, device=kv.device)
+            parts_kv.append(ring_read(ring_kv, held).float())
+            parts_score.append(ring_read(ring_score, held).float())
+        skip = max(lo - seq.start, 0)
+        parts_kv.append(kv[skip:])
+        parts_score.append(score[skip:])
+        rows_kv, rows_score = torch.cat(parts_kv), torch.cat(parts_score)
+        usable = (seq.end // self.ratio) * self.ratio - lo
+        return rows_kv[:usable], rows_score[:usable]
+
+    def _pool(self, win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor,
+              rotary: Rotary) -> torch.Tensor:
+        """win_* [B, w, m, c·d]: consecutive windows, starting one window before the first entry
+        when entries overlap → entries [B, E, d] at entry indices `index` [E] or [B, E]."""
+        d = self.head_dim
+        if self.overlap:
+            # Entry i pools window i−1 through channels [:d] and window i through [d:].
+            kv = torch.cat([win_kv[:, :-1, :, :d], win_kv[:, 1:, :, d:]], dim=2)
+            score = torch.cat([win_score[:, :-1, :, :d], win_score[:, 1:, :, d:]], dim=2)
+        else:
+            kv, score = win_kv, win_score
+        pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, E, d]
+        cos, sin = rotary.cos_sin((index * self.ratio).reshape(-1))
+        return apply_rope(pooled.reshape(-1, d), cos, sin).view(pooled.shape)
+
+    def decode_update(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
+                      frozen: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                      rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new row for each of D decoding sequences (rows at positions t [D]) → (entries
+        [Dc, d] finished by them, the indices into D of those Dc sequences)."""
+        m = self.ratio
+        ring_write_batched(ring_kv, slots, t, kv)
+        ring_write_batched(ring_score, slots, t, score)
+        entry = (t + 1) // m - 1
+        done = (((t + 1) % m) == 0) & (entry >= frozen // m)
+        which = done.nonzero().flatten()
+        if not len(which):
+            return kv.new_zeros(0, self.head_dim), which
+        entry, slot = entry[which], slots[which]
+        span = 2 * m if self.overlap else m
+        pos = (entry + 1)[:, None] * m - span + torch.arange(span, device=kv.device)[None, :]  # [Dc, span]
+        win_kv = ring_read_batched(ring_kv, slot, pos).float()
+        win_score = ring_read_batched(ring_score, slot, pos).float()
+        empty = (pos < 0)[..., None]
+        win_kv = win_kv.masked_fill(empty, 0.0)
+        win_score = win_score.masked_fill(empty, float("-inf"))
+        n = len(which)
+        entries = self._pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1),
+                             entry[:, None], rotary)
+        return entries[:, 0], which
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer: I[t,s] = Σ_h relu(qI[t,h]·kI[s]) · w[t,h]; top-k picks CSA entries."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (qI [T, hI, dI] with RoPE, head weights w [T, hI] with both scales folded in)."""
+        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
+        return q, self.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, n, hI, dI], w [B, n, hI], keys [B, N, dI], visible [B, n, N] →
+        (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
+        logits = torch.einsum("bnhc,bsc->bnhs", q, keys).relu_()  # [B, n, hI, N]
+        scores = (w.unsqueeze(-2) @ logits).squeeze(-2)  # Σ_h w·relu(q·k) → [B, n, N]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        return top, visible.gather(-1, top)

@@ -1,0 +1,72 @@
+"""Paged KV reads and writes: every access the model makes to KV storage goes through here.
+
+Two kinds of storage (see `v4serve.cache.device_kv`):
+- rings of the State Cache, one per slot: the row of token position p sits at p mod R;
+- Block Cache entries, reached through a sequence's block table: entry i of a sequence sits in
+  block `table[i // per_block]` at row `i % per_block`.
+
+Plain torch; a fused GPU kernel can replace any of these behind the same signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+# ---- State Cache rings -------------------------------------------------------------------------------
+def ring_write(ring: torch.Tensor, end: int, rows: torch.Tensor) -> None:
+    """Store the rows of positions [end − len(rows), end) in ring [R, ...]; only the last R fit."""
+    keep = min(len(rows), ring.shape[0])
+    if keep == 0:
+        return
+    index = torch.arange(end - keep, end, device=ring.device) % ring.shape[0]
+    ring[index] = rows[-keep:].to(ring.dtype)
+
+
+def ring_read(ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of `positions` [n] (all within the last R positions written) from ring [R, ...]."""
+    return ring[positions % ring.shape[0]]
+
+
+def ring_write_batched(rings: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+    """One row per sequence: rings [S, R, ...], slots [D], positions [D], rows [D, ...]."""
+    rings[slots, positions % rings.shape[1]] = rows.to(rings.dtype)
+
+
+def ring_read_batched(rings: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """rings [S, R, ...], slots [D], positions [D, n] → rows [D, n, ...]."""
+    return rings[slots[:, None], positions % rings.shape[1]]
+
+
+# ---- Block Cache entries --------------------------------------------------------------------------------
+def write_entries(store: torch.Tensor, block_table: Sequence[int], first: int, entries: torch.Tensor) -> None:
+    """Scatter entries first.. of one sequence into store [NB, per_block, d] through its block table."""
+    if not len(entries):
+        return
+    per_block = store.shape[1]
+    index = torch.arange(first, first + len(entries))
+    blocks = torch.tensor(block_table, dtype=torch.long)[index // per_block]
+    store[blocks.to(store.device), (index % per_block).to(store.device)] = entries.to(store.dtype)
+
+
+def read_entries(store: torch.Tensor, block_table: Sequence[int], count: int) -> torch.Tensor:
+    """Entries 0..count−1 of one sequence → [count, d] (fp32)."""
+    per_block = store.shape[1]
+    blocks = torch.tensor(block_table[:-(-count // per_block)], dtype=torch.long, device=store.device)
+    return store[blocks].flatten(0, 1)[:count].float()
+
+
+def padded_tables(block_tables: Sequence[Sequence[int]], num_blocks: int, device: torch.device) -> torch.Tensor:
+    """The first `num_blocks` ids of each table as one tensor [D, num_blocks], short tables padded with
+    block 0 (whatever the padding reads is masked out by the caller)."""
+    rows = [(list(t) + [0] * num_blocks)[:num_blocks] for t in block_tables]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def read_entries_batched(store: torch.Tensor, tables: torch.Tensor, count: int) -> torch.Tensor:
+    """Entries 0..count−1 of several sequences through padded block tables [D, nb] → [D, count, d] (fp32)."""
+    nblocks = -(-count // store.shape[1])
+    return store[tables[:, :nblocks]].flatten(1, 2)[:, :count].float()
