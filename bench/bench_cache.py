@@ -38,9 +38,9 @@ def memory_rows(model, contexts: list[int]) -> tuple[list[list], list[dict]]:
         engine.add_request(req)
         while not req.output_token_ids:
             engine.step()
-        layout, itemsize = engine.layout, engine.storage.dtype.itemsize
-        state = engine.storage.slot_nbytes()
-        blocks = len(req.block_table) * layout.block_bytes(itemsize)
+        layout, itemsize = engine.layout, engine.device_kv.dtype.itemsize
+        state = engine.device_kv.slot_nbytes()
+        blocks = len(req.kv.block_table) * layout.block_bytes(itemsize)
         theory = layout.block_bytes(itemsize) / layout.block_size * req.num_computed_tokens
         paged = layout.paged_bytes_per_token(itemsize) * req.num_computed_tokens
         engine.abort("m")

@@ -1,4 +1,4 @@
-"""Block Cache bookkeeping: block ids, refcounts, sealing, the hash chain and LRU eviction.
+"""The Block Cache's bookkeeping: block ids, refcounts, sealing, the hash chain and LRU eviction.
 
 Plain Python, no torch. A block is either
 - free: refcount 0, no hash; reused first;
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+# tokens(start, end) → the sequence's token ids [start, end), without building the whole list.
+TokenSlice = Callable[[int, int], Sequence[int]]
 
 
 def root_hash(namespace: bytes, cache_salt: str | None) -> bytes:
@@ -28,12 +31,19 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + b"\0" + payload).digest()
 
 
+def extend_chain(hashes: list[bytes], root: bytes, tokens: TokenSlice, num_tokens: int, block_size: int) -> None:
+    """Append the hashes of the blocks of the first `num_tokens` tokens completed since `hashes`
+    was last extended."""
+    parent = hashes[-1] if hashes else root
+    for i in range(len(hashes), num_tokens // block_size):
+        parent = chain_hash(parent, tokens(i * block_size, (i + 1) * block_size))
+        hashes.append(parent)
+
+
 def block_hashes(root: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
     """Hashes of every complete block of `tokens`."""
-    hashes, parent = [], root
-    for i in range(len(tokens) // block_size):
-        parent = chain_hash(parent, tokens[i * block_size:(i + 1) * block_size])
-        hashes.append(parent)
+    hashes: list[bytes] = []
+    extend_chain(hashes, root, lambda start, end: tokens[start:end], len(tokens), block_size)
     return hashes
 
 

@@ -1,4 +1,6 @@
-"""Torch storage behind the KV bookkeeping: preallocated once, indexed by slot and block id."""
+"""The KV tensors on the device, behind the plain-Python bookkeeping: preallocated once, State Cache
+tensors indexed by slot, Block Cache tensors by block id. The model reads and writes them through
+`v4serve.kernels.paged`; host snapshots and SSD-store payloads are copied in and out here."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class LayerKV:
         return [t for t in (self.entries, self.index_keys) if t is not None]
 
 
-class KVStorage:
+class DeviceKV:
     """All KV tensors of all layers: `num_slots` State Cache slots and `num_blocks` blocks."""
 
     def __init__(self, layout: KVLayout, num_slots: int, num_blocks: int,
@@ -43,6 +45,7 @@ class KVStorage:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(device)
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.layers = [self._alloc(layer) for layer in layout.layers]
 
     def _alloc(self, layer: LayerLayout) -> LayerKV:
@@ -62,18 +65,12 @@ class KVStorage:
             kv.index_keys = zeros(self.num_blocks, layer.entries_per_block, di)
         return kv
 
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.slot_tensors())
-
-    def block_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.block_tensors())
-
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """A host copy of one slot's whole state (a snapshot), in a fixed order."""
         return [t[slot].to("cpu", copy=True) for t in self._slot_parts()]
 
     def slot_nbytes(self) -> int:
-        return self.state_bytes() // self.num_slots
+        return self.layout.state_bytes_per_slot(self.itemsize)
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot so nothing of its previous owner can leak into a new request."""

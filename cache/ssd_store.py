@@ -1,6 +1,8 @@
 """The SSD prefix store: sealed blocks (and state snapshots) as files, named by chain hash.
 
-Plain Python, no torch: payloads are bytes, produced and consumed by the torch storage.
+Plain Python, no torch: payloads are bytes, produced and consumed by `device_kv.DeviceKV`. All
+file I/O runs on the store's own threads (one writer, reader pools), never on the engine step or
+the HTTP event loop.
 
 Layout: `<root>/<namespace>/<h[:2]>/<h[2:4]>/<h>.blk` (a block) and `.snap` (the State Cache
 slot state at the end of that block). Each file is a header — magic, format version, kind,
@@ -29,7 +31,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -97,17 +99,16 @@ def decode(data: bytes | bytearray, namespace: bytes, block_hash: bytes, tokens:
 
 @dataclass
 class StoreStats:
+    """Cumulative counters. The store's threads change them under its lock; readers on other
+    threads take `SSDStore.stats_snapshot()`."""
+
     bytes_read: int = 0
     bytes_written: int = 0
     files_written: int = 0
-    errors: Counter = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.errors is None:
-            self.errors = Counter()
+    errors: Counter = field(default_factory=Counter)
 
 
-class KVStore:
+class SSDStore:
     def __init__(self, root: str | Path, namespace: bytes, layout: bytes, max_bytes: int | None = None,
                  readers: int = 2, io_threads: int = 4) -> None:
         self.root = Path(root)
@@ -122,11 +123,11 @@ class KVStore:
         self.used_bytes = 0
         self.dir.mkdir(parents=True, exist_ok=True)
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="v4serve-kvstore-writer", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name="v4serve-ssd-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="v4serve-kvstore-reader")
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="v4serve-ssd-reader")
         # Several reads in flight: an SSD serves small files faster in parallel than one by one.
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="v4serve-kvstore-io")
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="v4serve-ssd-io")
         self._io_threads = io_threads
 
     # ---- index ----------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ class KVStore:
                 self._write(*item)
             except Exception:  # a writer must never die: count and go on
                 log.exception("KV store write failed")
-                self.stats.errors["write"] += 1
+                self._count_error("write")
             finally:
                 self._writes.task_done()
 
@@ -231,17 +232,17 @@ class KVStore:
                 tmp.unlink()
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._writing_disabled = True
-                self.stats.errors["enospc"] += 1
+                self._count_error("enospc")
                 log.error("KV store %s is full: writing stops, serving goes on", self.root)
             else:
-                self.stats.errors["write"] += 1
+                self._count_error("write")
                 log.warning("KV store write of %s failed: %s", path.name, exc)
             return
         with self._lock:
             self._index[(kind, block_hash)] = StoreEntry(path, size)
             self.used_bytes += size
-        self.stats.bytes_written += size
-        self.stats.files_written += 1
+            self.stats.bytes_written += size
+            self.stats.files_written += 1
         self._evict()
 
     def _evict(self) -> None:
@@ -284,7 +285,7 @@ class KVStore:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-        self.stats.bytes_read += len(data)
+            self.stats.bytes_read += len(data)
         return payload
 
     def get_many(self, kind: int, items: Sequence[tuple[bytes, Sequence[int] | None]]) -> list[memoryview]:
@@ -318,8 +319,18 @@ class KVStore:
             if entry is not None:
                 self.used_bytes -= entry.size
 
+    def _count_error(self, kind: str) -> None:
+        with self._lock:
+            self.stats.errors[kind] += 1
+
+    def stats_snapshot(self) -> StoreStats:
+        """A consistent copy of the counters, safe to hand to another thread."""
+        with self._lock:
+            return StoreStats(self.stats.bytes_read, self.stats.bytes_written, self.stats.files_written,
+                              Counter(self.stats.errors))
+
     def _bad(self, key: tuple[int, bytes], path: Path, exc: StoreFileError) -> None:
-        self.stats.errors[exc.kind] += 1
+        self._count_error(exc.kind)
         log.warning("KV store file %s is bad (%s: %s): treated as a miss and quarantined", path.name, exc.kind, exc)
         self._forget(key)
         with contextlib.suppress(OSError):

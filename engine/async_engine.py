@@ -1,9 +1,10 @@
 """The engine loop off the asyncio event loop.
 
-A single background thread owns the `LLMEngine` (nothing else touches its scheduler or cache):
-it applies queued adds and aborts between steps, runs `step()`, turns sampled tokens into text
-deltas (incremental detokenisation, stop strings, reasoning split) and hands them to each
-request's asyncio queue. The HTTP side only awaits those queues.
+A single background thread owns the `LLMEngine` (nothing else touches its scheduler or cache): it
+applies queued adds and aborts between steps, runs `step()`, hands each choice's new token ids to
+that API request's asyncio queue and, after every step and every batch of commands, publishes an
+immutable `EngineStats` snapshot. The asyncio side submits requests, awaits token outputs and reads
+the latest snapshot; it speaks token ids only (text is the front end's job).
 """
 
 from __future__ import annotations
@@ -12,16 +13,13 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
-from v4serve.engine.engine import LLMEngine, RequestError, RequestOutput
-from v4serve.engine.request import Request
+from v4serve.engine.engine import LLMEngine, RequestOutput
+from v4serve.engine.request import Request, RequestError
 from v4serve.engine.sampler import Sample
-from v4serve.server.text.detokenizer import IncrementalDetokenizer
-from v4serve.server.text.tokenizer import Tokenizer
+from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -35,56 +33,37 @@ class EngineDead(RuntimeError):
 
 
 @dataclass(frozen=True)
-class OutputOptions:
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    # Thinking mode: tokens before `</think>` are reasoning, the rest content.
-    reasoning_end_token: int | None = None
+class TokenOutput:
+    """What one choice of an API request produced since its last output."""
 
-
-@dataclass
-class Delta:
-    """What one choice produced since its last delta."""
-
-    index: int
-    text: str = ""
-    reasoning: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
+    index: int  # the choice
+    token_ids: tuple[int, ...] = ()
+    samples: tuple[Sample, ...] = ()
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop, length, abort or error
     error: str | None = None
-    request: Request | None = None  # for usage accounting once finished
-
-
-class EngineObserver(Protocol):
-    def on_step(self, engine: LLMEngine) -> None: ...
-    def on_token(self, request: Request, now: float, first: bool) -> None: ...
-    def on_finish(self, request: Request, now: float) -> None: ...
+    num_cached_tokens: int = 0  # prompt tokens whose computation a cache hit skipped
+    prompt_logprobs: tuple | None = None  # with a choice's first output, when asked for
 
 
 @dataclass
 class _Choice:
     request: Request
     index: int
-    options: OutputOptions
-    sink: Callable[[Delta], None]
-    content: IncrementalDetokenizer
-    reasoning: IncrementalDetokenizer | None
-    last_token_time: float = 0.0
+    sink: Callable[[TokenOutput], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, observer: EngineObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
-        self.observer = observer
+        self.limits = engine.limits  # frozen: requests are validated on the asyncio side
+        self.max_waiting = engine.config.max_waiting
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._choices: dict[str, _Choice] = {}
         self._deferred: dict[str, list[_Choice]] = {}  # parent id → siblings waiting for its prefill
-        self._pending = 0  # submitted but not yet seen by the loop
-        self._pending_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending = 0  # choices submitted that the loop has not yet counted in a snapshot
+        self._stats = engine.stats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -105,28 +84,34 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot the engine thread published."""
+        with self._lock:
+            return self._stats
+
     # ---- the asyncio side ---------------------------------------------------------------------------
-    async def generate(self, requests: list[Request], options: OutputOptions) -> AsyncIterator[Delta]:
-        """Submit the choices of one API request (n ≥ 1, same prompt) and yield their deltas.
-        Choices after the first start once the first has finished its prefill, so they share
-        its prompt blocks through the prefix cache."""
+    async def generate(self, requests: list[Request]) -> AsyncIterator[TokenOutput]:
+        """Submit the choices of one API request (n ≥ 1, same prompt) and yield their outputs until
+        every choice has finished. Choices after the first start once the first has finished its
+        prefill, so they share its prompt blocks through the prefix cache."""
         self.check(requests)
         loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        outputs: asyncio.Queue[TokenOutput] = asyncio.Queue()
 
-        def sink(delta: Delta) -> None:
-            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+        def sink(out: TokenOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        choices = [self._choice(r, i, options, sink) for i, r in enumerate(requests)]
-        with self._pending_lock:
-            self._pending += 1
+        choices = [_Choice(r, i, sink) for i, r in enumerate(requests)]
+        with self._lock:
+            self._pending += len(choices)
         self._commands.put(lambda: self._add(choices))
         remaining = len(choices)
         try:
             while remaining:
-                delta = await deltas.get()
-                remaining -= delta.finished
-                yield delta
+                out = await outputs.get()
+                remaining -= out.finished
+                yield out
         finally:
             if remaining:  # the consumer went away (client disconnect): free everything at once
                 self.abort([r.request_id for r in requests])
@@ -137,12 +122,15 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDead("the engine loop is not running")
         for r in requests:
-            self.engine.validate(r)
-        waiting = len(self.engine.scheduler.waiting) + len(self.engine.scheduler.loading) + self._pending
-        if waiting + len(requests) > self.engine.scheduler.config.max_waiting:
+            self.limits.validate(r)
+        with self._lock:
+            waiting = self._stats.waiting + self._pending
+        if waiting + len(requests) > self.max_waiting:
             raise EngineOverloaded(f"{waiting} requests are already waiting")
 
     def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests and free their cache at once; each open choice ends with an
+        `abort` output."""
         self._commands.put(lambda: self._abort(request_ids))
 
     def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
@@ -161,14 +149,6 @@ class AsyncEngine:
         self._commands.put(run)
         return future
 
-    def _choice(self, request: Request, index: int, options: OutputOptions, sink: Callable[[Delta], None]) -> _Choice:
-        def detok(stop: tuple[str, ...]) -> IncrementalDetokenizer:
-            return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=options.skip_special_tokens,
-                                          stop=stop, include_stop_str_in_output=options.include_stop_str_in_output)
-
-        reasoning = detok(()) if options.reasoning_end_token is not None else None
-        return _Choice(request, index, options, sink, detok(options.stop), reasoning)
-
     # ---- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -176,18 +156,15 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_work())
                 if self._stop.is_set() or not self.engine.has_work():
                     continue
-                outputs = self.engine.step()
-                now = time.monotonic()
-                for out in outputs:
-                    self._emit(out, now)
-                if self.observer is not None:
-                    self.observer.on_step(self.engine)
+                for out in self.engine.step():
+                    self._emit(out)
+                self._publish()
         except BaseException as exc:  # the loop is dead: fail every open stream, report via /health
             log.exception("engine loop died")
             self.error = exc
             for choice in list(self._choices.values()) + [c for cs in self._deferred.values() for c in cs]:
-                choice.sink(Delta(index=choice.index, finished=True, finish_reason="error",
-                                  error=f"engine failure: {exc}", request=choice.request))
+                choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error",
+                                        error=f"engine failure: {exc}"))
             self._choices.clear()
             self._deferred.clear()
 
@@ -196,83 +173,60 @@ class AsyncEngine:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        command()
         while True:
+            command()
             try:
-                self._commands.get_nowait()()
+                command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self._publish()
+
+    def _publish(self, added: int = 0) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self._stats = stats
+            self._pending -= added
 
     def _add(self, choices: list[_Choice]) -> None:
-        with self._pending_lock:
-            self._pending -= 1
         first, rest = choices[0], choices[1:]
-        if not self._start(first):
+        if self._start(first):
+            if rest:
+                self._deferred[first.request.request_id] = rest
+        else:
             for c in rest:
-                c.sink(Delta(index=c.index, finished=True, finish_reason="error", error="not started",
-                             request=c.request))
-            return
-        if rest:
-            self._deferred[first.request.request_id] = rest
+                c.sink(TokenOutput(c.index, finished=True, finish_reason="error", error="not started"))
+        # Counted as pending until now, as waiting (or failed) from the snapshot taken here on.
+        self._publish(added=len(choices))
 
     def _start(self, choice: _Choice) -> bool:
         try:
             self.engine.add_request(choice.request)
         except RequestError as exc:
-            choice.sink(Delta(index=choice.index, finished=True, finish_reason="error", error=str(exc),
-                              request=choice.request))
+            choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error", error=str(exc)))
             return False
         self._choices[choice.request.request_id] = choice
         return True
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            choice = self._choices.pop(rid, None)
-            self._deferred.pop(rid, None)
-            if self.engine.abort(rid) and choice is not None and self.observer is not None:
-                choice.request.finish_reason = "abort"
-                self.observer.on_finish(choice.request, time.monotonic())
+            for choice in (self._choices.pop(rid, None), *self._deferred.pop(rid, [])):
+                if choice is None:
+                    continue
+                self.engine.abort(choice.request.request_id)
+                choice.sink(TokenOutput(choice.index, finished=True, finish_reason="abort"))
 
-    def _release_siblings(self, parent_id: str) -> None:
-        for sibling in self._deferred.pop(parent_id, []):
-            self._start(sibling)
-
-    def _emit(self, out: RequestOutput, now: float) -> None:
+    def _emit(self, out: RequestOutput) -> None:
         choice = self._choices.get(out.request_id)
         if choice is None:
             return
+        for sibling in self._deferred.pop(out.request_id, []):
+            self._start(sibling)
         request = choice.request
-        self._release_siblings(out.request_id)
-        delta = Delta(index=choice.index, token_ids=list(out.new_token_ids), samples=list(out.samples),
-                      request=request)
-        for token in out.new_token_ids:
-            self._route(choice, token, delta)
-        if choice.content.stopped and not out.finished:
-            self.engine.finish(request, "stop")
-            out.finished, out.finish_reason = True, "stop"
-        if self.observer is not None:
-            self.observer.on_token(request, now, first=len(request.output_token_ids) == len(out.new_token_ids))
+        first = len(request.output_token_ids) == len(out.new_token_ids)
+        asked = request.sampling.prompt_logprobs is not None
+        choice.sink(TokenOutput(
+            choice.index, tuple(out.new_token_ids), tuple(out.samples), out.finished, out.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=tuple(request.prompt_logprobs) if first and asked else None))
         if out.finished:
-            self._finish_text(choice, delta)
-            delta.finished, delta.finish_reason = True, out.finish_reason
             self._choices.pop(out.request_id, None)
-            if self.observer is not None:
-                self.observer.on_finish(request, now)
-        choice.sink(delta)
-
-    def _route(self, choice: _Choice, token: int, delta: Delta) -> None:
-        if choice.reasoning is not None and token == choice.options.reasoning_end_token:
-            delta.reasoning += choice.reasoning.flush()
-            choice.reasoning = None  # from here on, content
-            return
-        if choice.reasoning is not None:
-            delta.reasoning += choice.reasoning.push(token)
-        elif not choice.content.stopped:
-            delta.text += choice.content.push(token)
-
-    @staticmethod
-    def _finish_text(choice: _Choice, delta: Delta) -> None:
-        if choice.reasoning is not None:
-            delta.reasoning += choice.reasoning.flush()
-        if not choice.content.stopped:
-            delta.text += choice.content.flush()

@@ -7,18 +7,21 @@ import json
 import logging
 from concurrent import futures
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
-from v4serve.cache.device_kv import KVStorage
-from v4serve.cache.kv_manager import CacheConfig, KVCacheManager
+from v4serve.cache.config import CacheConfig
+from v4serve.cache.device_kv import DeviceKV
+from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.layout import KVLayout, cache_table
-from v4serve.cache.ssd_store import KVStore
+from v4serve.cache.ssd_store import SSDStore
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.request import Request, RequestStatus
+from v4serve.engine.request import Request, RequestError, RequestLimits, RequestStatus
 from v4serve.engine.sampler import Sample, Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +30,6 @@ PARALLEL_STEP_TOKENS = 128
 
 # Bumped whenever the meaning of stored KV changes (layout, pooling, rope placement).
 KV_FORMAT_VERSION = 1
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (the server answers 400)."""
-
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
 
 
 @dataclass(frozen=True)
@@ -96,7 +91,7 @@ class LLMEngine:
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
-        self.storage = KVStorage(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype, device)
+        self.device_kv = DeviceKV(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype, device)
         self.cache_config = CacheConfig(
             block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
             num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
@@ -106,43 +101,23 @@ class LLMEngine:
         namespace = kv_namespace(model, config.kv_dtype)
         store = None
         if config.kv_store_dir and config.enable_prefix_caching:
-            store = KVStore(config.kv_store_dir, namespace, self.storage.layout_descriptor(),
-                            max_bytes=config.kv_store_max_bytes)
-        self.kv = KVCacheManager(self.cache_config, self.storage, namespace, store)
+            store = SSDStore(config.kv_store_dir, namespace, self.device_kv.layout_descriptor(),
+                             max_bytes=config.kv_store_max_bytes)
+        self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
             max_waiting=config.max_waiting), self.kv)
+        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
+                                    block_size=block, num_blocks=num_blocks)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
-        itemsize = torch.empty((), dtype=config.kv_dtype).element_size()
-        log.info("%s", cache_table(self.layout, itemsize, config.max_num_seqs, num_blocks))
+        log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks))
 
     # ---- requests -------------------------------------------------------------------------------
-    def validate(self, request: Request) -> None:
-        prompt, params, cfg = request.prompt_token_ids, request.sampling, self.model.cfg
-        if not prompt:
-            raise RequestError("the prompt is empty", param="prompt")
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
-                               param="prompt")
-        if params.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1", param="max_tokens")
-        total = len(prompt) + params.max_tokens
-        if total > self.config.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
-                f"requested {total} tokens ({len(prompt)} in the messages, {params.max_tokens} in the "
-                f"completion). Please reduce the length of the messages or completion.",
-                code="context_length_exceeded", param="messages")
-        if self.kv.blocks_needed(total, 0) > self.cache_config.num_blocks:
-            raise RequestError(f"the request needs {total} tokens of KV cache, more than the "
-                               f"{self.cache_config.num_blocks} blocks configured", code="context_length_exceeded")
-
     def add_request(self, request: Request) -> None:
-        self.validate(request)
+        self.limits.validate(request)
         if request.request_id in self.requests:
             raise RequestError(f"duplicate request id {request.request_id}")
         self.requests[request.request_id] = request
@@ -164,8 +139,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.loading:  # only store reads in flight: wait for one, don't spin
-                futures.wait([r.disk_load for r in self.scheduler.loading], timeout=0.01,
-                             return_when=futures.FIRST_COMPLETED)
+                futures.wait(self.scheduler.pending_loads(), timeout=0.01, return_when=futures.FIRST_COMPLETED)
             return []
         logits = self.execute(chunks)
         return self.update(chunks, logits)
@@ -181,24 +155,22 @@ class LLMEngine:
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """One forward over every scheduled chunk → the logits of `logit_rows` of each chunk."""
-        seqs, ids, rows, offset = [], [], [], 0
+        seqs, ids = [], []
         for c in chunks:
-            r = c.request
-            seqs.append(SeqChunk(slot=r.slot, block_table=r.block_table, start=r.num_computed_tokens,
-                                 num_new=c.num_new, offset=offset, frozen_until=r.frozen_until,
-                                 window_from=r.window_from))
+            r, kv = c.request, c.request.kv
+            assert kv.slot is not None
+            seqs.append(SeqChunk(slot=kv.slot, block_table=kv.block_table, start=r.num_computed_tokens,
+                                 num_new=c.num_new, frozen_until=kv.frozen_until, window_from=kv.window_from))
             ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new))
-            rows.extend(offset + i for i in self.logit_rows(c))
-            offset += c.num_new
-        meta = AttentionMetadata(seqs=seqs, logits_rows=rows)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.storage.device)
+        meta = AttentionMetadata.build(seqs, [self.logit_rows(c) for c in chunks])
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
         self._set_cpu_threads(len(ids))
-        return self.model(input_ids, meta, self.storage)
+        return self.model(input_ids, meta, self.device_kv)
 
     def _set_cpu_threads(self, num_tokens: int) -> None:
         """On CPU, small (decode) steps run on one intra-op thread: the others would only spin
         against the serving threads; large (prefill) steps use them all."""
-        if self.storage.device.type != "cpu" or self._cpu_threads <= 1:
+        if self.device_kv.device.type != "cpu" or self._cpu_threads <= 1:
             return
         torch.set_num_threads(self._cpu_threads if num_tokens >= PARALLEL_STEP_TOKENS else 1)
 
@@ -257,6 +229,25 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self.requests.pop(request.request_id, None)
         self.sampler.forget(request.request_id)
+
+    def reset_prefix_cache(self, store: bool = False) -> int:
+        """Forget every cached block no request holds (and, with `store`, the SSD store's files)."""
+        return self.kv.reset_prefix_cache(store=store)
+
+    def stats(self) -> EngineStats:
+        """An immutable snapshot of the engine's numbers (taken on the engine thread)."""
+        sched, pool, store = self.scheduler, self.kv.pool, self.kv.store
+        s = sched.stats
+        io = store.stats_snapshot() if store is not None else None
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
+            state_cache_usage=self.kv.state.slots.usage(), block_cache_usage=pool.usage(),
+            prefix_queries=s.prefix_queries, prefix_hits_device=s.prefix_hits, prefix_hits_disk=s.prefix_hits_disk,
+            recomputed_tokens=s.recomputed, preemptions=s.preemptions, evictions=pool.evictions,
+            store_read_bytes=io.bytes_read if io else 0, store_written_bytes=io.bytes_written if io else 0,
+            store_usage_bytes=store.used_bytes if store is not None else 0,
+            store_errors=MappingProxyType(dict(io.errors) if io else {}),
+            store_read_seconds=s.load_seconds.snapshot())
 
     def close(self) -> None:
         """Finish queued store writes and stop the store's threads."""

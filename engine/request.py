@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+
+from v4serve.cache.request_kv import RequestKV
 
 
 class RequestStatus(enum.Enum):
@@ -54,19 +56,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    slot: int | None = None
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of every complete block of all tokens
-    num_sealed_blocks: int = 0
-    # Set by a prefix hit: entries below `frozen_until` come from the cache and are never
-    # written; window KV below `window_from` is absent while it is rebuilt.
-    frozen_until: int = 0
-    window_from: int = 0
+    # Its cache state (slot, block table, hashes, hit bounds, disk load): set by the scheduler
+    # on arrival, read and changed only by `cache/`.
+    kv: RequestKV = field(default_factory=lambda: RequestKV(root=b""))
     num_cached_tokens: int = 0  # prompt tokens whose computation a cache hit skipped
     num_hit_tokens: int = 0  # prompt tokens whose compressed entries came from the cache
     num_disk_hit_tokens: int = 0  # of those, tokens read from the SSD store for this request
-    disk_checked: bool = False
-    disk_load: Any = None  # the pending store read while LOADING
     num_recomputed_tokens: int = 0  # tokens recomputed to rebuild the window state after a hit
     num_preemptions: int = 0
     # One entry per prompt token from the second on (the first has none), when asked for.
@@ -98,3 +93,47 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed_tokens > 1
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (the server answers 400)."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the engine can serve, fixed at start: requests are checked against it on any thread
+    (before a stream's first byte) without touching the engine."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    def check_token_ids(self, ids: Iterable[int], param: str) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise RequestError(f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+
+    def validate(self, request: Request) -> None:
+        prompt, params = request.prompt_token_ids, request.sampling
+        if not prompt:
+            raise RequestError("the prompt is empty", param="prompt")
+        self.check_token_ids(prompt, "prompt")
+        self.check_token_ids(params.logit_bias, "logit_bias")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt)} in the messages, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                code="context_length_exceeded", param="messages")
+        if -(-total // self.block_size) > self.num_blocks:
+            raise RequestError(f"the request needs {total} tokens of KV cache, more than the "
+                               f"{self.num_blocks} blocks configured", code="context_length_exceeded")

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from v4serve.cache.kv_manager import NO_HIT, KVCacheManager
+from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.engine.request import Request, RequestStatus
+from v4serve.engine.stats import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class SchedulerStats:
     prefix_hits_disk: int = 0  # prompt tokens whose entries were read from the SSD store
     recomputed: int = 0  # tokens recomputed to rebuild window state after hits
     preemptions: int = 0
-    load_seconds: list[float] = field(default_factory=list)  # per-request store reads, drained by metrics
+    load_seconds: Histogram = field(default_factory=Histogram.for_store_reads)  # per-request store reads
 
 
 class Scheduler:
@@ -62,7 +64,7 @@ class Scheduler:
 
     # ---- queue changes ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        request.block_hashes = self.kv.hashes(request.all_token_ids, request.cache_salt)
+        request.kv = self.kv.new_request(request.cache_salt, request.num_tokens, request.token_slice)
         self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -74,8 +76,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.loading:
             self.loading.remove(request)
-        self.kv.free(request.slot, request.block_table)
-        request.slot = None
+        self.kv.free(request.kv)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -101,16 +102,12 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:
         n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk)
-        # A prefill chunk ends on the next snapshot point so the state there can be saved; while a
-        # hit's window state is being rebuilt it is not exact until the hit boundary.
-        lo = max(start, request.frozen_until - 1) if request.window_from else start
-        point = self.kv.next_snapshot_point(lo, request.num_prompt_tokens, start + n - 1)
-        return n if point is None else point - start
+        return self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens)
 
     def _grow_or_preempt(self, request: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
         """Blocks for the next n tokens, preempting the newest other running requests if
         needed; False if the request itself had to be preempted."""
-        while not self.kv.grow(request.block_table, request.num_computed_tokens + n):
+        while not self.kv.grow(request.kv, request.num_computed_tokens + n):
             victim = self.running[-1]
             self._preempt(victim, scheduled)
             if victim is request:
@@ -120,11 +117,9 @@ class Scheduler:
     def _preempt(self, request: Request, scheduled: list[ScheduledChunk]) -> None:
         scheduled[:] = [c for c in scheduled if c.request is not request]
         self.running.remove(request)
-        self.kv.free(request.slot, request.block_table)
-        request.slot = None
+        self.kv.free(request.kv)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_sealed_blocks = 0
         request.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(request)
@@ -132,26 +127,22 @@ class Scheduler:
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            plan = self.kv.plan_prefix(request.block_hashes, request.num_tokens)
-            if request.sampling.prompt_logprobs is not None:
-                plan = NO_HIT  # every prompt row's logits are wanted: nothing may be skipped
-            elif self._start_disk_load(request, len(plan.hit_blocks)):
+            # Every prompt row's logits wanted (prompt logprobs): nothing may be skipped.
+            reuse = request.sampling.prompt_logprobs is None
+            plan = self.kv.plan_prefix(request.kv, request.num_tokens, reuse)
+            if reuse and self._start_disk_load(request):
                 continue
-            request.frozen_until, request.window_from = plan.hit_tokens, plan.window_from
             n = self._chunk_size(request, plan.resume_from, budget)
-            admitted = self.kv.admit(plan, plan.resume_from + n)
-            if admitted is None:
+            if not self.kv.admit(request.kv, plan.resume_from + n):
                 break  # head of line waits for slots/blocks; arrival order is kept
             self.waiting.popleft()
-            request.slot, request.block_table = admitted
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = plan.resume_from
-            request.num_sealed_blocks = len(plan.hit_blocks)
             if request.num_preemptions == 0:
                 request.num_hit_tokens = plan.hit_tokens
                 request.num_cached_tokens = plan.resume_from
                 request.num_recomputed_tokens = plan.recompute_tokens
-                request.num_disk_hit_tokens = min(request.num_disk_hit_tokens, plan.hit_tokens)
+                request.num_disk_hit_tokens = min(request.kv.disk_tokens, plan.hit_tokens)
                 self.stats.prefix_queries += request.num_prompt_tokens
                 self.stats.prefix_hits += plan.hit_tokens - request.num_disk_hit_tokens
                 self.stats.prefix_hits_disk += request.num_disk_hit_tokens
@@ -161,56 +152,39 @@ class Scheduler:
             budget -= n
 
     # ---- the SSD store ----------------------------------------------------------------------------
-    def _start_disk_load(self, request: Request, device_hit: int) -> bool:
-        """Once per request: if the store holds blocks past the device hit, read them in the
-        background while the request waits in LOADING (others keep running)."""
-        if request.disk_checked or self.kv.store is None:
-            return False
-        request.disk_checked = True
-        count = self.kv.disk_blocks(request.block_hashes, request.num_tokens, device_hit)
-        if not count:
+    def _start_disk_load(self, request: Request) -> bool:
+        """If the SSD store holds blocks past the device hit, the request waits in LOADING while they
+        are read in the background (others keep running)."""
+        if not self.kv.start_disk_load(request.kv, request.num_tokens, request.token_slice):
             return False
         self.waiting.popleft()
         request.status = RequestStatus.LOADING
-        request.disk_load = self.kv.start_load(request.block_hashes, request.all_token_ids, device_hit, count)
         self.loading.append(request)
         return True
 
+    def pending_loads(self) -> list[Future]:
+        return [r.kv.disk_load for r in self.loading if r.kv.disk_load is not None]
+
     def _finish_loads(self) -> None:
-        done = [r for r in self.loading if r.disk_load.done()]
+        done = [r for r in self.loading if r.kv.disk_load is not None and r.kv.disk_load.done()]
         for request in sorted(done, key=lambda r: r.arrival_time, reverse=True):
             self.loading.remove(request)
-            load, request.disk_load = request.disk_load, None
             try:
-                result = load.result()
+                self.stats.load_seconds.observe(self.kv.finish_disk_load(request.kv))
             except Exception:  # a failed read is a miss: the request computes instead
-                log.exception("reading %s's prefix from the KV store failed", request.request_id)
-            else:
-                installed = self.kv.install(result, request.block_hashes)
-                request.num_disk_hit_tokens = installed * self.kv.config.block_size
-                self.stats.load_seconds.append(result.seconds)
+                log.exception("reading %s's prefix from the SSD store failed", request.request_id)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
     # ---- after the forward ----------------------------------------------------------------------
     def advance(self, chunks: Iterable[ScheduledChunk]) -> None:
-        """Account computed tokens: seal full blocks, save state snapshots at their points."""
-        b = self.kv.config.block_size
+        """Account computed tokens (the cache seals full blocks and takes due snapshots)."""
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new
-            pos = request.num_computed_tokens
-            if pos // b > request.num_sealed_blocks:
-                first = request.num_sealed_blocks * b
-                request.num_sealed_blocks = self.kv.seal(request.block_table, request.block_hashes,
-                                                         request.num_sealed_blocks, pos,
-                                                         request.token_slice(first, pos // b * b), first)
-            exact = request.window_from == 0 or pos >= request.frozen_until
-            if exact and self.kv.is_snapshot_point(pos, request.num_prompt_tokens):
-                key = request.block_hashes[pos // b - 1]
-                self.kv.save_snapshot(request.slot, key, request.token_slice(pos - b, pos))
+            self.kv.advance(request.kv, request.num_computed_tokens, request.num_prompt_tokens, request.token_slice)
 
     def append_token(self, request: Request, token: int) -> None:
         request.output_token_ids.append(token)
         if request.num_tokens % self.kv.config.block_size == 0:  # a block of known tokens completed
-            self.kv.extend_hashes(request.block_hashes, request.all_token_ids, request.cache_salt)
+            self.kv.extend_hashes(request.kv, request.num_tokens, request.token_slice)

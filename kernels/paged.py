@@ -42,21 +42,21 @@ def ring_read_batched(rings: torch.Tensor, slots: torch.Tensor, positions: torch
 
 
 # ---- Block Cache entries --------------------------------------------------------------------------------
-def write_entries(store: torch.Tensor, block_table: Sequence[int], first: int, entries: torch.Tensor) -> None:
-    """Scatter entries first.. of one sequence into store [NB, per_block, d] through its block table."""
+def write_entries(cache: torch.Tensor, block_table: Sequence[int], first: int, entries: torch.Tensor) -> None:
+    """Scatter entries first.. of one sequence into cache [NB, per_block, d] through its block table."""
     if not len(entries):
         return
-    per_block = store.shape[1]
+    per_block = cache.shape[1]
     index = torch.arange(first, first + len(entries))
     blocks = torch.tensor(block_table, dtype=torch.long)[index // per_block]
-    store[blocks.to(store.device), (index % per_block).to(store.device)] = entries.to(store.dtype)
+    cache[blocks.to(cache.device), (index % per_block).to(cache.device)] = entries.to(cache.dtype)
 
 
-def read_entries(store: torch.Tensor, block_table: Sequence[int], count: int) -> torch.Tensor:
-    """Entries 0..count−1 of one sequence → [count, d] (fp32)."""
-    per_block = store.shape[1]
-    blocks = torch.tensor(block_table[:-(-count // per_block)], dtype=torch.long, device=store.device)
-    return store[blocks].flatten(0, 1)[:count].float()
+def read_entries(cache: torch.Tensor, block_table: Sequence[int], count: int) -> torch.Tensor:
+    """Entries 0..count−1 of one sequence from cache [NB, per_block, d] → [count, d] (fp32)."""
+    per_block = cache.shape[1]
+    blocks = torch.tensor(block_table[:-(-count // per_block)], dtype=torch.long, device=cache.device)
+    return cache[blocks].flatten(0, 1)[:count].float()
 
 
 def padded_tables(block_tables: Sequence[Sequence[int]], num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -66,7 +66,7 @@ def padded_tables(block_tables: Sequence[Sequence[int]], num_blocks: int, device
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def read_entries_batched(store: torch.Tensor, tables: torch.Tensor, count: int) -> torch.Tensor:
+def read_entries_batched(cache: torch.Tensor, tables: torch.Tensor, count: int) -> torch.Tensor:
     """Entries 0..count−1 of several sequences through padded block tables [D, nb] → [D, count, d] (fp32)."""
-    nblocks = -(-count // store.shape[1])
-    return store[tables[:, :nblocks]].flatten(1, 2)[:, :count].float()
+    nblocks = -(-count // cache.shape[1])
+    return cache[tables[:, :nblocks]].flatten(1, 2)[:, :count].float()

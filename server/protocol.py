@@ -1,22 +1,10 @@
-"""OpenAI request models (pydantic, at the HTTP boundary only) and the error shape."""
+"""OpenAI request models (pydantic, at the HTTP boundary only)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-def error_json(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": ErrorBody(message=message, type=type_, param=param, code=code).model_dump()}
 
 
 class StreamOptions(BaseModel):

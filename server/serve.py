@@ -14,7 +14,8 @@ from v4serve.engine.engine import EngineConfig, LLMEngine
 from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny
-from v4serve.server.app import ServerConfig, build_app
+from v4serve.server.app import build_app
+from v4serve.server.generation import ServerConfig
 from v4serve.server.metrics import Metrics
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -105,8 +106,8 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     model, tokenizer = load(cfg)
     econf = engine_config(cfg, model)
     engine = LLMEngine(model, econf, eos_token_id=tokenizer.eos_token_id)
-    metrics = Metrics(cfg.model_name)
-    async_engine = AsyncEngine(engine, tokenizer, observer=metrics)
+    async_engine = AsyncEngine(engine)
+    metrics = Metrics(cfg.model_name, lambda: async_engine.stats)
     app = build_app(async_engine, tokenizer, ServerConfig(cfg.model_name, econf.max_model_len, cfg.api_key), metrics)
 
     device = next(model.parameters()).device

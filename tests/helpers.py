@@ -45,7 +45,7 @@ class RecordingEngine(LLMEngine):
         return super().update(chunks, logits)
 
     def check(self) -> None:
-        self.kv.check_integrity([r.block_table for r in self.scheduler.running])
+        self.kv.check_integrity([r.kv for r in self.scheduler.running])
 
     def run_checked(self) -> None:
         """Step to completion, checking cache integrity after every step."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import engine_for, greedy, reference, rel_err, small_model, tokens
-from v4serve.engine.engine import RequestError
+from v4serve.engine.request import RequestError
 
 
 def check_against_reference(engine, requests):
@@ -55,8 +55,8 @@ def test_block_pressure_preempts_the_newest_and_everything_completes():
         engine.check()
         # Blocks a running request holds keep their content from one step to the next.
         for r in engine.scheduler.running:
-            for i, b in enumerate(r.block_table[: r.num_sealed_blocks]):
-                entry = engine.storage.layers[1].entries[b]
+            for i, b in enumerate(r.kv.block_table[: r.kv.num_sealed]):
+                entry = engine.device_kv.layers[1].entries[b]
                 if (r.request_id, i) in held_by_running:
                     assert torch.equal(held_by_running[(r.request_id, i)], entry)
                 held_by_running[(r.request_id, i)] = entry.clone()
@@ -81,7 +81,7 @@ def test_a_request_that_cannot_be_admitted_waits_and_later_completes():
     engine.run_checked()
     assert len(first.output_token_ids) == 20 and len(second.output_token_ids) == 5
     check_against_reference(engine, [first, second])
-    assert engine.kv.pool.num_used == 0 and engine.kv.slots.num_free == 1
+    assert engine.kv.pool.num_used == 0 and engine.kv.state.slots.num_free == 1
 
 
 def test_requests_larger_than_the_cache_are_rejected_up_front():
@@ -98,8 +98,8 @@ def test_abort_frees_slot_and_blocks_at_once():
     r = greedy("a", tokens(50, 40), n=30)
     engine.add_request(r)
     engine.step()
-    assert engine.kv.pool.num_used > 0 and engine.kv.slots.num_free == 1
+    assert engine.kv.pool.num_used > 0 and engine.kv.state.slots.num_free == 1
     assert engine.abort("a")
-    assert engine.kv.pool.num_used == 0 and engine.kv.slots.num_free == 2
+    assert engine.kv.pool.num_used == 0 and engine.kv.state.slots.num_free == 2
     engine.check()
     assert not engine.has_work()

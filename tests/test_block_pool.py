@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from v4serve.cache.block_pool import BlockPool, NoFreeBlocks, block_hashes, chain_hash, root_hash
-from v4serve.cache.slots import SlotAllocator
-from v4serve.cache.snapshots import SnapshotStore
+from v4serve.cache.state_cache import HostSnapshots, SlotAllocator
 
 H = [bytes([i]) * 32 for i in range(16)]  # stand-in chain hashes
 
@@ -170,7 +169,7 @@ def test_slot_allocator():
 
 
 def test_snapshot_store_is_bounded_lru():
-    store: SnapshotStore[str] = SnapshotStore(max_bytes=100)
+    store: HostSnapshots[str] = HostSnapshots(max_bytes=100)
     assert store.put(b"a", "A", 40) and store.put(b"b", "B", 40)
     assert store.get(b"a") == "A"  # a is now most recent
     assert store.put(b"c", "C", 40)  # evicts b
@@ -180,7 +179,8 @@ def test_snapshot_store_is_bounded_lru():
 
 
 def test_bookkeeping_modules_do_not_import_torch():
-    for name in ("block_pool.py", "slots.py", "snapshots.py", "kv_manager.py", "layout.py"):
+    for name in ("block_pool.py", "config.py", "state_cache.py", "request_kv.py", "kv_manager.py", "ssd_loader.py",
+                 "ssd_store.py", "layout.py"):
         tree = ast.parse((Path(__file__).parents[1] / "cache" / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

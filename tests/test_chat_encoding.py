@@ -7,19 +7,12 @@ spelled by code point here rather than imported from the module under test.
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
 import pytest
 
 from v4serve.server.text import chat_encoding as ce
-from v4serve.server.text.chat_encoding import (
-    ReasoningStream,
-    encode_messages,
-    generation_starts_in_reasoning,
-    parse_tool_calls,
-    split_reasoning,
-)
+from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.tokenizer import ByteTokenizer
 
 BAR = "\uff5c"
@@ -352,71 +345,6 @@ def test_input_messages_not_mutated() -> None:
     snapshot = json.dumps(messages)
     encode_messages(messages, thinking=True, tools=[WEATHER_TOOL])
     assert json.dumps(messages) == snapshot
-
-
-# --- completions: reasoning split, streaming, tool calls ---------------------------------------
-
-
-def test_split_reasoning() -> None:
-    assert split_reasoning("Let me add.</think>4", thinking=True) == ("Let me add.", "4")
-    assert split_reasoning("cut off mid thought", thinking=True) == ("cut off mid thought", "")
-    assert split_reasoning("</think>direct", thinking=True) == ("", "direct")
-    assert split_reasoning("a</think>b</think>c", thinking=True) == ("a", "b</think>c")
-    assert split_reasoning("plain answer", thinking=False) == (None, "plain answer")
-
-
-def test_generation_starts_in_reasoning() -> None:
-    assert generation_starts_in_reasoning(encode_messages(CONVERSATION, thinking=True))
-    assert not generation_starts_in_reasoning(encode_messages(CONVERSATION, thinking=False))
-    assert generation_starts_in_reasoning(encode_messages(CONVERSATION, thinking=True, tools=[WEATHER_TOOL]))
-    assert not generation_starts_in_reasoning(encode_messages(CONVERSATION, tools=[WEATHER_TOOL]))
-
-
-@pytest.mark.parametrize("thinking", [True, False])
-def test_reasoning_stream_matches_split(thinking: bool) -> None:
-    rng = random.Random(5)
-    texts = ["reason</think>answer", "no end marker <", "x</thi", "</think>", "a</think>b</think>c", "", "<</think>>"]
-    for text in texts:
-        for _ in range(50):
-            cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 4))))
-            chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-            stream = ReasoningStream(thinking)
-            outs = [stream.push(c) for c in chunks] + [stream.finish()]
-            reasoning = "".join(r for r, _ in outs)
-            content = "".join(c for _, c in outs)
-            expected_reasoning, expected_content = split_reasoning(text, thinking)
-            assert (reasoning if thinking else None, content) == (expected_reasoning, expected_content)
-            assert all("</think>" not in r for r, _ in outs)
-
-
-def test_reasoning_stream_holds_back_partial_marker() -> None:
-    stream = ReasoningStream(thinking=True)
-    assert stream.in_reasoning
-    assert stream.push("abc</th") == ("abc", "")
-    assert stream.push("ink>Hello") == ("", "Hello")
-    assert not stream.in_reasoning
-    assert stream.push(" world") == ("", " world")
-
-
-def test_parse_tool_calls_round_trip() -> None:
-    call = {"name": "get_weather", "arguments": json.dumps({"city": "Zürich", "days": 3, "hourly": [True]})}
-    answer = {"role": "assistant", "content": "Let me check.", "tool_calls": [{"id": "1", "function": call}]}
-    generated = encode_messages([answer], add_generation_prompt=False)[len(BOS) : -len(EOS)]
-    content, calls = parse_tool_calls(generated)
-    assert content == "Let me check."
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Zürich", "days": 3, "hourly": [True]}
-    assert calls[0]["type"] == "function"
-
-
-def test_parse_tool_calls_without_block_and_malformed() -> None:
-    assert parse_tool_calls("just text") == ("just text", [])
-    with pytest.raises(ValueError, match="unterminated"):
-        parse_tool_calls(f"x\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n")
-    with pytest.raises(ValueError, match="after"):
-        parse_tool_calls(f"<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n</{DSML}invoke>\n</{DSML}tool_calls>more")
-    with pytest.raises(ValueError, match="invoke"):
-        parse_tool_calls(f"<{DSML}tool_calls>\n</{DSML}tool_calls>")
 
 
 # --- with the tokenizer -------------------------------------------------------------------------

@@ -53,6 +53,6 @@ def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
     expected = cold_outputs(model, finished)
     for r in finished:
         assert r.output_token_ids == expected[r.request_id], r.request_id
-    assert engine.kv.pool.num_used == 0 and engine.kv.slots.num_free == 3
+    assert engine.kv.pool.num_used == 0 and engine.kv.state.slots.num_free == 3
     stats = engine.scheduler.stats
     assert stats.prefix_hits + stats.prefix_hits_disk > 0 and stats.preemptions > 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
-from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, KVStore, decode, encode
+from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, SSDStore, decode, encode
 
 NS = b"n" * 32
 
@@ -233,6 +233,6 @@ def test_reset_with_store_empties_the_folder(tmp_path):
 def test_store_survives_a_foreign_file_layout(tmp_path):
     """A store written under another KV layout (another model) is never read as this one."""
     populate(small_model(), tmp_path, tokens(60, 14))
-    other = KVStore(tmp_path, b"z" * 32, b"other-layout")
+    other = SSDStore(tmp_path, b"z" * 32, b"other-layout")
     assert other.longest_prefix([b"a" * 32]) == 0
     other.close()

@@ -23,7 +23,7 @@ def run_pair(model, mode: str, shared: int, seed: int = 0):
     first, second = shared_then_different(shared, seed)
     engine = engine_for(model, swa_cache_mode=mode)
     engine.generate([greedy("first", first)])
-    before = engine.storage.layers[1].entries.clone()
+    before = engine.device_kv.layers[1].entries.clone()
     req = greedy("second", second)
     out = engine.generate([req])["second"]
     engine.check()
@@ -44,10 +44,10 @@ def check_hit(model, mode, shared):
     assert req.num_hit_tokens == expected_hit
     assert cold_req.num_hit_tokens == 0
     # Sealed shared blocks are never written again.
-    hit_blocks = req.block_table[: expected_hit // b] if req.block_table else None
+    hit_blocks = req.kv.block_table[: expected_hit // b] if req.kv.block_table else None
     if hit_blocks is None:
         hit_blocks = list(range(expected_hit // b))  # the first request's blocks, reused in order
-    after = engine.storage.layers[1].entries
+    after = engine.device_kv.layers[1].entries
     assert torch.equal(before[hit_blocks], after[hit_blocks])
     return req
 

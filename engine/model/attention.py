@@ -72,7 +72,7 @@ class Attention(nn.Module):
         if self.kind == "csa":
             self.indexer = Indexer(cfg, self.ratio)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, store: LayerKV, rotary: Rotary,
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, layer_kv: LayerKV, rotary: Rotary,
                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, D]."""
         t = x.shape[0]
@@ -88,24 +88,24 @@ class Attention(nn.Module):
         decodes = [s for s in meta.seqs if s.num_new == 1]
         if decodes:
             rows = torch.tensor([s.offset for s in decodes], device=x.device)
-            out[rows] = self._attend_decodes(p, decodes, rows, store, rotary)
+            out[rows] = self._attend_decodes(p, decodes, rows, layer_kv, rotary)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 rows_ = slice(seq.offset, seq.offset + seq.num_new)
-                out[rows_] = self._attend_chunk(p, seq, rows_, store, rotary)
+                out[rows_] = self._attend_chunk(p, seq, rows_, layer_kv, rotary)
         out = apply_rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgi,goi->tgo", groups, wo_a).flatten(1))
 
     # ---- prefill chunks: one sequence at a time, tiles of queries ---------------------------------------
-    def _attend_chunk(self, p: _Projected, seq: SeqChunk, rows: slice, store: LayerKV, rotary: Rotary
+    def _attend_chunk(self, p: _Projected, seq: SeqChunk, rows: slice, layer_kv: LayerKV, rotary: Rotary
                       ) -> torch.Tensor:
         q, kv = p.q[rows], p.kv[rows]
-        keys, key_pos = self._window_keys(kv, seq, store.window[seq.slot])
+        keys, key_pos = self._window_keys(kv, seq, layer_kv.window[seq.slot])
         entries, index_keys = (None, None)
         if self.compressor is not None:
-            entries, index_keys = self._chunk_entries(p, seq, rows, store, rotary)
+            entries, index_keys = self._chunk_entries(p, seq, rows, layer_kv, rotary)
         out = torch.empty_like(q)
         for a in range(0, seq.num_new, ATTN_TILE):
             b = min(a + ATTN_TILE, seq.num_new)
@@ -137,35 +137,35 @@ class Attention(nn.Module):
         ring_write(ring, seq.end, kv)
         return keys, torch.arange(lo, seq.end, device=kv.device)
 
-    def _chunk_entries(self, p: _Projected, seq: SeqChunk, rows: slice, store: LayerKV, rotary: Rotary
+    def _chunk_entries(self, p: _Projected, seq: SeqChunk, rows: slice, layer_kv: LayerKV, rotary: Rotary
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add this chunk's finished entries (and indexer keys) to the Block Cache and return all
         of the sequence's entries [N, d] and indexer keys [N, dI] (None without an indexer)."""
-        assert self.compressor is not None and store.entries is not None and p.comp is not None
+        assert self.compressor is not None and layer_kv.entries is not None and p.comp is not None
         slot, table, count = seq.slot, seq.block_table, seq.end // self.ratio
-        new, first = self.compressor.update(p.comp[0][rows], p.comp[1][rows], seq, store.pending_kv[slot],
-                                            store.pending_score[slot], rotary)
-        write_entries(store.entries, table, first, new)
-        entries = read_entries(store.entries, table, count)
+        new, first = self.compressor.update(p.comp[0][rows], p.comp[1][rows], seq, layer_kv.pending_kv[slot],
+                                            layer_kv.pending_score[slot], rotary)
+        write_entries(layer_kv.entries, table, first, new)
+        entries = read_entries(layer_kv.entries, table, count)
         if self.indexer is None:
             return entries, None
-        assert store.index_keys is not None and p.index_comp is not None
+        assert layer_kv.index_keys is not None and p.index_comp is not None
         new, first = self.indexer.compressor.update(p.index_comp[0][rows], p.index_comp[1][rows], seq,
-                                                    store.index_pending_kv[slot], store.index_pending_score[slot],
+                                                    layer_kv.index_pending_kv[slot], layer_kv.index_pending_score[slot],
                                                     rotary)
-        write_entries(store.index_keys, table, first, new)
-        return entries, read_entries(store.index_keys, table, count)
+        write_entries(layer_kv.index_keys, table, first, new)
+        return entries, read_entries(layer_kv.index_keys, table, count)
 
     # ---- decodes: every sequence with one new token, in one batched pass ----------------------------------
-    def _attend_decodes(self, p: _Projected, seqs: list[SeqChunk], rows: torch.Tensor, store: LayerKV,
+    def _attend_decodes(self, p: _Projected, seqs: list[SeqChunk], rows: torch.Tensor, layer_kv: LayerKV,
                         rotary: Rotary) -> torch.Tensor:
         dev = rows.device
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         t = torch.tensor([s.start for s in seqs], device=dev)
-        keys, mask = self._decode_window(p.kv[rows], slots, t, seqs, store.window)
+        keys, mask = self._decode_window(p.kv[rows], slots, t, seqs, layer_kv.window)
         picked, picked_mask = None, None
         if self.compressor is not None:
-            entries, index_keys, visible = self._decode_entries(p, seqs, rows, slots, t, store, rotary)
+            entries, index_keys, visible = self._decode_entries(p, seqs, rows, slots, t, layer_kv, rotary)
             if entries is not None and index_keys is not None and p.index_q is not None:
                 iq, iw = p.index_q[0][rows][:, None], p.index_q[1][rows][:, None]
                 top, valid = self.indexer.select(iq, iw, index_keys, visible[:, None])
@@ -195,31 +195,31 @@ class Attention(nn.Module):
         return keys, pos >= floor[:, None]
 
     def _decode_entries(self, p: _Projected, seqs: list[SeqChunk], rows: torch.Tensor, slots: torch.Tensor,
-                        t: torch.Tensor, store: LayerKV, rotary: Rotary
+                        t: torch.Tensor, layer_kv: LayerKV, rotary: Rotary
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Update compressors, write finished entries, and gather every sequence's entries
         [D, N, d] (N = the most any sequence has), indexer keys [D, N, dI] and visibility [D, N]."""
-        assert self.compressor is not None and store.entries is not None and p.comp is not None
+        assert self.compressor is not None and layer_kv.entries is not None and p.comp is not None
         frozen = torch.tensor([s.frozen_until for s in seqs], device=t.device)
         new, which = self.compressor.decode_update(p.comp[0][rows], p.comp[1][rows], slots, t, frozen,
-                                                   store.pending_kv, store.pending_score, rotary)
-        self._write_decoded(store.entries, seqs, t, which, new)
+                                                   layer_kv.pending_kv, layer_kv.pending_score, rotary)
+        self._write_decoded(layer_kv.entries, seqs, t, which, new)
         if self.indexer is not None:
-            assert store.index_keys is not None and p.index_comp is not None
+            assert layer_kv.index_keys is not None and p.index_comp is not None
             new, which = self.indexer.compressor.decode_update(
-                p.index_comp[0][rows], p.index_comp[1][rows], slots, t, frozen, store.index_pending_kv,
-                store.index_pending_score, rotary)
-            self._write_decoded(store.index_keys, seqs, t, which, new)
+                p.index_comp[0][rows], p.index_comp[1][rows], slots, t, frozen, layer_kv.index_pending_kv,
+                layer_kv.index_pending_score, rotary)
+            self._write_decoded(layer_kv.index_keys, seqs, t, which, new)
         counts = (t + 1) // self.ratio
         n = int(counts.max())
         visible = torch.arange(n, device=t.device)[None, :] < counts[:, None]
         if n == 0:
             return None, None, visible
-        per_block = store.entries.shape[1]
+        per_block = layer_kv.entries.shape[1]
         nb = -(-n // per_block)
         tables = padded_tables([s.block_table for s in seqs], nb, t.device)
-        entries = read_entries_batched(store.entries, tables, n)
-        index_keys = read_entries_batched(store.index_keys, tables, n) if store.index_keys is not None else None
+        entries = read_entries_batched(layer_kv.entries, tables, n)
+        index_keys = read_entries_batched(layer_kv.index_keys, tables, n) if layer_kv.index_keys is not None else None
         return entries, index_keys, visible
 
     def _write_decoded(self, dest: torch.Tensor, seqs: list[SeqChunk], t: torch.Tensor, which: torch.Tensor,

@@ -1,11 +1,12 @@
 """What one forward step needs to know about each sequence in the batch.
 
-The model reads and writes KV only through this object and `cache.storage.KVStorage`: the
+The model reads and writes KV only through this object and `v4serve.cache.device_kv.DeviceKV`: the
 sequence's State Cache slot, its block table, and where its new tokens sit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -34,13 +35,17 @@ class AttentionMetadata:
     logits_rows: list[int] = field(default_factory=list)
 
     @classmethod
-    def build(cls, seqs: list[SeqChunk], all_logits: bool = False) -> AttentionMetadata:
+    def build(cls, seqs: list[SeqChunk], logit_rows: Sequence[Iterable[int]] | None = None) -> AttentionMetadata:
+        """Lay the sequences' chunks out one after another in the flattened batch; `logit_rows[i]`
+        are the rows of sequence i, counted from its first new token, whose logits are wanted
+        (default: its last one)."""
         offset = 0
         rows: list[int] = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             seq.offset = offset
+            wanted = [seq.num_new - 1] if logit_rows is None else logit_rows[i]
+            rows.extend(offset + j for j in wanted)
             offset += seq.num_new
-            rows.extend(range(seq.offset, offset) if all_logits else [offset - 1])
         return cls(seqs=seqs, logits_rows=rows)
 
     @property

@@ -7,7 +7,7 @@ hc = residual streams. The attention (window, CSA, HCA, compressors, indexer) is
 
 The forward pass takes a flattened batch of new tokens from several sequences plus an
 `AttentionMetadata` describing each sequence (its State Cache slot, block table, start
-position); all KV is read from and written to a `KVStorage`.
+position); all KV is read from and written to a `DeviceKV`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from v4serve.cache.device_kv import KVStorage, LayerKV
+from v4serve.cache.device_kv import DeviceKV, LayerKV
 from v4serve.engine.model.attention import Attention
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary, rms_unit
@@ -135,8 +135,8 @@ class Block(nn.Module):
         return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(1) + comb.to(h.dtype).transpose(-1, -2) @ h
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                store: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = self._mixed(h, "attn", lambda x: self.attn(self.attn_norm(x), meta, store, rotary, cos, sin, positions))
+                layer_kv: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = self._mixed(h, "attn", lambda x: self.attn(self.attn_norm(x), meta, layer_kv, rotary, cos, sin, positions))
         return self._mixed(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
 
 
@@ -157,17 +157,17 @@ class DeepseekV4(nn.Module):
         self.rotary_compress = Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStorage) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV) -> torch.Tensor:
         """input_ids [T] (the new tokens of every sequence, flattened) → logits [R, V] for
         `meta.logits_rows` (fp32)."""
         positions = torch.cat([torch.arange(s.start, s.end) for s in meta.seqs]).to(input_ids.device)
         cs_main = self.rotary_main.cos_sin(positions)
         cs_comp = self.rotary_compress.cos_sin(positions)
         h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for block, store in zip(self.layers, kv.layers, strict=True):
+        for block, layer_kv in zip(self.layers, kv.layers, strict=True):
             rotary, (cos, sin) = ((self.rotary_main, cs_main) if block.attn.kind == "swa"
                                   else (self.rotary_compress, cs_comp))
-            h = block(h, input_ids, positions, meta, store, rotary, cos, sin)
+            h = block(h, input_ids, positions, meta, layer_kv, rotary, cos, sin)
         h = h[meta.logits_rows]
         x = self.norm(self._hc_head(h))
         return F.linear(x.float(), self.head.weight.float())

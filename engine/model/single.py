@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from v4serve.cache.device_kv import KVStorage
+from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
@@ -16,7 +16,7 @@ class SingleSequence:
         cfg = model.cfg
         self.model = model
         num_blocks = -(-max_tokens // cfg.block_size) + 1
-        self.storage = KVStorage(KVLayout.from_config(cfg), num_slots=1, num_blocks=num_blocks,
+        self.device_kv = DeviceKV(KVLayout.from_config(cfg), num_slots=1, num_blocks=num_blocks,
                                  device=next(model.parameters()).device)
         self.block_table = list(range(num_blocks))
         self.num_computed = 0
@@ -24,9 +24,9 @@ class SingleSequence:
     def step(self, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Compute the next chunk of tokens → logits [len, V] (or [1, V] for the last token)."""
         chunk = SeqChunk(slot=0, block_table=self.block_table, start=self.num_computed, num_new=len(token_ids))
-        meta = AttentionMetadata.build([chunk], all_logits=all_logits)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.storage.device)
-        logits = self.model(ids, meta, self.storage)
+        meta = AttentionMetadata.build([chunk], [range(len(token_ids))] if all_logits else None)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device_kv.device)
+        logits = self.model(ids, meta, self.device_kv)
         self.num_computed += len(token_ids)
         return logits
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 prompt encoding, and the parsing of what the model generates.
+"""DeepSeek-V4 prompt encoding: OpenAI-style messages → the prompt string the model was trained on.
 
 The format is DeepSeek's own V4 encoding (``encoding/encoding_dsv4.py`` and
 ``encoding/README.md`` in the DeepSeek-V4-Flash / DeepSeek-V4-Pro model repositories); there is
@@ -35,19 +35,11 @@ message, or on an empty one put first; ``add_generation_prompt=False`` leaves ou
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-LATEST_REMINDER = "<｜latest_reminder｜>"
+from v4serve.server.text.tokenizer import ASSISTANT, BOS, DSML, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER
 
 SUPPORTED_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 _REASONING_EFFORTS = (None, "low", "medium", "high", "max")
@@ -376,113 +368,3 @@ def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
             kept.append(_Turn(role="assistant", text=turn.text, tool_calls=turn.tool_calls))
         # an earlier developer message is dropped altogether
     return kept
-
-
-# ---------------------------------------------------------------------------------------------
-# Parsing generated text
-# ---------------------------------------------------------------------------------------------
-
-
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    """Split a completion (decoded with special tokens kept, stop token removed) into
-    ``(reasoning_content, content)``.
-
-    In thinking mode the prompt ends inside ``<think>``, so everything up to the first
-    ``</think>`` is reasoning; a completion cut off before ``</think>`` is all reasoning. In chat
-    mode there is no reasoning (``None``).
-    """
-    if not thinking:
-        return None, text
-    reasoning, sep, content = text.partition(THINK_END)
-    return reasoning, content if sep else ""
-
-
-def generation_starts_in_reasoning(prompt: str) -> bool:
-    """Whether text generated after ``prompt`` begins inside a ``<think>`` block."""
-    return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
-
-
-class ReasoningStream:
-    """Streaming twin of :func:`split_reasoning`.
-
-    Feed decoded text deltas to :meth:`push`; each call returns ``(reasoning_delta,
-    content_delta)``. A possible partial ``</think>`` at the end of a delta is held back until
-    the next one decides it, so the marker never leaks into either stream. The concatenated
-    outputs of ``push`` and :meth:`finish` equal :func:`split_reasoning` of the whole text.
-    """
-
-    def __init__(self, thinking: bool) -> None:
-        self.in_reasoning = thinking
-        self._held = ""
-
-    def push(self, delta: str) -> tuple[str, str]:
-        if not self.in_reasoning:
-            return "", delta
-        text = self._held + delta
-        reasoning, sep, content = text.partition(THINK_END)
-        if sep:
-            self.in_reasoning = False
-            self._held = ""
-            return reasoning, content
-        keep = _partial_marker_len(text, THINK_END)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep], ""
-
-    def finish(self) -> tuple[str, str]:
-        held, self._held = self._held, ""
-        return (held, "") if self.in_reasoning else ("", held)
-
-
-def _partial_marker_len(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
-_INVOKE_RE = re.compile(rf'<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>', re.S)
-_PARAM_RE = re.compile(
-    rf'<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.S
-)
-
-
-def parse_tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
-    """Separate a DSML tool-call block from generated content.
-
-    Returns ``(content_before_block, tool_calls)`` with OpenAI-style calls
-    (``{"type": "function", "function": {"name", "arguments"}}``, arguments as a JSON string; ids
-    are the caller's to assign). Content without a block comes back unchanged with no calls.
-    Raises ``ValueError`` for a block that is unterminated, empty or followed by more text.
-    """
-    start = content.find(_TOOL_CALLS_OPEN)
-    if start < 0:
-        return content, []
-    end = content.find(_TOOL_CALLS_CLOSE, start)
-    if end < 0:
-        raise ValueError("unterminated tool-call block")
-    if content[end + len(_TOOL_CALLS_CLOSE) :].strip():
-        raise ValueError("unexpected text after the tool-call block")
-    block = content[start + len(_TOOL_CALLS_OPEN) : end]
-    calls = [_parse_invoke(m.group(1), m.group(2)) for m in _INVOKE_RE.finditer(block)]
-    if not calls:
-        raise ValueError("tool-call block without any invoke")
-    before = content[:start]
-    return before.removesuffix("\n\n"), calls
-
-
-def _parse_invoke(name: str, body: str) -> dict[str, Any]:
-    arguments: dict[str, Any] = {}
-    for param, is_str, value in _PARAM_RE.findall(body):
-        if param in arguments:
-            raise ValueError(f"duplicate parameter {param!r} in call to {name!r}")
-        arguments[param] = value if is_str == "true" else _json_or_text(value)
-    return {"type": "function", "function": {"name": name, "arguments": _to_json(arguments)}}
-
-
-def _json_or_text(value: str) -> Any:
-    # A malformed non-string value is kept as text rather than failing the whole response.
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value

@@ -24,28 +24,29 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFBackend
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
-THINK_START_TOKEN = "<think>"
-THINK_END_TOKEN = "</think>"
-DSML_TOKEN = "｜DSML｜"
-LATEST_REMINDER_TOKEN = "<｜latest_reminder｜>"
+# DeepSeek-V4's special-token strings: the one place they are spelled (chat encoding uses these).
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+DSML = "｜DSML｜"
+LATEST_REMINDER = "<｜latest_reminder｜>"
 
 # The prompt-format tokens of DeepSeek-V4, in the order they get ids in the byte tokenizer.
 # BOS/EOS/PAD sit at 0/1/2 as in the real vocabulary; the rest are packed after them.
 _NAMED_SPECIALS: tuple[str, ...] = (
-    BOS_TOKEN,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    USER_TOKEN,
-    ASSISTANT_TOKEN,
-    THINK_START_TOKEN,
-    THINK_END_TOKEN,
-    DSML_TOKEN,
-    LATEST_REMINDER_TOKEN,
+    BOS,
+    EOS,
+    PAD,
+    USER,
+    ASSISTANT,
+    THINK_START,
+    THINK_END,
+    DSML,
+    LATEST_REMINDER,
     "<｜action｜>",
     "<｜query｜>",
     "<｜authority｜>",
@@ -182,9 +183,9 @@ def write_byte_tokenizer_files(directory: str | os.PathLike[str]) -> None:
     _build_byte_backend().save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,

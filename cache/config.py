@@ -1,0 +1,44 @@
+"""The KV cache's frozen configuration, built once at start from the model and the serve flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SWA_CACHE_MODES = ("full", "periodic", "zero")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    window: int
+    num_layers: int
+    num_slots: int
+    num_blocks: int
+    swa_cache_mode: str = "periodic"
+    swa_checkpoint_interval: int = 4096
+    enable_prefix_caching: bool = True
+    snapshot_bytes: int = 1 << 30
+    # Widest compressor overlap (CSA ratio): its tail rows must also be exact after a zero-mode
+    # recompute, so the recompute span covers at least that many tokens per layer.
+    overlap_ratio: int = 0
+
+    def __post_init__(self) -> None:
+        if self.swa_cache_mode not in SWA_CACHE_MODES:
+            raise ValueError(f"swa_cache_mode must be one of {SWA_CACHE_MODES}, got {self.swa_cache_mode!r}")
+        if self.swa_checkpoint_interval <= 0 or self.swa_checkpoint_interval % self.block_size:
+            raise ValueError(f"swa_checkpoint_interval must be a positive multiple of the block size "
+                             f"({self.block_size}), got {self.swa_checkpoint_interval}")
+
+    @property
+    def zero_mode_span(self) -> int:
+        """Tokens recomputed before a hit boundary to rebuild the state from nothing."""
+        return max(self.window - 1, self.overlap_ratio) * self.num_layers
+
+    def blocks_needed(self, num_tokens: int, have: int = 0) -> int:
+        """Blocks to add to a table of `have` blocks so it covers num_tokens."""
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def reusable_blocks(self, num_tokens: int) -> int:
+        """The most leading blocks of a sequence a prefix hit may cover: the last known token is
+        always computed, since its logits are what the request needs next."""
+        return (num_tokens - 1) // self.block_size if num_tokens > 1 else 0

@@ -1,0 +1,156 @@
+"""The State Cache: per-request, fixed-size, position-sensitive state (every layer's window ring
+and compressor tails), one slot per admitted request, never shared. Plain Python, no torch: the
+tensors sit in `device_kv.DeviceKV`, indexed by slot.
+
+- `SlotAllocator`: which slots are free.
+- `HostSnapshots`: copies of a slot's state in host memory, each taken at a sealed block boundary
+  and keyed by the chain hash of the block ending there (a bounded LRU; values are opaque here).
+- `StateCache`: both, plus the restore policy. A prefix hit on blocks 0..h−1 restores the
+  compressed context up to H = h·B, but the next token also needs every layer's window and
+  compressor tail at H. They come from the cheapest valid point p ≤ H:
+  - a snapshot at a sealed boundary kB (modes `full` and `periodic`), or
+  - p = H − span from an empty state (any mode; the only one in `zero`): recomputing [p, H)
+    while attention reads the cached entries is exact for layer ℓ from position
+    p + (window−1)(ℓ+1) on, so every layer's state at H is exact.
+  Tokens [p, H) are recomputed with their entries frozen (cached blocks are never written).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
+
+from v4serve.cache.config import CacheConfig
+
+V = TypeVar("V")
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError("the State Cache needs at least one slot")
+        self.num_slots = num_slots
+        # Lowest slot first: keeps the set of touched slots compact and ids predictable.
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return len(self._used) / self.num_slots
+
+    def allocate(self) -> int | None:
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._used.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._used.remove(slot)
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def check_integrity(self) -> None:
+        assert len(self._free) + len(self._used) == self.num_slots
+        assert not set(self._free) & self._used
+
+
+class HostSnapshots(Generic[V]):
+    """Bounded LRU over byte sizes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used_bytes = 0
+        self._items: OrderedDict[bytes, tuple[V, int]] = OrderedDict()
+        self.evictions = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, key: bytes, value: V, nbytes: int) -> bool:
+        """Keep a snapshot, evicting the least recently used ones to make room."""
+        if nbytes > self.max_bytes:
+            return False
+        if key in self._items:
+            self._items.move_to_end(key)
+            return True
+        while self.used_bytes + nbytes > self.max_bytes:
+            _, (_, size) = self._items.popitem(last=False)
+            self.used_bytes -= size
+            self.evictions += 1
+        self._items[key] = (value, nbytes)
+        self.used_bytes += nbytes
+        return True
+
+    def get(self, key: bytes) -> V | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.used_bytes = 0
+
+
+class StateCache:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.slots = SlotAllocator(config.num_slots)
+        self.snapshots: HostSnapshots[object] = HostSnapshots(config.snapshot_bytes)
+
+    # ---- restoring after a hit ----------------------------------------------------------------
+    def restore_candidates(self, hit_blocks: int) -> Iterator[int]:
+        """Block counts k, nearest first, whose boundary kB is a better restore point after a hit
+        on `hit_blocks` blocks than rebuilding the state from nothing (if a snapshot exists)."""
+        cfg = self.config
+        if cfg.swa_cache_mode == "zero":
+            return
+        floor = hit_blocks * cfg.block_size - cfg.zero_mode_span
+        for k in range(hit_blocks, 0, -1):
+            if k * cfg.block_size <= floor:
+                return
+            yield k
+
+    def restore_point(self, hashes: Sequence[bytes], hit_blocks: int,
+                      has_snapshot: Callable[[bytes], bool] | None = None) -> tuple[int, bytes | None]:
+        """(where computation resumes, the snapshot restoring the slot there or None) after a hit
+        on `hit_blocks` blocks; by default only snapshots held in host memory count."""
+        has = has_snapshot or self.snapshots.__contains__
+        for k in self.restore_candidates(hit_blocks):
+            if has(hashes[k - 1]):
+                return k * self.config.block_size, hashes[k - 1]
+        return max(0, hit_blocks * self.config.block_size - self.config.zero_mode_span), None
+
+    # ---- taking snapshots ------------------------------------------------------------------------
+    def is_snapshot_point(self, position: int, prompt_len: int) -> bool:
+        """Boundaries where the slot state is saved: every sealed boundary (`full`), or every
+        interval and the prompt's last boundaries (`periodic`)."""
+        cfg, b = self.config, self.config.block_size
+        if not cfg.enable_prefix_caching or cfg.swa_cache_mode == "zero" or position <= 0 or position % b:
+            return False
+        if cfg.swa_cache_mode == "full":
+            return True
+        ends = {(prompt_len // b) * b, ((prompt_len - 1) // b) * b}
+        return position % cfg.swa_checkpoint_interval == 0 or position in ends
+
+    def next_snapshot_point(self, position: int, prompt_len: int, limit: int) -> int | None:
+        """The first snapshot point in (position, limit], so a prefill chunk can end on it."""
+        b = self.config.block_size
+        for p in range((position // b + 1) * b, limit + 1, b):
+            if self.is_snapshot_point(p, prompt_len):
+                return p
+        return None
+
+    def check_integrity(self) -> None:
+        self.slots.check_integrity()

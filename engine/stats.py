@@ -1,0 +1,71 @@
+"""The engine's numbers as an immutable snapshot, built on the engine thread after every step (and
+after every batch of commands). Other threads — `/metrics`, `/health`, admission control — read the
+latest snapshot and never the scheduler, the cache or the SSD store themselves."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+# Seconds, for per-request SSD store loads.
+STORE_READ_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    buckets: tuple[float, ...]  # upper bounds, ascending (+Inf implied)
+    counts: tuple[int, ...]  # observations per bucket, the last one for +Inf (not cumulative)
+    total: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass
+class Histogram:
+    """A plain-Python histogram the engine thread observes into; snapshots travel to readers."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
+    @classmethod
+    def for_store_reads(cls) -> Histogram:
+        return cls(STORE_READ_BUCKETS)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.buckets, tuple(self.counts), self.total)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    # scheduler queues
+    running: int = 0
+    waiting: int = 0  # waiting for admission, including requests whose prefix is being read from disk
+    # cache usage, fractions 0..1
+    state_cache_usage: float = 0.0
+    block_cache_usage: float = 0.0
+    # cumulative counters
+    prefix_queries: int = 0  # prompt tokens looked up
+    prefix_hits_device: int = 0  # prompt tokens whose entries came from device memory
+    prefix_hits_disk: int = 0  # prompt tokens whose entries were read from the SSD store
+    recomputed_tokens: int = 0  # tokens recomputed to rebuild window state after hits
+    preemptions: int = 0
+    evictions: int = 0  # cached blocks evicted to make room
+    # the SSD store (zeros when it is off)
+    store_read_bytes: int = 0
+    store_written_bytes: int = 0
+    store_usage_bytes: int = 0
+    store_errors: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    store_read_seconds: HistogramSnapshot = field(
+        default_factory=lambda: Histogram.for_store_reads().snapshot())

@@ -1,0 +1,139 @@
+"""`POST /v1/completions`: string, list and token-id prompts (several at once), `echo`, legacy
+`logprobs`; one JSON reply or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from v4serve.server.errors import ApiError
+from v4serve.server.framing import DONE, Chunker, error_event, sse, usage
+from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.protocol import CompletionRequest
+from v4serve.server.text.output import Delta
+
+MAX_CHOICES = 64  # prompts × n in one request
+
+
+async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) -> Response:
+    front.check_model(body.model)
+    front.warn_extras(body)
+    prompts = _prompts(front, body.prompt)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} prompts × n per request", param="prompt")
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    options = front.output_options(body)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    generations = [front.generation(f"{rid}-{p}", prompt, body, front.default_max_tokens(body.max_tokens, len(prompt)),
+                                    body.logprobs, options, prompt_logprobs) for p, prompt in enumerate(prompts)]
+    front.check(generations)
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk = Chunker(rid, "text_completion", created, front.config.served_model_name, include_usage)
+        return sse(_stream(front, chunk, generations, body))
+    results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
+    choices = []
+    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True)):
+        for j, deltas in enumerate(per_choice):
+            choices.append(_choice(front, p * body.n + j, generation, j, deltas, body))
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                         "model": front.config.served_model_name, "choices": choices,
+                         "usage": usage([g.usage() for g in generations])})
+
+
+def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [front.encode_text_prompt(prompt)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [front.encode_text_prompt(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        if any(not p for p in prompt):
+            raise ApiError(400, "token-id prompts must not be empty", param="prompt")
+        return [list(p) for p in prompt]
+    raise ApiError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+def _choice(front: FrontEnd, index: int, generation: Generation, j: int, deltas: list[Delta],
+            body: CompletionRequest) -> dict[str, Any]:
+    prompt = generation.requests[j].prompt_token_ids
+    samples = [s for d in deltas for s in d.samples]
+    echoed = front.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens) if body.echo else ""
+    logprobs = None
+    if body.logprobs is not None:
+        entries = (list(generation.texts[j].prompt_logprobs or ()) if body.echo else []) + samples
+        tokens = (prompt if body.echo else []) + [s.token for s in samples]
+        logprobs = _legacy_logprobs(front, tokens, entries)
+    return {"index": index, "text": echoed + "".join(d.text for d in deltas), "logprobs": logprobs,
+            "finish_reason": deltas[-1].finish_reason}
+
+
+def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, entry in zip(tokens, entries, strict=True):
+        text = front.token_text(token)[0]
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append({front.token_text(t)[0]: lp for t, lp in entry.top})
+    return out
+
+
+async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation],
+                  body: CompletionRequest) -> AsyncIterator[str]:
+    merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
+
+    async def pump(p: int, generation: Generation) -> None:
+        try:
+            async with contextlib.aclosing(generation.deltas()) as deltas:
+                async for delta in deltas:
+                    await merged.put((p, delta))
+        finally:
+            await merged.put((p, None))
+
+    tasks = [asyncio.ensure_future(pump(p, g)) for p, g in enumerate(generations)]
+    open_prompts, failed = len(generations), False
+    try:
+        if body.echo:
+            for p, generation in enumerate(generations):
+                text = front.tokenizer.decode(generation.requests[0].prompt_token_ids,
+                                              skip_special_tokens=body.skip_special_tokens)
+                for j in range(body.n):
+                    yield chunk([{"index": p * body.n + j, "text": text, "logprobs": None, "finish_reason": None}])
+        while open_prompts:
+            p, delta = await merged.get()
+            if delta is None:
+                open_prompts -= 1
+                continue
+            if delta.error:
+                yield error_event(delta.error)
+                failed = True
+                break
+            if not delta.text and not delta.finished and body.logprobs is None:
+                continue  # bytes held back (partial character or stop-string prefix)
+            lp = None
+            if body.logprobs is not None:
+                lp = _legacy_logprobs(front, [s.token for s in delta.samples], delta.samples)
+            yield chunk([{"index": p * body.n + delta.index, "text": delta.text, "logprobs": lp,
+                          "finish_reason": delta.finish_reason if delta.finished else None}])
+        if chunk.include_usage and not failed:
+            yield chunk([], usage([g.usage() for g in generations]))
+        yield DONE
+    finally:
+        for t in tasks:
+            t.cancel()

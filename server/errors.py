@@ -1,0 +1,84 @@
+"""OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and the handlers that
+turn every failure into it: 400 for bad requests (never 422 or 500), 404 for an unknown model,
+503 (with Retry-After when it is worth retrying) when the engine cannot take work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from v4serve.engine.async_engine import EngineDead, EngineOverloaded
+from v4serve.engine.request import RequestError
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+def error_json(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": ErrorBody(message=message, type=type_, param=param, code=code).model_dump()}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_json(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message (and the parameter it names) for pydantic's list of problems."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (f"{param}: {msg}" if param else msg) + more, param
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """The OpenAI error for a failure raised while handling a request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        message, param = validation_message(exc)
+        return ApiError(400, message, param=param)
+    if isinstance(exc, RequestError):
+        return ApiError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, EngineOverloaded):
+        return ApiError(503, f"the server is overloaded: {exc}; retry later", "server_overloaded",
+                        code="server_overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDead):
+        return ApiError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, StarletteHTTPException):
+        type_ = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), type_)
+    raise TypeError(f"no OpenAI error for {type(exc).__name__}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        return as_api_error(exc).response()
+
+    for kind in (ApiError, RequestValidationError, RequestError, EngineOverloaded, EngineDead,
+                 StarletteHTTPException):
+        app.add_exception_handler(kind, handle)

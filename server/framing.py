@@ -1,0 +1,66 @@
+"""Server-sent events and usage, written once for both endpoints: every streamed chunk, the error
+event, the final `[DONE]`, and the usage block."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from v4serve.server.errors import error_json
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def error_event(message: str) -> str:
+    """A generation that failed after the stream began: OpenAI's error body as an event."""
+    return event(error_json(message, "server_error", code="generation_failed"))
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@dataclass(frozen=True)
+class Chunker:
+    """Builds one event per chunk of a streamed response; with include_usage every chunk carries
+    `usage` (null until the final, choice-less one)."""
+
+    response_id: str
+    object: str  # "chat.completion.chunk" or "text_completion"
+    created: int
+    model: str
+    include_usage: bool
+
+    def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        payload: dict[str, Any] = {"id": self.response_id, "object": self.object, "created": self.created,
+                                   "model": self.model, "choices": choices}
+        if self.include_usage:
+            payload["usage"] = usage
+        return event(payload)
+
+
+@dataclass(frozen=True)
+class PromptUsage:
+    """One prompt's share of usage: counted once however many choices it has."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # all its choices together
+
+
+def usage(prompts: Sequence[PromptUsage]) -> dict[str, Any]:
+    prompt = sum(p.prompt_tokens for p in prompts)
+    cached = sum(p.cached_tokens for p in prompts)
+    completion = sum(p.completion_tokens for p in prompts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt - cached}

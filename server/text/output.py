@@ -1,0 +1,87 @@
+"""One choice's generated token ids → text the client can be sent, on the front end's side.
+
+Incremental detokenizing (never half a character), the reasoning/content split at the `</think>`
+token in thinking mode, and stop strings: when one completes, the choice is finished here and the
+front end stops the engine request (tokens it produced meanwhile are dropped, never counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from v4serve.engine.async_engine import TokenOutput
+from v4serve.engine.sampler import Sample
+from v4serve.server.text.detokenizer import IncrementalDetokenizer
+from v4serve.server.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Thinking mode: tokens before `</think>` are reasoning, the rest content.
+    reasoning_end_token: int | None = None
+
+
+@dataclass
+class Delta:
+    """What one choice produced since its last delta."""
+
+    index: int
+    text: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class ChoiceText:
+    def __init__(self, tokenizer: Tokenizer, options: OutputOptions) -> None:
+        def detok(stop: tuple[str, ...]) -> IncrementalDetokenizer:
+            return IncrementalDetokenizer(tokenizer, skip_special_tokens=options.skip_special_tokens, stop=stop,
+                                          include_stop_str_in_output=options.include_stop_str_in_output)
+
+        self.options = options
+        self.content = detok(options.stop)
+        self.reasoning = detok(()) if options.reasoning_end_token is not None else None
+        self.num_tokens = 0  # tokens of this choice's completion (up to a stop string, if one matched)
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: tuple | None = None
+        self.finished = False
+
+    def push(self, out: TokenOutput) -> Delta:
+        delta = Delta(index=out.index, error=out.error)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        for token, sample in zip(out.token_ids, out.samples, strict=True):
+            if self.content.stopped:
+                break
+            self.num_tokens += 1
+            delta.token_ids.append(token)
+            delta.samples.append(sample)
+            self._route(token, delta)
+        if out.finished or self.content.stopped:
+            self._flush(delta)
+            self.finished = delta.finished = True
+            delta.finish_reason = "stop" if self.content.stopped else out.finish_reason
+        return delta
+
+    def _route(self, token: int, delta: Delta) -> None:
+        if self.reasoning is not None and token == self.options.reasoning_end_token:
+            delta.reasoning += self.reasoning.flush()
+            self.reasoning = None  # from here on, content
+            return
+        if self.reasoning is not None:
+            delta.reasoning += self.reasoning.push(token)
+        else:
+            delta.text += self.content.push(token)
+
+    def _flush(self, delta: Delta) -> None:
+        if self.reasoning is not None:
+            delta.reasoning += self.reasoning.flush()
+        if not self.content.stopped:
+            delta.text += self.content.flush()
