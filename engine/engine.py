@@ -109,7 +109,7 @@ class LLMEngine:
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
             max_waiting=config.max_waiting), self.kv)
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
-                                    block_size=block, num_blocks=num_blocks)
+                                    cache=self.cache_config)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()

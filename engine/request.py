@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import RequestKV
 
 
@@ -110,8 +111,7 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
-    block_size: int
-    num_blocks: int
+    cache: CacheConfig
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
         for t in ids:
@@ -134,6 +134,6 @@ class RequestLimits:
                 f"requested {total} tokens ({len(prompt)} in the messages, {params.max_tokens} in the "
                 f"completion). Please reduce the length of the messages or completion.",
                 code="context_length_exceeded", param="messages")
-        if -(-total // self.block_size) > self.num_blocks:
+        if self.cache.blocks_needed(total) > self.cache.num_blocks:
             raise RequestError(f"the request needs {total} tokens of KV cache, more than the "
-                               f"{self.num_blocks} blocks configured", code="context_length_exceeded")
+                               f"{self.cache.num_blocks} blocks configured", code="context_length_exceeded")

@@ -24,6 +24,7 @@ def _parse_override(text: str) -> tuple[str, Any]:
 def make_checkpoint_main(args: argparse.Namespace) -> int:
     from v4serve.engine.model.checkpoint import write_checkpoint
     from v4serve.engine.model.tiny import build_tiny, tiny_config
+    from v4serve.server.text.tokenizer import write_byte_tokenizer_files
 
     overrides = dict(args.set or [])
     if "compress_ratios" in overrides:
@@ -36,6 +37,7 @@ def make_checkpoint_main(args: argparse.Namespace) -> int:
         return 2
     model = build_tiny(cfg, seed=args.seed)
     folder = write_checkpoint(model, args.dir, max_shard_bytes=args.max_shard_bytes)
+    write_byte_tokenizer_files(folder)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {folder} ({params / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
           f"block size {cfg.block_size})")

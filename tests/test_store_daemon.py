@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 import struct
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -145,3 +147,45 @@ def test_full_disk_stops_writes_not_serving(tmp_path, cold):
         assert not list(Path(mount).rglob(".tmp-*"))
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_concurrent_scrapes_count_every_store_error_exactly_once(tmp_path):
+    """Bad files read on the store's threads while requests run and several clients scrape /metrics:
+    the error counter ends at exactly the number of files quarantined (read off the disk) and no
+    scrape ever sees it go backwards."""
+    args = ("--kv-store-dir", str(tmp_path), "--swa-cache-mode", "zero")
+    docs = [tokens(300, 40 + i) for i in range(6)]
+    with daemon(*args) as url:
+        for doc in docs:
+            complete(url, doc, n=2)
+        deadline = time.monotonic() + 20  # written in the background
+        while len(list(tmp_path.rglob("*.blk"))) < 2 * len(docs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for doc in docs:  # each document's second block file gets a flipped byte
+        (victim,) = [p for p in tmp_path.rglob("*.blk") if block_position(p, doc) == 128]
+        data = victim.read_bytes()
+        victim.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
+    with daemon(*args) as url:
+        stop, seen = threading.Event(), [[] for _ in range(3)]
+
+        def scrape(out: list[float]) -> None:
+            while not stop.is_set():
+                out.append(metric(url, "v4serve_kv_store_errors_total"))
+
+        scrapers = [threading.Thread(target=scrape, args=(s,)) for s in seen]
+        for t in scrapers:
+            t.start()
+        with ThreadPoolExecutor(len(docs)) as pool:
+            results = list(pool.map(lambda d: complete(url, d + tokens(20, 60), n=3), docs))
+        errors = wait_for_metric(url, "v4serve_kv_store_errors_total", len(docs))
+        time.sleep(0.5)  # any double count would show by now
+        stop.set()
+        for t in scrapers:
+            t.join()
+        final = metric(url, "v4serve_kv_store_errors_total")
+        disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+    quarantined = list((tmp_path / "quarantine").iterdir())
+    assert len(quarantined) == len(docs) == errors == final
+    assert all(len(s) > 3 and s == sorted(s) for s in seen)  # every scraper saw a counter that only rose
+    assert disk_hits == 128 * len(docs)  # each first block from disk; the flipped second ends the prefix
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)

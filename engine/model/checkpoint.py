@@ -1,4 +1,5 @@
-"""Checkpoint folders: write the embedded model as a real checkpoint, build a model from one."""
+"""Checkpoint folders: write a model's weights and config.json as a real checkpoint, build a model
+from one. (Tokenizer files are the front end's: `v4serve make-checkpoint` adds them.)"""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ from safetensors.torch import save_file
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.loader import load_checkpoint, read_config_json
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.server.text.tokenizer import write_byte_tokenizer_files
 
 log = logging.getLogger(__name__)
 
 
 def write_checkpoint(model: DeepseekV4, folder: str | Path, max_shard_bytes: int | None = None,
                      transformers_config: bool = False) -> Path:
-    """config.json + safetensors (official names; sharded with an index past `max_shard_bytes`)
-    + the byte tokenizer's files."""
+    """config.json + safetensors (official names; sharded with an index past `max_shard_bytes`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
@@ -39,7 +38,6 @@ def write_checkpoint(model: DeepseekV4, folder: str | Path, max_shard_bytes: int
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    write_byte_tokenizer_files(folder)
     return folder
 
 

@@ -1,0 +1,65 @@
+"""Paged KV access (kernels/paged.py) against plain lists, and the device tensors' sizes against the
+layout's byte arithmetic."""
+
+from __future__ import annotations
+
+import torch
+
+from v4serve.cache.device_kv import DeviceKV
+from v4serve.cache.layout import KVLayout
+from v4serve.engine.model.tiny import TINY_CONFIG
+from v4serve.kernels.paged import (
+    padded_tables,
+    read_entries,
+    read_entries_batched,
+    ring_read,
+    ring_read_batched,
+    ring_write,
+    ring_write_batched,
+    write_entries,
+)
+
+
+def test_ring_keeps_the_last_rows_at_position_mod_length() -> None:
+    ring = torch.zeros(8, 2)
+    rows = torch.arange(11 * 2, dtype=torch.float32).view(11, 2)  # positions 5..15
+    ring_write(ring, 16, rows)
+    positions = torch.arange(8, 16)
+    assert torch.equal(ring_read(ring, positions), rows[-8:])
+    assert torch.equal(ring[positions % 8], rows[-8:])
+    ring_write(ring, 17, rows[:1])  # position 16 overwrites position 8's row
+    assert torch.equal(ring_read(ring, torch.tensor([16])), rows[:1])
+    assert torch.equal(ring_read(ring, torch.arange(9, 16)), rows[-7:])
+
+
+def test_batched_ring_access_matches_one_by_one() -> None:
+    rings = torch.zeros(3, 4, 2)
+    slots, positions = torch.tensor([2, 0]), torch.tensor([5, 9])
+    ring_write_batched(rings, slots, positions, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    assert rings[2, 1].tolist() == [1.0, 1.0] and rings[0, 1].tolist() == [2.0, 2.0]
+    window = torch.tensor([[3, 4, 5], [7, 8, 9]])
+    got = ring_read_batched(rings, slots, window)
+    assert torch.equal(got[0], ring_read(rings[2], window[0])) and torch.equal(got[1], ring_read(rings[0], window[1]))
+
+
+def test_entries_through_block_tables_equal_the_flat_sequence() -> None:
+    cache = torch.zeros(10, 4, 3)  # 10 blocks of 4 entries
+    tables = [[7, 2, 5], [0, 9]]
+    flat = [torch.randn(11, 3), torch.randn(6, 3)]
+    for table, entries in zip(tables, flat, strict=True):
+        write_entries(cache, table, 0, entries[:5])
+        write_entries(cache, table, 5, entries[5:])  # a second write crossing a block edge
+    for table, entries in zip(tables, flat, strict=True):
+        assert torch.equal(read_entries(cache, table, len(entries)), entries)
+    batched = read_entries_batched(cache, padded_tables(tables, 3, cache.device), 6)
+    assert torch.equal(batched[0], flat[0][:6]) and torch.equal(batched[1], flat[1][:6])
+
+
+def test_device_tensors_have_the_layouts_byte_sizes() -> None:
+    layout = KVLayout.from_config(TINY_CONFIG)
+    kv = DeviceKV(layout, num_slots=3, num_blocks=5, dtype=torch.float16)
+    slot_bytes = sum(t[0].numel() * t.element_size() for layer in kv.layers for t in layer.slot_tensors())
+    block_bytes = sum(t[0].numel() * t.element_size() for layer in kv.layers for t in layer.block_tensors())
+    assert slot_bytes == layout.state_bytes_per_slot(2) == kv.slot_nbytes()
+    assert block_bytes == layout.block_bytes(2)
+    assert len(kv.block_payload(0)) == len([t for layer in kv.layers for t in layer.block_tensors()])
