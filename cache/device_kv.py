@@ -49,21 +49,12 @@ class DeviceKV:
         self.layers = [self._alloc(layer) for layer in layout.layers]
 
     def _alloc(self, layer: LayerLayout) -> LayerKV:
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+        def zeros(lead: int, shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros(lead, *shape, dtype=self.dtype, device=self.device)
 
-        s, d = self.num_slots, layer.head_dim
-        kv = LayerKV(layout=layer, window=zeros(s, layer.window, d))
-        if layer.ratio:
-            rows, width = layer.pending_rows, layer.pending_width
-            kv.pending_kv, kv.pending_score = zeros(s, rows, width), zeros(s, rows, width)
-            kv.entries = zeros(self.num_blocks, layer.entries_per_block, d)
-        if layer.overlap:
-            di = layer.index_head_dim
-            kv.index_pending_kv = zeros(s, 2 * layer.ratio, 2 * di)
-            kv.index_pending_score = zeros(s, 2 * layer.ratio, 2 * di)
-            kv.index_keys = zeros(self.num_blocks, layer.entries_per_block, di)
-        return kv
+        tensors = {name: zeros(self.num_slots, shape) for name, shape in layer.slot_shapes().items()}
+        tensors |= {name: zeros(self.num_blocks, shape) for name, shape in layer.block_shapes().items()}
+        return LayerKV(layout=layer, **tensors)
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """A host copy of one slot's whole state (a snapshot), in a fixed order."""
@@ -71,6 +62,9 @@ class DeviceKV:
 
     def slot_nbytes(self) -> int:
         return self.layout.state_bytes_per_slot(self.itemsize)
+
+    def block_nbytes(self) -> int:
+        return self.layout.block_bytes(self.itemsize)
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot so nothing of its previous owner can leak into a new request."""
@@ -113,7 +107,7 @@ class DeviceKV:
             matrix[i] = np.frombuffer(payload, dtype=np.uint8)
         out, offset = [], 0
         for t in self._block_parts():
-            n = t[0].numel() * t.element_size()
+            n = _row_bytes(t)
             out.append(rows[:, offset:offset + n].view(t.dtype).view(len(payloads), *t.shape[1:]))
             offset += n
         return out
@@ -132,11 +126,16 @@ class DeviceKV:
         """A host snapshot (as `read_slot` returns) from store bytes."""
         out, offset = [], 0
         for t in self._slot_parts():
-            n = t[0].numel() * t.element_size()
+            n = _row_bytes(t)
             raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
             out.append(raw.view(t.dtype).view(t.shape[1:]).clone())
             offset += n
         return out
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one slot's or one block's part of a storage tensor."""
+    return t[0].numel() * t.element_size()
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:

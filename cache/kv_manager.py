@@ -17,13 +17,14 @@ need not be computed again; the State Cache's policy says where computation resu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from v4serve.cache.block_pool import BlockPool, NoFreeBlocks, TokenSlice, block_hashes, extend_chain, root_hash
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
-from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, SSDStore
+from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, SSDStore, StoreStats
 from v4serve.cache.state_cache import StateCache
 
 
@@ -38,6 +39,15 @@ class DeviceAccess(PayloadCodec, Protocol):
     def block_payload(self, block_id: int) -> list[memoryview]: ...
     def install_blocks(self, block_ids: list[int], stacked: list[Any]) -> None: ...
     def snapshot_payload(self, state: Any) -> list[memoryview]: ...
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    state_cache_usage: float  # fraction of slots in use
+    block_cache_usage: float  # fraction of blocks referenced by requests
+    evictions: int  # cached blocks evicted to make room, since start
+    store: StoreStats | None  # the SSD store's counters (None when it is off)
+    store_usage_bytes: int = 0
 
 
 class KVCacheManager:
@@ -208,6 +218,12 @@ class KVCacheManager:
         if store and self.store is not None:
             self.store.clear()
         return self.pool.reset()
+
+    def stats(self) -> CacheStats:
+        store = self.store
+        return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions,
+                          store.stats_snapshot() if store is not None else None,
+                          store.used_bytes if store is not None else 0)
 
     def check_integrity(self, admitted: Iterable[RequestKV] | None = None) -> None:
         """The pool's and slots' invariants; given every admitted request, refcounts are checked

@@ -9,6 +9,7 @@ layer at the same block id: `block_size / m` entries (and, for CSA, as many inde
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,20 +55,32 @@ class LayerLayout:
     def entries_per_block(self) -> int:
         return self.block_size // self.ratio if self.ratio else 0
 
+    def slot_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of each State Cache tensor of one slot, in storage order (the one definition that
+        the device tensors are allocated from)."""
+        shapes = {"window": (self.window, self.head_dim)}
+        if self.ratio:
+            shapes["pending_kv"] = shapes["pending_score"] = (self.pending_rows, self.pending_width)
+        if self.overlap:  # the indexer's own compressor: overlapping, 2·dI wide
+            shapes["index_pending_kv"] = shapes["index_pending_score"] = (2 * self.ratio, 2 * self.index_head_dim)
+        return shapes
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of each Block Cache tensor of one block, in storage order."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.ratio:
+            shapes["entries"] = (self.entries_per_block, self.head_dim)
+        if self.overlap:
+            shapes["index_keys"] = (self.entries_per_block, self.index_head_dim)
+        return shapes
+
     def state_elements(self) -> int:
         """Elements per State Cache slot for this layer (fixed, whatever the context length)."""
-        n = self.window * self.head_dim
-        n += 2 * self.pending_rows * self.pending_width  # kv and score rows
-        if self.overlap:
-            n += 2 * self.pending_rows * 2 * self.index_head_dim
-        return n
+        return sum(math.prod(shape) for shape in self.slot_shapes().values())
 
     def block_elements(self) -> int:
         """Elements per Block Cache block for this layer."""
-        n = self.entries_per_block * self.head_dim
-        if self.overlap:
-            n += self.entries_per_block * self.index_head_dim
-        return n
+        return sum(math.prod(shape) for shape in self.block_shapes().values())
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class SSDStore:
             self._index[(kind, h)] = StoreEntry(path, size)
             self.used_bytes += size
         if found:
-            log.info("KV store %s: %d files, %.1f MiB", self.dir, len(found), self.used_bytes / 2**20)
+            log.info("SSD store %s: %d files, %.1f MiB", self.dir, len(found), self.used_bytes / 2**20)
 
     def contains(self, kind: int, block_hash: bytes) -> bool:
         key = (kind, block_hash)
@@ -206,7 +206,7 @@ class SSDStore:
                     return
                 self._write(*item)
             except Exception:  # a writer must never die: count and go on
-                log.exception("KV store write failed")
+                log.exception("SSD store write failed")
                 self._count_error("write")
             finally:
                 self._writes.task_done()
@@ -233,10 +233,10 @@ class SSDStore:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._writing_disabled = True
                 self._count_error("enospc")
-                log.error("KV store %s is full: writing stops, serving goes on", self.root)
+                log.error("SSD store %s is full: writing stops, serving goes on", self.root)
             else:
                 self._count_error("write")
-                log.warning("KV store write of %s failed: %s", path.name, exc)
+                log.warning("SSD store write of %s failed: %s", path.name, exc)
             return
         with self._lock:
             self._index[(kind, block_hash)] = StoreEntry(path, size)
@@ -331,7 +331,7 @@ class SSDStore:
 
     def _bad(self, key: tuple[int, bytes], path: Path, exc: StoreFileError) -> None:
         self._count_error(exc.kind)
-        log.warning("KV store file %s is bad (%s: %s): treated as a miss and quarantined", path.name, exc.kind, exc)
+        log.warning("SSD store file %s is bad (%s: %s): treated as a miss and quarantined", path.name, exc.kind, exc)
         self._forget(key)
         with contextlib.suppress(OSError):
             self.quarantine.mkdir(parents=True, exist_ok=True)

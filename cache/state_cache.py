@@ -18,7 +18,7 @@ tensors sit in `device_kv.DeviceKV`, indexed by slot.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from v4serve.cache.config import CacheConfig
@@ -122,13 +122,11 @@ class StateCache:
                 return
             yield k
 
-    def restore_point(self, hashes: Sequence[bytes], hit_blocks: int,
-                      has_snapshot: Callable[[bytes], bool] | None = None) -> tuple[int, bytes | None]:
-        """(where computation resumes, the snapshot restoring the slot there or None) after a hit
-        on `hit_blocks` blocks; by default only snapshots held in host memory count."""
-        has = has_snapshot or self.snapshots.__contains__
+    def restore_point(self, hashes: Sequence[bytes], hit_blocks: int) -> tuple[int, bytes | None]:
+        """(where computation resumes, the host snapshot restoring the slot there or None) after a
+        hit on `hit_blocks` blocks."""
         for k in self.restore_candidates(hit_blocks):
-            if has(hashes[k - 1]):
+            if hashes[k - 1] in self.snapshots:
                 return k * self.config.block_size, hashes[k - 1]
         return max(0, hit_blocks * self.config.block_size - self.config.zero_mode_span), None
 

@@ -2,18 +2,20 @@
 
 A single background thread owns the `LLMEngine` (nothing else touches its scheduler or cache): it
 applies queued adds and aborts between steps, runs `step()`, hands each choice's new token ids to
-that API request's asyncio queue and, after every step and every batch of commands, publishes an
-immutable `EngineStats` snapshot. The asyncio side submits requests, awaits token outputs and reads
-the latest snapshot; it speaks token ids only (text is the front end's job).
+the submitter's callback on its event loop and, after every step, every batch of commands and every
+idle half second, publishes an immutable `EngineStats` snapshot. The asyncio side submits requests,
+receives token outputs and reads the latest snapshot; it speaks token ids only (text is the front
+end's job). Nothing waits on a stopped loop: queued work is failed when it stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from v4serve.engine.engine import LLMEngine, RequestOutput
@@ -59,6 +61,8 @@ class AsyncEngine:
         self.limits = engine.limits  # frozen: requests are validated on the asyncio side
         self.max_waiting = engine.config.max_waiting
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        # What to do for each queued command if the loop ends before running it (fail its waiter).
+        self._queued: dict[object, Callable[[BaseException], None]] = {}
         self._choices: dict[str, _Choice] = {}
         self._deferred: dict[str, list[_Choice]] = {}  # parent id → siblings waiting for its prefill
         self._lock = threading.Lock()
@@ -66,7 +70,9 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.error: BaseException | None = None
+        self._ended: BaseException | None = None  # set once the loop has stopped, for whatever reason
+        self._closing = False  # a graceful shutdown has begun: no new requests
+        self.error: BaseException | None = None  # what killed the loop, if something did
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,7 +88,24 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._thread is not None and self._thread.is_alive() and self._ended is None and not self._closing
+
+    def unavailable_reason(self) -> str | None:
+        """Why the engine takes no requests (None while it does): for /health and 503 answers."""
+        if self._closing:
+            return "the server is shutting down"
+        if self.error is not None:
+            return f"the engine loop has stopped: {self.error}"
+        return None if self.alive else "the engine loop is not running"
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Graceful shutdown: refuse new requests now, let running ones finish for `timeout`
+        seconds, then end whatever is still open with an error (streams get an error event)."""
+        self._closing = True
+        timer = threading.Timer(timeout, lambda: self._submit_quietly(
+            lambda: self._fail_open("the server is shutting down; the request did not finish in time")))
+        timer.daemon = True
+        timer.start()
 
     @property
     def stats(self) -> EngineStats:
@@ -91,36 +114,38 @@ class AsyncEngine:
             return self._stats
 
     # ---- the asyncio side ---------------------------------------------------------------------------
-    async def generate(self, requests: list[Request]) -> AsyncIterator[TokenOutput]:
-        """Submit the choices of one API request (n ≥ 1, same prompt) and yield their outputs until
-        every choice has finished. Choices after the first start once the first has finished its
-        prefill, so they share its prompt blocks through the prefix cache."""
+    def submit(self, requests: list[Request], on_output: Callable[[TokenOutput], None]) -> None:
+        """Submit the choices of one API request (n ≥ 1, same prompt). `on_output` runs on the
+        caller's event loop for every output as it arrives; each choice ends with exactly one
+        finished output (stop, length, abort or error). Choices after the first start once the first
+        has finished its prefill, so they share its prompt blocks through the prefix cache."""
         self.check(requests)
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[TokenOutput] = asyncio.Queue()
 
         def sink(out: TokenOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            loop.call_soon_threadsafe(on_output, out)
 
         choices = [_Choice(r, i, sink) for i, r in enumerate(requests)]
+
+        def not_started(exc: BaseException) -> None:
+            for c in choices:
+                c.sink(TokenOutput(c.index, finished=True, finish_reason="error", error=f"engine stopped: {exc}"))
+
         with self._lock:
             self._pending += len(choices)
-        self._commands.put(lambda: self._add(choices))
-        remaining = len(choices)
         try:
-            while remaining:
-                out = await outputs.get()
-                remaining -= out.finished
-                yield out
-        finally:
-            if remaining:  # the consumer went away (client disconnect): free everything at once
-                self.abort([r.request_id for r in requests])
+            self._submit(lambda: self._add(choices), not_started)
+        except EngineDead:
+            with self._lock:
+                self._pending -= len(choices)
+            raise
 
     def check(self, requests: list[Request]) -> None:
         """Raise now (before any response bytes are sent) if these requests cannot be served:
         RequestError (400), EngineOverloaded (503) or EngineDead (503)."""
-        if not self.alive:
-            raise EngineDead("the engine loop is not running")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineDead(reason)
         for r in requests:
             self.limits.validate(r)
         with self._lock:
@@ -131,29 +156,56 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their cache at once; each open choice ends with an
         `abort` output."""
-        self._commands.put(lambda: self._abort(request_ids))
+        self._submit_quietly(lambda: self._abort(request_ids))
+
+    def _submit_quietly(self, run: Callable[[], None]) -> None:
+        with contextlib.suppress(EngineDead):  # a stopped loop holds nothing left to act on
+            self._submit(run, lambda _: None)
 
     def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
         """Run fn(engine) on the engine thread between steps (e.g. reset the prefix cache)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
+        def settle(set_result: Callable[[object], None], value: object) -> None:
+            if not future.done():
+                set_result(value)
+
         def run() -> None:
             try:
                 result = fn(self.engine)
             except Exception as exc:  # handed back to the caller
-                loop.call_soon_threadsafe(future.set_exception, exc)
+                loop.call_soon_threadsafe(settle, future.set_exception, exc)
             else:
-                loop.call_soon_threadsafe(future.set_result, result)
+                loop.call_soon_threadsafe(settle, future.set_result, result)
 
-        self._commands.put(run)
+        def stopped(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(settle, future.set_exception, EngineDead(f"the engine loop has stopped: {exc}"))
+
+        self._submit(run, stopped)
         return future
+
+    def _submit(self, run: Callable[[], None], if_stopped: Callable[[BaseException], None]) -> None:
+        """Queue a command for the engine thread. If the loop has stopped (raises EngineDead now) or
+        stops before running it, `if_stopped` runs instead, so no caller ever waits on a dead loop."""
+        key = object()
+
+        def command() -> None:
+            with self._lock:
+                self._queued.pop(key, None)
+            run()
+
+        with self._lock:
+            if self._ended is not None:
+                raise EngineDead(f"the engine loop has stopped: {self._ended}")
+            self._queued[key] = if_stopped
+        self._commands.put(command)
 
     # ---- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_work())
+                self._drain(block=not self.engine.has_work())  # publishes a snapshot, even when idle
                 if self._stop.is_set() or not self.engine.has_work():
                     continue
                 for out in self.engine.step():
@@ -162,16 +214,34 @@ class AsyncEngine:
         except BaseException as exc:  # the loop is dead: fail every open stream, report via /health
             log.exception("engine loop died")
             self.error = exc
-            for choice in list(self._choices.values()) + [c for cs in self._deferred.values() for c in cs]:
-                choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error",
-                                        error=f"engine failure: {exc}"))
-            self._choices.clear()
-            self._deferred.clear()
+            self._end(exc, f"engine failure: {exc}")
+        else:
+            self._end(EngineDead("the server is shutting down"), "the server is shutting down")
+
+    def _end(self, cause: BaseException, message: str) -> None:
+        """Fail every open choice and every command still queued: nobody waits on a stopped loop."""
+        with self._lock:
+            self._ended = cause
+            queued, self._queued = list(self._queued.values()), {}
+        self._fail_open(message, abort=False)
+        for if_stopped in queued:
+            if_stopped(cause)
+
+    def _fail_open(self, message: str, abort: bool = True) -> None:
+        """End every open choice with an error (and, if the engine still runs, free its requests)."""
+        for choice in list(self._choices.values()) + [c for cs in self._deferred.values() for c in cs]:
+            if abort:
+                self.engine.abort(choice.request.request_id)
+            choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error", error=message))
+        self._choices.clear()
+        self._deferred.clear()
 
     def _drain(self, block: bool) -> None:
         try:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
+            if block:  # idle: the SSD store's threads may still have moved its numbers
+                self._publish()
             return
         while True:
             command()
@@ -201,7 +271,9 @@ class AsyncEngine:
     def _start(self, choice: _Choice) -> bool:
         try:
             self.engine.add_request(choice.request)
-        except RequestError as exc:
+        except Exception as exc:  # this request cannot start; the others are untouched
+            if not isinstance(exc, RequestError):
+                log.exception("request %s could not be added", choice.request.request_id)
             choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error", error=str(exc)))
             return False
         self._choices[choice.request.request_id] = choice
@@ -225,7 +297,7 @@ class AsyncEngine:
         first = len(request.output_token_ids) == len(out.new_token_ids)
         asked = request.sampling.prompt_logprobs is not None
         choice.sink(TokenOutput(
-            choice.index, tuple(out.new_token_ids), tuple(out.samples), out.finished, out.finish_reason,
+            choice.index, tuple(out.new_token_ids), tuple(out.samples), out.finished, out.finish_reason, out.error,
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=tuple(request.prompt_logprobs) if first and asked else None))
         if out.finished:

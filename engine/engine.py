@@ -31,6 +31,14 @@ PARALLEL_STEP_TOKENS = 128
 # Bumped whenever the meaning of stored KV changes (layout, pooling, rope placement).
 KV_FORMAT_VERSION = 1
 
+# Forward passes failing in a row before the engine is declared broken (one failure fails only the
+# requests of that step: a bad input or a transient fault must not take everyone down).
+MAX_FORWARD_FAILURES = 3
+
+
+class EngineUnhealthy(RuntimeError):
+    """The forward pass keeps failing: the device or the model is broken; serving stops."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -57,6 +65,7 @@ class RequestOutput:
     samples: list[Sample] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 def weights_fingerprint(model: DeepseekV4) -> bytes:
@@ -113,6 +122,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
+        self._forward_failures = 0
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks))
 
     # ---- requests -------------------------------------------------------------------------------
@@ -141,8 +151,22 @@ class LLMEngine:
             if self.scheduler.loading:  # only store reads in flight: wait for one, don't spin
                 futures.wait(self.scheduler.pending_loads(), timeout=0.01, return_when=futures.FIRST_COMPLETED)
             return []
-        logits = self.execute(chunks)
+        try:
+            logits = self.execute(chunks)
+        except Exception as exc:
+            return self._forward_failed(chunks, exc)
+        self._forward_failures = 0
         return self.update(chunks, logits)
+
+    def _forward_failed(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
+        """Fail the requests of this step (their KV may be half written; it is private to them and
+        freed) and go on, unless the forward pass keeps failing."""
+        self._forward_failures += 1
+        log.error("the forward pass failed (%d in a row); failing its %d requests", self._forward_failures,
+                  len(chunks), exc_info=exc)
+        if self._forward_failures >= MAX_FORWARD_FAILURES:
+            raise EngineUnhealthy(f"the forward pass failed {self._forward_failures} times in a row: {exc!r}") from exc
+        return [self.fail(c.request, f"the forward pass failed: {exc!r}") for c in chunks]
 
     @staticmethod
     def logit_rows(chunk: ScheduledChunk) -> range:
@@ -180,12 +204,16 @@ class LLMEngine:
         self.scheduler.advance(chunks)
         outputs, i = [], 0
         for chunk, n, start, completes in plan:
-            rows = logits[i:i + n]
+            rows, request = logits[i:i + n], chunk.request
             i += n
-            if chunk.request.sampling.prompt_logprobs is not None:
-                self._record_prompt_logprobs(chunk.request, start, rows)
-            if completes:
-                outputs.append(self._sample_and_check(chunk.request, rows[-1]))
+            try:
+                if request.sampling.prompt_logprobs is not None:
+                    self._record_prompt_logprobs(request, start, rows)
+                if completes:
+                    outputs.append(self._sample_and_check(request, rows[-1]))
+            except Exception as exc:  # this request's own work failed: only it ends
+                log.exception("request %s failed after the forward pass", request.request_id)
+                outputs.append(self.fail(request, f"sampling failed: {exc!r}"))
         return outputs
 
     def _record_prompt_logprobs(self, request: Request, start: int, rows: torch.Tensor) -> None:
@@ -224,11 +252,15 @@ class LLMEngine:
         return None
 
     def finish(self, request: Request, reason: str) -> None:
-        status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        """End a request (stop, length or error) and free its cache at once."""
         request.finish_reason = reason
-        self.scheduler.finish(request, status)
+        self.scheduler.finish(request, RequestStatus(reason))
         self.requests.pop(request.request_id, None)
         self.sampler.forget(request.request_id)
+
+    def fail(self, request: Request, message: str) -> RequestOutput:
+        self.finish(request, "error")
+        return RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=message)
 
     def reset_prefix_cache(self, store: bool = False) -> int:
         """Forget every cached block no request holds (and, with `store`, the SSD store's files)."""
@@ -236,17 +268,15 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """An immutable snapshot of the engine's numbers (taken on the engine thread)."""
-        sched, pool, store = self.scheduler, self.kv.pool, self.kv.store
-        s = sched.stats
-        io = store.stats_snapshot() if store is not None else None
+        sched, cache = self.scheduler, self.kv.stats()
+        s, io = sched.stats, cache.store
         return EngineStats(
             running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
-            state_cache_usage=self.kv.state.slots.usage(), block_cache_usage=pool.usage(),
+            state_cache_usage=cache.state_cache_usage, block_cache_usage=cache.block_cache_usage,
             prefix_queries=s.prefix_queries, prefix_hits_device=s.prefix_hits, prefix_hits_disk=s.prefix_hits_disk,
-            recomputed_tokens=s.recomputed, preemptions=s.preemptions, evictions=pool.evictions,
+            recomputed_tokens=s.recomputed, preemptions=s.preemptions, evictions=cache.evictions,
             store_read_bytes=io.bytes_read if io else 0, store_written_bytes=io.bytes_written if io else 0,
-            store_usage_bytes=store.used_bytes if store is not None else 0,
-            store_errors=MappingProxyType(dict(io.errors) if io else {}),
+            store_usage_bytes=cache.store_usage_bytes, store_errors=MappingProxyType(dict(io.errors) if io else {}),
             store_read_seconds=s.load_seconds.snapshot())
 
     def close(self) -> None:

@@ -18,10 +18,15 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request failed (its sampling, or the step it was in); others go on
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self not in (RequestStatus.WAITING, RequestStatus.LOADING, RequestStatus.RUNNING)
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_SEED = 2**63 - 1  # torch generators take seeds up to this
 
 
 @dataclass
@@ -43,7 +48,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # Below this, scaling by 1/temperature only overflows; the argmax is what it converges to.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass
@@ -119,14 +125,14 @@ class RequestLimits:
                 raise RequestError(f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
 
     def validate(self, request: Request) -> None:
+        """Cheap checks first: a huge prompt is rejected by its length before its ids are read."""
         prompt, params = request.prompt_token_ids, request.sampling
         if not prompt:
             raise RequestError("the prompt is empty", param="prompt")
-        self.check_token_ids(prompt, "prompt")
-        self.check_token_ids(params.logit_bias, "logit_bias")
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+            raise RequestError(f"seed must be between 0 and {MAX_SEED} (after adding the choice index)", param="seed")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -137,3 +143,6 @@ class RequestLimits:
         if self.cache.blocks_needed(total) > self.cache.num_blocks:
             raise RequestError(f"the request needs {total} tokens of KV cache, more than the "
                                f"{self.cache.num_blocks} blocks configured", code="context_length_exceeded")
+        self.check_token_ids(prompt, "prompt")
+        self.check_token_ids(params.logit_bias, "logit_bias")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")

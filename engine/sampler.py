@@ -14,6 +14,10 @@ import torch
 from v4serve.engine.request import Request, SamplingParams
 
 
+class NonFiniteLogits(ValueError):
+    """A row of logits (after bias and penalties) holds NaN or +inf."""
+
+
 @dataclass
 class Sample:
     token: int
@@ -42,6 +46,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = logits.sort(descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # the most likely token always stays, however small top_p is in this dtype
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
@@ -68,10 +73,11 @@ class Sampler:
     def sample(self, request: Request, logits: torch.Tensor) -> Sample:
         params = request.sampling
         logits = logits.float().cpu().clone()
-        for token, bias in params.logit_bias.items():
-            if 0 <= token < logits.shape[0]:
-                logits[token] += bias
+        for token, bias in params.logit_bias.items():  # ids were checked against the vocabulary
+            logits[token] += bias
         apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
+        if torch.isnan(logits).any() or torch.isposinf(logits).any():
+            raise NonFiniteLogits("the logits are not finite (NaN or +inf); nothing can be sampled from them")
         logprobs = logits.log_softmax(-1)
         if params.greedy:
             token = int(logits.argmax())

@@ -14,13 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.async_engine import AsyncEngine
+from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
 from v4serve.server.chat import chat_completions
 from v4serve.server.completions import completions
-from v4serve.server.errors import ApiError, error_json, install_error_handlers
+from v4serve.server.errors import error_json, install_error_handlers
 from v4serve.server.generation import FrontEnd, ServerConfig
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.tokenizer import Tokenizer
 
 try:
@@ -31,14 +31,15 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 class ApiKeyAuth:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
-    handlers): `Authorization: Bearer KEY` on /v1 and the admin endpoint."""
+    handlers): `Authorization: Bearer KEY`, compared in constant time, on every route but the
+    probes (`/health`, and `/metrics` unless it is protected too)."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, protect_metrics: bool = False) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/reset_prefix_cache"):
+        if scope["type"] == "http" and scope.get("path", "") not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = JSONResponse(error_json("Incorrect API key provided.", "invalid_request_error",
@@ -61,16 +62,19 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
     front = FrontEnd(engine, tokenizer, config, metrics)
     app.state.front = front
     install_error_handlers(app)
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
+    # Added last, so it runs first: a refused key costs nothing, an oversized body is never read.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_key:
-        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key, protect_metrics=config.protect_metrics)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat_completions(front, body, raw)
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat(raw: Request) -> Response:
+        return await chat_completions(front, await parse_body(raw, ChatCompletionRequest), raw)
 
-    @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, raw: Request) -> Response:
-        return await completions(front, body, raw)
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def complete(raw: Request) -> Response:
+        return await completions(front, await parse_body(raw, CompletionRequest), raw)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -79,9 +83,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.alive:
-            return JSONResponse(error_json("the engine loop has stopped", "server_error", code="engine_dead"),
-                                status_code=503)
+        reason = engine.unavailable_reason()
+        if reason is not None:
+            return JSONResponse(error_json(reason, "server_error", code="engine_dead"), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -92,22 +96,19 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        body = await parse_body(raw, TokenizeRequest)
         front.check_model(body.model)
         if body.messages is not None:
-            try:
-                tokens = tokenizer.encode(encode_messages([m.model_dump(exclude_none=True) for m in body.messages]))
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages") from exc
-        elif body.add_special_tokens:
-            tokens = front.encode_text_prompt(body.prompt or "")
+            tokens = await front.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
         else:
-            tokens = tokenizer.encode(body.prompt or "")
+            tokens = await front.encode_text(body.prompt or "", add_bos=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
+    async def detokenize(raw: Request) -> dict[str, Any]:
+        body = await parse_body(raw, DetokenizeRequest)
         front.check_model(body.model)
         engine.limits.check_token_ids(body.tokens, "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}

@@ -11,11 +11,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from v4serve.server.errors import ApiError
 from v4serve.server.framing import DONE, Chunker, error_event, sse, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
-from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.output import Delta
 
 
@@ -24,11 +22,8 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     front.warn_extras(body)
     thinking = body.thinking_mode()
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = encode_messages(messages, thinking=thinking, tools=body.tools, reasoning_effort=body.reasoning_effort)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
-    prompt = front.tokenizer.encode(text)
+    prompt = await front.encode_chat(messages, thinking=thinking, tools=body.tools,
+                                     reasoning_effort=body.reasoning_effort)
     max_tokens = front.default_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -63,7 +63,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--no-kv-store", bool, "do not use the SSD prefix store"),
     ("--swa-cache-mode", str, "full, periodic (default) or zero: how window state is restored after a hit"),
     ("--swa-checkpoint-interval", int, "periodic mode: tokens between state snapshots (multiple of the block)"),
-    ("--api-key", str, "require 'Authorization: Bearer KEY' on /v1"),
+    ("--api-key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
+    ("--protect-metrics", bool, "with --api-key, require the key on /metrics too"),
+    ("--max-request-bytes", int, "largest request body accepted (default 4 MiB; larger gets 413)"),
+    ("--shutdown-timeout", float, "seconds running requests get to finish after SIGTERM (default 30)"),
     ("--seed", int, "seed of the embedded weights and of unseeded sampling"),
     ("--log-level", str, "debug, info, warning or error"),
 ]

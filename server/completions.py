@@ -25,7 +25,7 @@ MAX_CHOICES = 64  # prompts × n in one request
 async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) -> Response:
     front.check_model(body.model)
     front.warn_extras(body)
-    prompts = _prompts(front, body.prompt)
+    prompts = await _prompts(front, body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} prompts × n per request", param="prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -49,13 +49,13 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
                          "usage": usage([g.usage() for g in generations])})
 
 
-def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:
+async def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [front.encode_text_prompt(prompt)]
+        return [await front.encode_text(prompt)]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [front.encode_text_prompt(p) for p in prompt]
+        return [await front.encode_text(p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         if any(not p for p in prompt):
             raise ApiError(400, "token-id prompts must not be empty", param="prompt")
@@ -103,6 +103,8 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
             async with contextlib.aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
                     await merged.put((p, delta))
+        except Exception as exc:  # e.g. the engine stopped between the check and the submission
+            await merged.put((p, Delta(index=0, finished=True, finish_reason="error", error=str(exc))))
         finally:
             await merged.put((p, None))
 

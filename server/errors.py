@@ -4,16 +4,19 @@ turn every failure into it: 400 for bad requests (never 422 or 500), 404 for an 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from v4serve.engine.async_engine import EngineDead, EngineOverloaded
 from v4serve.engine.request import RequestError
+
+log = logging.getLogger(__name__)
 
 
 class ErrorBody(BaseModel):
@@ -40,7 +43,13 @@ class ApiError(Exception):
                             headers=self.headers)
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the {limit} bytes this server accepts "
+                         f"(--max-request-bytes)", code="request_too_large", headers={"Connection": "close"})
+
+
+def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     """One readable message (and the parameter it names) for pydantic's list of problems."""
     errors = exc.errors()
     if not errors:
@@ -49,8 +58,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
-    if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
+    if first.get("type") == "json_invalid":  # also invalid UTF-8 and lone surrogates
+        detail = (first.get("ctx") or {}).get("error")
+        return "the request body is not valid JSON" + (f" ({detail})" if detail else ""), None
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {msg}" if param else msg) + more, param
 
@@ -79,6 +89,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()
 
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error", exc_info=exc)
+        return ApiError(500, f"internal error: {exc!r}", "server_error", code="internal_error").response()
+
     for kind in (ApiError, RequestValidationError, RequestError, EngineOverloaded, EngineDead,
                  StarletteHTTPException):
         app.add_exception_handler(kind, handle)
+    app.add_exception_handler(Exception, unexpected)

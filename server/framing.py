@@ -3,7 +3,9 @@ event, the final `[DONE]`, and the usage block."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +13,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from v4serve.server.errors import error_json
+
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -25,8 +29,20 @@ def error_event(message: str) -> str:
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+    return StreamingResponse(_guarded(events), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Whatever fails once the stream has begun, the client still gets an error event and [DONE]."""
+    try:
+        async with contextlib.aclosing(events) as stream:
+            async for item in stream:
+                yield item
+    except Exception as exc:
+        log.exception("a stream failed")
+        yield error_event(f"the stream failed: {exc!r}")
+        yield DONE
 
 
 @dataclass(frozen=True)

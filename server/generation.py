@@ -11,20 +11,25 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
-from v4serve.engine.async_engine import AsyncEngine
+from v4serve.engine.async_engine import AsyncEngine, TokenOutput
 from v4serve.engine.request import Request as EngineRequest
 from v4serve.engine.request import SamplingParams
 from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import SamplingFields
+from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.output import ChoiceText, Delta, OutputOptions
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -32,38 +37,56 @@ class ServerConfig:
     served_model_name: str
     max_model_len: int
     api_key: str | None = None
+    protect_metrics: bool = False  # /metrics needs the API key too
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class Generation:
+    """Text is made as token outputs arrive (on the event loop), not when the client reads it: a
+    stop string stops the engine request at once and latency is measured at arrival, however slowly
+    the client consumes the stream."""
+
     def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
                  options: OutputOptions) -> None:
-        self.engine, self.metrics, self.requests = engine, metrics, requests
+        self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
+        self._tracker = metrics.track(requests)
+        self._open = set(range(len(requests)))  # choices whose finished delta has not been made
+        self._ready: asyncio.Queue[Delta] = asyncio.Queue()
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Every choice's deltas until all have finished. A stop string ends its choice here and
-        stops the engine request; closing this early (a client disconnect) aborts the rest."""
-        tracker = self.metrics.track(self.requests)
-        open_choices = set(range(len(self.requests)))
+        """Submit the choices and yield their deltas until each has finished (one finished delta
+        per choice). Closing this early (a client disconnect) aborts the choices still running."""
+        self.engine.submit(self.requests, self._on_output)
+        remaining = len(self.requests)
         try:
-            async with contextlib.aclosing(self.engine.generate(self.requests)) as outputs:
-                async for out in outputs:
-                    if out.index not in open_choices:
-                        continue  # after a stop string: what the engine made meanwhile, and its abort
-                    delta = self.texts[out.index].push(out)
-                    tracker.tokens(out.index, len(delta.token_ids))
-                    if delta.finished:
-                        open_choices.discard(out.index)
-                        if delta.error is None:
-                            tracker.finish(out.index, delta.finish_reason or "stop")
-                        if not out.finished:
-                            self.engine.abort([self.requests[out.index].request_id])
-                    yield delta
-                    if not open_choices:
-                        return
+            while remaining:
+                delta = await self._ready.get()
+                remaining -= delta.finished
+                yield delta
         finally:
-            for i in open_choices:
-                tracker.finish(i, "abort")
+            if self._open:
+                self.engine.abort([self.requests[i].request_id for i in sorted(self._open)])
+                for i in self._open:
+                    self._tracker.finish(i, "abort")
+                self._open.clear()
+
+    def _on_output(self, out: TokenOutput) -> None:
+        if out.index not in self._open:
+            return  # after a stop string: what the engine made meanwhile, and its abort
+        try:
+            delta = self.texts[out.index].push(out)
+        except Exception as exc:  # this choice's text failed: it alone ends
+            log.exception("turning %s's tokens into text failed", self.requests[out.index].request_id)
+            delta = Delta(index=out.index, finished=True, finish_reason="error", error=f"detokenizing failed: {exc!r}")
+        self._tracker.tokens(out.index, len(delta.token_ids))
+        if delta.finished:
+            self._open.discard(out.index)
+            if delta.error is None:
+                self._tracker.finish(out.index, delta.finish_reason or "stop")
+            if not out.finished:  # a stop string (or a text failure) ended it before the engine did
+                self.engine.abort([self.requests[out.index].request_id])
+        self._ready.put_nowait(delta)
 
     def usage(self) -> PromptUsage:
         return PromptUsage(prompt_tokens=self.requests[0].num_prompt_tokens,
@@ -120,10 +143,22 @@ class FrontEnd:
                                   cache_salt=body.cache_salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options)
 
-    def encode_text_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
+    async def encode_text(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of a text prompt (BOS first unless asked not to), off the event loop."""
+        ids = await asyncio.to_thread(self.tokenizer.encode, text)
         bos = self.tokenizer.bos_token_id
-        return ids if ids[:1] == [bos] else [bos] + ids
+        return [bos] + ids if add_bos and ids[:1] != [bos] else ids
+
+    async def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of a conversation in DeepSeek-V4's prompt format, off the event loop."""
+
+        def encode() -> list[int]:
+            try:
+                return self.tokenizer.encode(encode_messages(messages, **options))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages") from exc
+
+        return await asyncio.to_thread(encode)
 
     def token_text(self, token: int) -> tuple[str, list[int]]:
         raw = self.tokenizer.token_bytes(token)

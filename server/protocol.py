@@ -6,6 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_STOPS = 16
+# The detokenizer holds back every prefix of every stop string: this bounds what one request costs.
+MAX_STOP_CHARS = 256
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -27,7 +31,8 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # Below 0.01 a penalty scales logits past what float32 holds.
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -43,10 +48,12 @@ class SamplingFields(BaseModel):
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")
@@ -106,7 +113,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids first: pydantic tries members in order, and a long id list is the costly case.
+    prompt: list[int] | list[list[int]] | str | list[str]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

@@ -6,8 +6,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import torch
+import uvicorn
 
 from v4serve.engine.async_engine import AsyncEngine
 from v4serve.engine.engine import EngineConfig, LLMEngine
@@ -15,7 +17,7 @@ from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.server.app import build_app
-from v4serve.server.generation import ServerConfig
+from v4serve.server.generation import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from v4serve.server.metrics import Metrics
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -45,6 +47,9 @@ class ServeConfig:
     swa_cache_mode: str = "periodic"
     swa_checkpoint_interval: int | None = None
     api_key: str | None = None
+    protect_metrics: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = 30.0
     seed: int = 0
     log_level: str = "info"
 
@@ -108,7 +113,9 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     engine = LLMEngine(model, econf, eos_token_id=tokenizer.eos_token_id)
     async_engine = AsyncEngine(engine)
     metrics = Metrics(cfg.model_name, lambda: async_engine.stats)
-    app = build_app(async_engine, tokenizer, ServerConfig(cfg.model_name, econf.max_model_len, cfg.api_key), metrics)
+    server = ServerConfig(cfg.model_name, econf.max_model_len, api_key=cfg.api_key,
+                          protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes)
+    app = build_app(async_engine, tokenizer, server, metrics)
 
     device = next(model.parameters()).device
     log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s", cfg.model_name, cfg.model,
@@ -122,10 +129,34 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     return app, async_engine
 
 
-def run(cfg: ServeConfig) -> None:
-    import uvicorn
+# Seconds uvicorn waits beyond --shutdown-timeout: time for the streams ended then to send their last
+# events before it cuts what is left.
+_SHUTDOWN_MARGIN = 5.0
 
-    app, _ = build(cfg)
+
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM (or Ctrl-C): uvicorn stops accepting connections; running requests get
+    `shutdown_timeout` seconds to finish, then the engine ends the rest with an error, so every
+    stream still closes with an error event and [DONE]; queued SSD-store writes are flushed at exit."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            log.info("shutting down: running requests have %.0f s to finish", self.shutdown_timeout)
+            self.engine.begin_shutdown(self.shutdown_timeout)
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal once shut down, which would end the process with it: a
+        # completed graceful shutdown exits 0 instead (what Docker and Kubernetes expect).
+        self._captured_signals.clear()
+
+
+def run(cfg: ServeConfig) -> None:
+    app, engine = build(cfg)
     shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name, shown, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN)
+    GracefulServer(config, engine, cfg.shutdown_timeout).run()

@@ -6,61 +6,62 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
-import uvicorn
 
-from tests.daemon import daemon, free_port
+from tests.daemon import daemon, in_process_server
 from tests.helpers import tokens
-from v4serve.server.serve import ServeConfig, build
+from v4serve.server.serve import ServeConfig
 
 
-@contextmanager
-def in_process_server(cfg: ServeConfig) -> Iterator[tuple[str, object]]:
-    """The real app under uvicorn in a thread, so a fault can be injected into its engine."""
-    app, engine = build(cfg)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield url, engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+def inject_forward_faults(engine, fail_calls) -> None:
+    """Make the model's forward raise on the calls (1-based) that `fail_calls` says."""
+    model = engine.engine.model
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        calls["n"] += 1
+        if fail_calls(calls["n"]):
+            raise RuntimeError("injected device fault")
+        return real_forward(*args, **kwargs)
+
+    model.forward = forward
 
 
-def test_a_dying_engine_ends_streams_with_an_error_and_health_says_so():
+def stream_lines(url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+        assert resp.status_code == 200
+        return [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def test_one_failed_forward_fails_its_step_and_the_engine_serves_on():
     with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=2)) as (url, engine):
-        model = engine.engine.model
-        calls = {"n": 0}
-        real_forward = model.forward
-
-        def failing_forward(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] > 3:
-                raise RuntimeError("injected device fault")
-            return real_forward(*args, **kwargs)
-
-        model.forward = failing_forward
-        body = {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-            assert resp.status_code == 200
-            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        inject_forward_faults(engine, lambda n: n == 4)
+        lines = stream_lines(url, {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True})
         assert lines[-1] == "data: [DONE]"
         error = json.loads(lines[-2][6:])
         assert "injected device fault" in error["error"]["message"]
         assert error["error"]["code"] == "generation_failed"
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        after = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=30)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_forward_that_keeps_failing_marks_the_engine_dead():
+    with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=2)) as (url, engine):
+        inject_forward_faults(engine, lambda n: n > 3)
+        for _ in range(3):  # each request's step fails; the third failure in a row is fatal
+            lines = stream_lines(url, {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True})
+            assert lines[-1] == "data: [DONE]"
+            assert "injected device fault" in json.loads(lines[-2][6:])["error"]["message"]
         health = httpx.get(url + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert "3 times in a row" in health.json()["error"]["message"]
         after = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=5)
         assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
+        reset = httpx.post(url + "/reset_prefix_cache", timeout=5)  # never hangs on a dead loop
+        assert reset.status_code == 503 and reset.json()["error"]["code"] == "engine_dead"
 
 
 def wait_for_gauge(url: str, name: str, value: float, timeout: float = 30.0) -> None:
