@@ -23,8 +23,9 @@ from typing import Any, Protocol
 from v4serve.cache.block_pool import BlockPool, NoFreeBlocks, TokenSlice, block_hashes, extend_chain, root_hash
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
-from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, SSDStore, StoreStats
+from v4serve.cache.ssd_store import SSDStore, StoreStats
 from v4serve.cache.state_cache import StateCache
 
 
@@ -48,6 +49,7 @@ class CacheStats:
     evictions: int  # cached blocks evicted to make room, since start
     store: StoreStats | None  # the SSD store's counters (None when it is off)
     store_usage_bytes: int = 0
+    store_quarantine_files: int = 0
 
 
 class KVCacheManager:
@@ -213,17 +215,19 @@ class KVCacheManager:
         kv.num_sealed = 0
         kv.plan = NO_HIT
 
-    def reset_prefix_cache(self, store: bool = False) -> int:
+    def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
+        """Forget every cached block no request holds and every host snapshot; with `store`, also
+        remove every file of this namespace from the SSD store. → (blocks dropped, files removed)"""
         self.state.snapshots.clear()
-        if store and self.store is not None:
-            self.store.clear()
-        return self.pool.reset()
+        removed = self.store.clear() if store and self.store is not None else 0
+        return self.pool.reset(), removed
 
     def stats(self) -> CacheStats:
         store = self.store
-        return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions,
-                          store.stats_snapshot() if store is not None else None,
-                          store.used_bytes if store is not None else 0)
+        if store is None:
+            return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions, None)
+        return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions, store.stats_snapshot(),
+                          store.used_bytes, store.quarantined)
 
     def check_integrity(self, admitted: Iterable[RequestKV] | None = None) -> None:
         """The pool's and slots' invariants; given every admitted request, refcounts are checked

@@ -15,7 +15,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, SSDStore
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
+from v4serve.cache.ssd_store import SSDStore, in_daemon_thread
 from v4serve.cache.state_cache import StateCache
 
 
@@ -56,7 +57,7 @@ class SSDLoader:
         items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
         # The snapshot at the end of the run is read alongside the blocks; if a bad block cuts the
         # run short, a nearer one is looked for afterwards.
-        snapshot = self.store.submit_io(lambda: self._read_snapshot(hashes, tokens, first + count))
+        snapshot = in_daemon_thread(lambda: self._read_snapshot(hashes, tokens, first + count))
         payloads = self.store.get_many(KIND_BLOCK, items)
         load.hashes = [h for h, _ in items[: len(payloads)]]
         load.stacked = self.codec.stack_block_payloads(payloads) if payloads else []
@@ -75,7 +76,7 @@ class SSDLoader:
             if key in self.state.snapshots:
                 return None
             if self.store.contains(KIND_SNAPSHOT, key):
-                payload = self.store.get(KIND_SNAPSHOT, key, tokens[(k - 1) * b:k * b])
+                payload = self.store.read(KIND_SNAPSHOT, key, tokens[(k - 1) * b:k * b])
                 if payload is not None:
                     return key, self.codec.snapshot_from_payload(payload)
         return None

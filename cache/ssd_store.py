@@ -1,19 +1,23 @@
-"""The SSD prefix store: sealed blocks (and state snapshots) as files, named by chain hash.
+"""The SSD prefix store: sealed blocks (and state snapshots) as files, named by chain hash, that is
+never allowed to serve a wrong byte.
 
 Plain Python, no torch: payloads are bytes, produced and consumed by `device_kv.DeviceKV`. All
-file I/O runs on the store's own threads (one writer, reader pools), never on the engine step or
-the HTTP event loop.
+file I/O runs on the store's own threads (one writer, readers), never on the engine step or the
+HTTP event loop. The file format and its checks are in `ssd_file`.
 
-Layout: `<root>/<namespace>/<h[:2]>/<h[2:4]>/<h>.blk` (a block) and `.snap` (the State Cache
-slot state at the end of that block). Each file is a header — magic, format version, kind,
-namespace digest, chain hash, the block's token ids (so a hash collision is a miss, never wrong
-tokens), a layout descriptor, payload length, CRC32 of everything — then the payload.
+Layout: `<root>/<namespace>/<h[:2]>/<h[2:4]>/<h>.blk` (a block) and `.snap` (the State Cache slot
+state at the end of that block); `<root>/quarantine/` holds bad files (bounded).
 
-Writes happen on a background thread: temp file in the same folder, then rename, never
-rewriting a present file. A bad file (truncated, checksum, wrong namespace, wrong tokens,
-unreadable) is a miss: it is moved to `<root>/quarantine/` and counted. A full disk stops
-writing, not serving. Several daemons may share a folder: files are immutable once renamed,
-each daemon keeps its own index and treats a vanished file as a miss.
+- Writes: on a background thread, through a temp file named after its writer (host and pid) and
+  a rename; a present file is never rewritten. A full disk stops writing, not serving, and writing
+  resumes once space is back (checked every `retry_seconds`).
+- Reads: a bad file (truncated, checksum, another kind, namespace, layout or payload length,
+  colliding tokens, unreadable, not a regular file) is a miss, moved to quarantine and counted; a
+  read that does not return within `read_timeout` is a miss too (its daemon thread is abandoned, so
+  it can block neither a request nor shutdown).
+- Sharing: several daemons may use one folder. Files are immutable once renamed; each daemon keeps
+  its own index and treats a vanished file as a miss; a starting store removes only temp files
+  whose writer is gone (or that are older than `STALE_TEMP_SECONDS`).
 """
 
 from __future__ import annotations
@@ -23,78 +27,41 @@ import errno
 import logging
 import os
 import queue
-import struct
+import shutil
+import stat
 import threading
 import time
 import uuid
-import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+from v4serve.cache.ssd_file import (
+    KIND_BLOCK,
+    SUFFIX,
+    StoreFileError,
+    decode,
+    encode,
+    temp_is_stale,
+    temp_name,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-MAGIC = b"V4KVSTOR"
-FORMAT_VERSION = 1
-KIND_BLOCK, KIND_SNAPSHOT = 1, 2
-SUFFIX = {KIND_BLOCK: ".blk", KIND_SNAPSHOT: ".snap"}
-# magic, version, kind, namespace, hash, token count, layout length, payload length
-_HEAD = struct.Struct("<8sHB32s32sIIQ")
-_CRC = struct.Struct("<I")
-ERROR_KINDS = ("truncated", "checksum", "namespace", "collision", "format", "unreadable", "enospc", "write")
-
-
-class StoreFileError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+STALE_TEMP_SECONDS = 3600.0  # a temp file this old has no live writer, whoever wrote it
+MAX_QUARANTINE_FILES = 256  # the oldest quarantined files go beyond this
+Item = tuple[bytes, Sequence[int] | None]  # (chain hash, the block's token ids or None)
 
 
 @dataclass(frozen=True)
 class StoreEntry:
     path: Path
     size: int
-
-
-def encode(kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int], layout: bytes,
-           payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    """The file's pieces in order (header, token ids, layout, payload parts, CRC)."""
-    length = sum(len(p) for p in payload)
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, kind, namespace, block_hash, len(tokens), len(layout), length)
-    token_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
-    crc = 0
-    for part in (head, token_bytes, layout, *payload):
-        crc = zlib.crc32(part, crc)
-    return [head, token_bytes, layout, *payload, _CRC.pack(crc)]
-
-
-def decode(data: bytes | bytearray, namespace: bytes, block_hash: bytes, tokens: Sequence[int] | None,
-           layout: bytes) -> memoryview:
-    """Check a whole file's bytes and return its payload; raises StoreFileError naming the fault."""
-    if len(data) < _HEAD.size + _CRC.size:
-        raise StoreFileError("truncated", f"{len(data)} bytes is shorter than a header")
-    magic, version, _, ns, h, n_tok, n_layout, n_payload = _HEAD.unpack_from(data)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise StoreFileError("format", f"not a v4serve store file (magic {magic!r}, version {version})")
-    body = _HEAD.size + 4 * n_tok + n_layout + n_payload
-    if len(data) != body + _CRC.size:
-        kind = "truncated" if len(data) < body + _CRC.size else "format"
-        raise StoreFileError(kind, f"{len(data)} bytes, header says {body + _CRC.size}")
-    if zlib.crc32(memoryview(data)[:body]) != _CRC.unpack_from(data, body)[0]:
-        raise StoreFileError("checksum", "checksum mismatch")
-    if ns != namespace:
-        raise StoreFileError("namespace", "written for another model, KV dtype or layout")
-    if h != block_hash:
-        raise StoreFileError("collision", "the file holds another hash")
-    stored_tokens = struct.unpack_from(f"<{n_tok}i", data, _HEAD.size)
-    if tokens is not None and tuple(stored_tokens) != tuple(tokens):
-        raise StoreFileError("collision", "same hash, different tokens")
-    offset = _HEAD.size + 4 * n_tok
-    if bytes(data[offset:offset + n_layout]) != layout:
-        raise StoreFileError("namespace", "another KV layout")
-    return memoryview(data)[offset + n_layout:body]
 
 
 @dataclass
@@ -108,26 +75,43 @@ class StoreStats:
     errors: Counter = field(default_factory=Counter)
 
 
+def in_daemon_thread(fn: Callable[[], T]) -> Future:
+    """Run fn on a fresh daemon thread: whatever it blocks on can never hold up the process's exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="v4serve-ssd-read", daemon=True).start()
+    return future
+
+
 class SSDStore:
-    def __init__(self, root: str | Path, namespace: bytes, layout: bytes, max_bytes: int | None = None,
-                 readers: int = 2, io_threads: int = 4) -> None:
+    def __init__(self, root: str | Path, namespace: bytes, layout: bytes, payload_bytes: Mapping[int, int],
+                 max_bytes: int | None = None, readers: int = 2, io_threads: int = 4, read_timeout: float = 10.0,
+                 retry_seconds: float = 30.0) -> None:
         self.root = Path(root)
         self.namespace, self.layout, self.max_bytes = namespace, layout, max_bytes
+        self.payload_bytes = dict(payload_bytes)  # exact payload length of each kind of file
+        self.read_timeout, self.retry_seconds = read_timeout, retry_seconds
         self.dir = self.root / namespace.hex()[:32]
         self.quarantine = self.root / "quarantine"
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[tuple[int, bytes], StoreEntry] = OrderedDict()  # LRU order
         self._writes: queue.Queue[tuple | None] = queue.Queue(maxsize=4096)
-        self._writing_disabled = False
+        self._full_until: float | None = None  # while the disk is full: when to look for space again
         self.used_bytes = 0
         self.dir.mkdir(parents=True, exist_ok=True)
         self._scan()
+        self.quarantined = self._count_quarantine()
         self._writer = threading.Thread(target=self._write_loop, name="v4serve-ssd-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="v4serve-ssd-reader")
-        # Several reads in flight: an SSD serves small files faster in parallel than one by one.
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="v4serve-ssd-io")
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="v4serve-ssd-loader")
         self._io_threads = io_threads
 
     # ---- index ----------------------------------------------------------------------------------
@@ -136,26 +120,27 @@ class SSDStore:
         return self.dir / h[:2] / h[2:4] / (h + SUFFIX[kind])
 
     def _scan(self) -> None:
-        """Rebuild the index from the files present (oldest first), removing leftover temp files."""
-        found = []
+        """Rebuild the index from the files present (oldest first); remove leftover temp files."""
+        found, stale = [], 0
         for dirpath, _, names in os.walk(self.dir):
             for name in names:
                 path = Path(dirpath) / name
-                if name.startswith(".tmp-"):
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-                    continue
-                kind = next((k for k, s in SUFFIX.items() if name.endswith(s)), None)
-                if kind is None:
-                    continue
                 with contextlib.suppress(OSError):
                     st = path.stat()
-                    found.append((st.st_mtime, kind, bytes.fromhex(name[: -len(SUFFIX[kind])]), path, st.st_size))
+                    if name.startswith(".tmp-"):
+                        if temp_is_stale(name, st.st_mtime, STALE_TEMP_SECONDS):
+                            path.unlink()
+                            stale += 1
+                        continue
+                    kind = next((k for k, s in SUFFIX.items() if name.endswith(s)), None)
+                    if kind is not None:
+                        found.append((st.st_mtime, kind, bytes.fromhex(name[: -len(SUFFIX[kind])]), path, st.st_size))
         for _, kind, h, path, size in sorted(found):
             self._index[(kind, h)] = StoreEntry(path, size)
             self.used_bytes += size
-        if found:
-            log.info("SSD store %s: %d files, %.1f MiB", self.dir, len(found), self.used_bytes / 2**20)
+        if found or stale:
+            log.info("SSD store %s: %d files, %.1f MiB; %d leftover temp files removed", self.dir, len(found),
+                     self.used_bytes / 2**20, stale)
 
     def contains(self, kind: int, block_hash: bytes) -> bool:
         key = (kind, block_hash)
@@ -182,9 +167,27 @@ class SSDStore:
         return n
 
     # ---- writing ----------------------------------------------------------------------------------
+    @property
+    def writing(self) -> bool:
+        """False while the disk is full; true again once there is room for a few more files."""
+        if self._full_until is None:
+            return True
+        if time.monotonic() < self._full_until:
+            return False
+        self._full_until = time.monotonic() + self.retry_seconds
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            return False
+        if free < 4 * max(self.payload_bytes.values()):
+            return False
+        log.info("SSD store %s has room again (%.1f MiB free): writing resumes", self.root, free / 2**20)
+        self._full_until = None
+        return True
+
     def put(self, kind: int, block_hash: bytes, tokens: Sequence[int], payload: Sequence[bytes | memoryview]) -> bool:
         """Queue a file for the background writer; False if writing is off or the queue is full."""
-        if self._writing_disabled or self.contains(kind, block_hash):
+        if not self.writing or self.contains(kind, block_hash):
             return False
         try:
             self._writes.put_nowait((kind, block_hash, tuple(tokens), payload))
@@ -212,7 +215,7 @@ class SSDStore:
                 self._writes.task_done()
 
     def _write(self, kind: int, block_hash: bytes, tokens: tuple[int, ...], payload: Sequence[bytes]) -> None:
-        if self._writing_disabled:
+        if self._full_until is not None:
             return
         path = self.path(kind, block_hash)
         if path.exists():
@@ -220,7 +223,7 @@ class SSDStore:
             return
         parts = encode(kind, self.namespace, block_hash, tokens, self.layout, payload)
         size = sum(len(p) for p in parts)
-        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+        tmp = path.parent / temp_name()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
@@ -230,13 +233,7 @@ class SSDStore:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                self._writing_disabled = True
-                self._count_error("enospc")
-                log.error("SSD store %s is full: writing stops, serving goes on", self.root)
-            else:
-                self._count_error("write")
-                log.warning("SSD store write of %s failed: %s", path.name, exc)
+            self._write_failed(path, exc)
             return
         with self._lock:
             self._index[(kind, block_hash)] = StoreEntry(path, size)
@@ -244,6 +241,15 @@ class SSDStore:
             self.stats.bytes_written += size
             self.stats.files_written += 1
         self._evict()
+
+    def _write_failed(self, path: Path, exc: OSError) -> None:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._full_until = time.monotonic() + self.retry_seconds
+            self._count_error("enospc")
+            log.error("SSD store %s is full: writing pauses (serving goes on) until space is back", self.root)
+        else:
+            self._count_error("write")
+            log.warning("SSD store write of %s failed: %s", path.name, exc)
 
     def _evict(self) -> None:
         if self.max_bytes is None:
@@ -257,19 +263,20 @@ class SSDStore:
             with contextlib.suppress(OSError):
                 entry.path.unlink()
 
-    @property
-    def writing(self) -> bool:
-        return not self._writing_disabled
-
     # ---- reading ----------------------------------------------------------------------------------
     def get(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:
-        """A file's payload, or None (a miss) if absent or bad; bad files are quarantined."""
+        """A file's payload, or None (a miss) if absent or bad; bad files are quarantined. Blocks
+        for as long as the file system does: call it on a thread that may be abandoned."""
         key = (kind, block_hash)
         path = self.path(kind, block_hash)
         try:
-            with open(path, "rb") as f:
+            # Non-blocking open: a FIFO (or device) under a store name must not hang the reader.
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise StoreFileError("unreadable", "not a regular file")
                 # A writable buffer: payload tensors are built on it without another copy.
-                data = bytearray(os.fstat(f.fileno()).st_size)
+                data = bytearray(st.st_size)
                 data = data[: f.readinto(data)]
         except FileNotFoundError:
             self._forget(key)
@@ -277,8 +284,11 @@ class SSDStore:
         except OSError as exc:
             self._bad(key, path, StoreFileError("unreadable", str(exc)))
             return None
+        except StoreFileError as exc:
+            self._bad(key, path, exc)
+            return None
         try:
-            payload = decode(data, self.namespace, block_hash, tokens, self.layout)
+            payload = decode(data, kind, self.namespace, block_hash, tokens, self.layout, self.payload_bytes[kind])
         except StoreFileError as exc:
             self._bad(key, path, exc)
             return None
@@ -288,29 +298,36 @@ class SSDStore:
             self.stats.bytes_read += len(data)
         return payload
 
-    def get_many(self, kind: int, items: Sequence[tuple[bytes, Sequence[int] | None]]) -> list[memoryview]:
-        """Payloads of consecutive files, up to the first miss; a few runs of files are read in
-        parallel (an SSD serves several small reads at once faster than one by one)."""
+    def get_many(self, kind: int, items: Sequence[Item]) -> list[memoryview]:
+        """Payloads of consecutive files up to the first miss. A few runs of files are read in
+        parallel (an SSD serves several small reads at once faster than one by one); a run still
+        reading after `read_timeout` ends the prefix where it started."""
         size = -(-len(items) // self._io_threads) if items else 1
         runs = [items[i:i + size] for i in range(0, len(items), size)]
-
-        def read_run(run: Sequence[tuple[bytes, Sequence[int] | None]]) -> list[memoryview | None]:
-            return [self.get(kind, h, tokens) for h, tokens in run]
-
+        futures = [in_daemon_thread(lambda run=run: [self.get(kind, h, tokens) for h, tokens in run]) for run in runs]
+        deadline = time.monotonic() + self.read_timeout
         out: list[memoryview] = []
-        for payloads in self._io.map(read_run, runs):
+        for run, future in zip(runs, futures, strict=True):
+            try:
+                payloads = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                self._count_error("timeout")
+                log.warning("SSD store read of %s did not return in %.1f s: a miss", run[0][0].hex()[:16],
+                            self.read_timeout)
+                return out
             for payload in payloads:
                 if payload is None:
                     return out
                 out.append(payload)
         return out
 
-    def submit_io(self, fn: Callable[[], object]) -> Future:
-        """Run one more read alongside the others (on the IO pool)."""
-        return self._io.submit(fn)
+    def read(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:
+        """One file's payload, with the read timeout."""
+        found = self.get_many(kind, [(block_hash, tokens)])
+        return found[0] if found else None
 
-    def submit(self, fn: Callable[[], object]) -> Future:
-        """Run a load on the reader pool (never on the engine step)."""
+    def submit(self, fn: Callable[[], T]) -> Future:
+        """Run a load on the loader pool (never on the engine step); loads wait only with timeouts."""
         return self._readers.submit(fn)
 
     def _forget(self, key: tuple[int, bytes]) -> None:
@@ -329,6 +346,7 @@ class SSDStore:
             return StoreStats(self.stats.bytes_read, self.stats.bytes_written, self.stats.files_written,
                               Counter(self.stats.errors))
 
+    # ---- quarantine ---------------------------------------------------------------------------------
     def _bad(self, key: tuple[int, bytes], path: Path, exc: StoreFileError) -> None:
         self._count_error(exc.kind)
         log.warning("SSD store file %s is bad (%s: %s): treated as a miss and quarantined", path.name, exc.kind, exc)
@@ -336,24 +354,48 @@ class SSDStore:
         with contextlib.suppress(OSError):
             self.quarantine.mkdir(parents=True, exist_ok=True)
             os.replace(path, self.quarantine / f"{path.name}.{exc.kind}.{uuid.uuid4().hex[:8]}")
+        self._trim_quarantine()
+
+    def _count_quarantine(self) -> int:
+        try:
+            return sum(1 for _ in self.quarantine.iterdir())
+        except OSError:
+            return 0
+
+    def _trim_quarantine(self) -> None:
+        """Keep the newest MAX_QUARANTINE_FILES bad files for inspection; remove older ones."""
+        with self._lock:
+            try:
+                entries = sorted(self.quarantine.iterdir(), key=lambda p: p.lstat().st_mtime)
+            except OSError:
+                return
+            for old in entries[: max(0, len(entries) - MAX_QUARANTINE_FILES)]:
+                with contextlib.suppress(OSError):
+                    if old.is_dir() and not old.is_symlink():
+                        shutil.rmtree(old)
+                    else:
+                        old.unlink()
+            self.quarantined = min(len(entries), MAX_QUARANTINE_FILES)
 
     # ---- admin ------------------------------------------------------------------------------------
     def clear(self) -> int:
-        """Delete every file of this namespace (reset_prefix_cache with the store)."""
+        """Delete every block and snapshot file of this namespace, including ones other daemons
+        sharing the folder wrote (reset_prefix_cache with the store); returns how many."""
         self.flush()
         with self._lock:
-            entries = list(self._index.values())
             self._index.clear()
             self.used_bytes = 0
-        for entry in entries:
-            with contextlib.suppress(OSError):
-                entry.path.unlink()
-        return len(entries)
+        removed = 0
+        for dirpath, _, names in os.walk(self.dir):
+            for name in names:
+                if any(name.endswith(s) for s in SUFFIX.values()):
+                    with contextlib.suppress(FileNotFoundError):
+                        (Path(dirpath) / name).unlink()
+                        removed += 1
+        return removed
 
     def close(self) -> None:
         self.flush()
         self._writes.put(None)
         self._writer.join(timeout=10)
         self._readers.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-

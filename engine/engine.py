@@ -15,7 +15,9 @@ from v4serve.cache.config import CacheConfig
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.layout import KVLayout, cache_table
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
+from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.request import Request, RequestError, RequestLimits, RequestStatus
@@ -56,6 +58,9 @@ class EngineConfig:
     seed: int = 0
     kv_store_dir: str | None = None  # the SSD prefix store; None = off
     kv_store_max_bytes: int | None = None
+    kv_store_read_timeout: float = 10.0  # a store read still running after this is a miss
+    kv_store_retry_seconds: float = 30.0  # after a full disk: how often to look for space again
+    weights_digest: bytes | None = None  # of the checkpoint files; None: digest the tensors if needed
 
 
 @dataclass
@@ -68,24 +73,12 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
 
 
-def weights_fingerprint(model: DeepseekV4) -> bytes:
-    """A content digest of the weights from a strided sample of every tensor: cheap at any
-    model size, and different for any fine-tune that moved the weights."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        flat = t.detach().flatten()
-        stride = max(1, flat.numel() // 4096)
-        h.update(name.encode())
-        h.update(flat[::stride].float().cpu().numpy().tobytes())
-    return h.digest()
-
-
-def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype) -> bytes:
+def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes) -> bytes:
     """Changes whenever the weights, the KV dtype or the KV layout change: cached KV from a
     different namespace must never be served."""
     h = hashlib.sha256()
     h.update(json.dumps(model.cfg.to_official_dict(), sort_keys=True).encode())
-    h.update(weights_fingerprint(model))
+    h.update(weights_digest)
     h.update(f"{kv_dtype}|format={KV_FORMAT_VERSION}".encode())
     return h.digest()
 
@@ -107,11 +100,17 @@ class LLMEngine:
             swa_checkpoint_interval=config.swa_checkpoint_interval,
             enable_prefix_caching=config.enable_prefix_caching, snapshot_bytes=config.snapshot_bytes,
             overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0)
-        namespace = kv_namespace(model, config.kv_dtype)
         store = None
-        if config.kv_store_dir and config.enable_prefix_caching:
+        persistent = bool(config.kv_store_dir and config.enable_prefix_caching)
+        # KV that outlives the process is keyed by every byte of the weights; within one process the
+        # weights cannot change, so the (costly on a large model) digest is only taken for the store.
+        digest = config.weights_digest or (tensors_digest(model.state_dict().items()) if persistent else b"")
+        namespace = kv_namespace(model, config.kv_dtype, digest)
+        if persistent:
             store = SSDStore(config.kv_store_dir, namespace, self.device_kv.layout_descriptor(),
-                             max_bytes=config.kv_store_max_bytes)
+                             {KIND_BLOCK: self.device_kv.block_nbytes(), KIND_SNAPSHOT: self.device_kv.slot_nbytes()},
+                             max_bytes=config.kv_store_max_bytes, read_timeout=config.kv_store_read_timeout,
+                             retry_seconds=config.kv_store_retry_seconds)
         self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -262,8 +261,9 @@ class LLMEngine:
         self.finish(request, "error")
         return RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=message)
 
-    def reset_prefix_cache(self, store: bool = False) -> int:
-        """Forget every cached block no request holds (and, with `store`, the SSD store's files)."""
+    def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
+        """Forget every cached block no request holds (and, with `store`, the SSD store's files of
+        this model's namespace). → (blocks dropped, store files removed)"""
         return self.kv.reset_prefix_cache(store=store)
 
     def stats(self) -> EngineStats:
@@ -276,7 +276,8 @@ class LLMEngine:
             prefix_queries=s.prefix_queries, prefix_hits_device=s.prefix_hits, prefix_hits_disk=s.prefix_hits_disk,
             recomputed_tokens=s.recomputed, preemptions=s.preemptions, evictions=cache.evictions,
             store_read_bytes=io.bytes_read if io else 0, store_written_bytes=io.bytes_written if io else 0,
-            store_usage_bytes=cache.store_usage_bytes, store_errors=MappingProxyType(dict(io.errors) if io else {}),
+            store_usage_bytes=cache.store_usage_bytes, store_quarantine_files=cache.store_quarantine_files,
+            store_errors=MappingProxyType(dict(io.errors) if io else {}),
             store_read_seconds=s.load_seconds.snapshot())
 
     def close(self) -> None:

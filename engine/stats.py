@@ -66,6 +66,7 @@ class EngineStats:
     store_read_bytes: int = 0
     store_written_bytes: int = 0
     store_usage_bytes: int = 0
+    store_quarantine_files: int = 0  # bad files kept aside for inspection (bounded)
     store_errors: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     store_read_seconds: HistogramSnapshot = field(
         default_factory=lambda: Histogram.for_store_reads().snapshot())

@@ -115,8 +115,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(store: bool = False) -> dict[str, Any]:
-        """Empty the device prefix cache; with `?store=true` also the SSD store."""
-        dropped = await engine.call(lambda eng: eng.reset_prefix_cache(store=store))
-        return {"status": "ok", "dropped_blocks": dropped, "store_cleared": store}
+        """Empty the device prefix cache and host snapshots; with `?store=true` also remove every
+        block and snapshot file of this model's namespace from the SSD store, including files other
+        daemons sharing the folder wrote."""
+        dropped, removed = await engine.call(lambda eng: eng.reset_prefix_cache(store=store))
+        return {"status": "ok", "dropped_blocks": dropped, "store_cleared": store, "store_files_removed": removed}
 
     return app

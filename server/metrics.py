@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from v4serve.cache.ssd_store import ERROR_KINDS
+from v4serve.cache.ssd_file import ERROR_KINDS
 from v4serve.engine.request import Request
 from v4serve.engine.stats import EngineStats, HistogramSnapshot
 
@@ -39,6 +39,8 @@ _GAUGES = (
     ("v4serve_requests_running", "Requests in the running batch", "running"),
     ("v4serve_requests_waiting", "Requests waiting to be admitted (including SSD store reads)", "waiting"),
     ("v4serve_kv_store_usage_bytes", "Bytes the SSD prefix store holds", "store_usage_bytes"),
+    ("v4serve_kv_store_quarantine_files", "Bad SSD store files kept aside in quarantine/ (bounded)",
+     "store_quarantine_files"),
 )
 
 

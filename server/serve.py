@@ -14,6 +14,7 @@ import uvicorn
 from v4serve.engine.async_engine import AsyncEngine
 from v4serve.engine.engine import EngineConfig, LLMEngine
 from v4serve.engine.model.checkpoint import load_model
+from v4serve.engine.model.fingerprint import checkpoint_digest
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.server.app import build_app
@@ -100,7 +101,11 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4) -> EngineConfig:
     max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
     interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
     store_dir = None if cfg.no_kv_store or cfg.no_prefix_caching else (cfg.kv_store_dir or default_store_dir())
+    digest = None
+    if store_dir is not None and cfg.model != "tiny":  # the files' bytes, cached beside the store
+        digest = checkpoint_digest(cfg.model, Path(store_dir) / "weights-digests.json")
     return EngineConfig(kv_store_dir=store_dir, kv_store_max_bytes=cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES,
+                        weights_digest=digest,
                         max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,

@@ -274,3 +274,16 @@ def test_sigterm_lets_streams_end_with_done_and_exits_cleanly(tmp_path) -> None:
         else:
             assert last["choices"][0]["finish_reason"] == "length"
     assert not list(tmp_path.rglob(".tmp-*"))
+
+
+# ---- tenants ------------------------------------------------------------------------------------------------
+def test_cache_salt_separates_tenants(http: httpx.Client) -> None:
+    prompt = {"prompt": "a long shared system prompt for every tenant " * 8, "max_tokens": 1}
+
+    def cached(salt: str) -> int:
+        reply = http.post(COMPLETIONS, json={**prompt, "cache_salt": salt}).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same tenant hits its own prefix
+    assert cached("tenant-b") == 0  # another tenant's identical prompt shares nothing

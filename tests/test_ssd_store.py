@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
-from v4serve.cache.ssd_store import KIND_BLOCK, KIND_SNAPSHOT, SSDStore, decode, encode
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT, decode, encode
+from v4serve.cache.ssd_store import SSDStore
 
 NS = b"n" * 32
 
@@ -46,18 +47,22 @@ def restarted_request(model, root: Path, prompt: list[int], **kw):
 def test_encode_decode_round_trip_and_every_fault_is_named():
     toks = list(range(16))
     data = b"".join(bytes(p) for p in encode(KIND_BLOCK, NS, b"h" * 32, toks, b"L", [b"abc", b"de"]))
-    assert bytes(decode(data, NS, b"h" * 32, toks, b"L")) == b"abcde"
+    assert bytes(decode(data, KIND_BLOCK, NS, b"h" * 32, toks, b"L", 5)) == b"abcde"
     cases = {
-        "truncated": (data[:-3], NS, toks, b"L"),
-        "checksum": (data[:60] + bytes([data[60] ^ 1]) + data[61:], NS, toks, b"L"),
-        "namespace": (data, b"m" * 32, toks, b"L"),
-        "collision": (data, NS, list(range(1, 17)), b"L"),
-        "format": (b"garbage" * 20, NS, toks, b"L"),
+        "truncated": (data[:-3], KIND_BLOCK, NS, toks, b"L", 5),
+        "checksum": (data[:60] + bytes([data[60] ^ 1]) + data[61:], KIND_BLOCK, NS, toks, b"L", 5),
+        "namespace": (data, KIND_BLOCK, b"m" * 32, toks, b"L", 5),
+        "collision": (data, KIND_BLOCK, NS, list(range(1, 17)), b"L", 5),
+        "format": (b"garbage" * 20, KIND_BLOCK, NS, toks, b"L", 5),
     }
-    for kind, (raw, ns, tk, layout) in cases.items():
+    for kind, (raw, file_kind, ns, tk, layout, length) in cases.items():
         with pytest.raises(Exception) as err:
-            decode(raw, ns, b"h" * 32, tk, layout)
+            decode(raw, file_kind, ns, b"h" * 32, tk, layout, length)
         assert getattr(err.value, "kind", None) == kind, kind
+    for wrong in ((KIND_SNAPSHOT, 5), (KIND_BLOCK, 4)):  # another kind of file; another payload length
+        with pytest.raises(Exception) as err:
+            decode(data, wrong[0], NS, b"h" * 32, toks, b"L", wrong[1])
+        assert getattr(err.value, "kind", None) == "format"
 
 
 # ---- restart hits --------------------------------------------------------------------------------------
@@ -233,6 +238,6 @@ def test_reset_with_store_empties_the_folder(tmp_path):
 def test_store_survives_a_foreign_file_layout(tmp_path):
     """A store written under another KV layout (another model) is never read as this one."""
     populate(small_model(), tmp_path, tokens(60, 14))
-    other = SSDStore(tmp_path, b"z" * 32, b"other-layout")
+    other = SSDStore(tmp_path, b"z" * 32, b"other-layout", {KIND_BLOCK: 64, KIND_SNAPSHOT: 64})
     assert other.longest_prefix([b"a" * 32]) == 0
     other.close()

@@ -4,7 +4,9 @@ SWA mode; bad files, a full disk and a shared folder never stop serving."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import struct
 import subprocess
 import threading
@@ -15,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon import daemon
+from tests.daemon import daemon, start_daemon
 from tests.helpers import tokens
 
 DOC = tokens(760, 21)
@@ -189,3 +191,34 @@ def test_concurrent_scrapes_count_every_store_error_exactly_once(tmp_path):
     assert all(len(s) > 3 and s == sorted(s) for s in seen)  # every scraper saw a counter that only rose
     assert disk_hits == 128 * len(docs)  # each first block from disk; the flipped second ends the prefix
     assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+
+
+def test_kill_9_during_heavy_store_writes_serves_nothing_corrupt(tmp_path):
+    """A daemon killed mid-write: the next one cleans the dead writer's temp files up and serves
+    the cold tokens for every prompt, from whatever files did land."""
+    docs = [tokens(1500, 70 + i) for i in range(4)]
+    with daemon("--no-prefix-caching") as url:
+        cold = [output_tokens(complete(url, doc + QUESTION)) for doc in docs]
+    args = ("--kv-store-dir", str(tmp_path), "--swa-cache-mode", "full")
+    running = start_daemon(*args)
+
+    def send(doc: list[int]) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the daemon dies under it
+            httpx.post(running.url + "/v1/completions", json={"prompt": doc, "max_tokens": 4}, timeout=60)
+
+    senders = [threading.Thread(target=send, args=(doc,)) for doc in docs]
+    for t in senders:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.rglob("*.snap"))) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    running.stop(signal.SIGKILL)  # mid-write: snapshots (216 KiB each) and blocks still queued
+    for t in senders:
+        t.join(timeout=60)
+    with daemon(*args) as url:
+        assert not list(tmp_path.rglob(".tmp-*"))  # the dead writer's leftovers are gone
+        results = [output_tokens(complete(url, doc + QUESTION)) for doc in docs]
+        errors = metric(url, "v4serve_kv_store_errors_total")
+        disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+    assert results == cold
+    assert errors == 0 and disk_hits > 0  # what landed was whole; what did not was a plain miss

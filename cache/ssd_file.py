@@ -1,0 +1,111 @@
+"""One SSD-store file: its bytes, every check a read makes before a byte is served, and the names of
+the temp files it is written through. Plain Python, no torch.
+
+A file is a header — magic, format version, kind (block or snapshot), namespace digest, chain hash,
+token count, layout length, payload length — then the block's token ids (so a hash collision is a
+miss, never wrong tokens), the layout descriptor, the payload and a CRC32 of all of it. A read
+serves the payload only if every field is what the reader expects: the kind it asked for, its
+namespace, hash, tokens and layout, and exactly the payload length its layout needs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+
+MAGIC = b"V4KVSTOR"
+FORMAT_VERSION = 1
+KIND_BLOCK, KIND_SNAPSHOT = 1, 2
+KIND_NAMES = {KIND_BLOCK: "block", KIND_SNAPSHOT: "snapshot"}
+SUFFIX = {KIND_BLOCK: ".blk", KIND_SNAPSHOT: ".snap"}
+# magic, version, kind, namespace, hash, token count, layout length, payload length
+_HEAD = struct.Struct("<8sHB32s32sIIQ")
+_CRC = struct.Struct("<I")
+ERROR_KINDS = ("truncated", "checksum", "namespace", "collision", "format", "unreadable", "timeout", "enospc",
+               "write")
+
+
+class StoreFileError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def encode(kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int], layout: bytes,
+           payload: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The file's pieces in order (header, token ids, layout, payload parts, CRC)."""
+    length = sum(len(p) for p in payload)
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, kind, namespace, block_hash, len(tokens), len(layout), length)
+    token_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
+    crc = 0
+    for part in (head, token_bytes, layout, *payload):
+        crc = zlib.crc32(part, crc)
+    return [head, token_bytes, layout, *payload, _CRC.pack(crc)]
+
+
+def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int] | None,
+           layout: bytes, payload_bytes: int) -> memoryview:
+    """Check a whole file's bytes and return its payload; raises StoreFileError naming the fault."""
+    if len(data) < _HEAD.size + _CRC.size:
+        raise StoreFileError("truncated", f"{len(data)} bytes is shorter than a header")
+    magic, version, file_kind, ns, h, n_tok, n_layout, n_payload = _HEAD.unpack_from(data)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise StoreFileError("format", f"not a v4serve store file (magic {magic!r}, version {version})")
+    body = _HEAD.size + 4 * n_tok + n_layout + n_payload
+    if len(data) != body + _CRC.size:
+        fault = "truncated" if len(data) < body + _CRC.size else "format"
+        raise StoreFileError(fault, f"{len(data)} bytes, header says {body + _CRC.size}")
+    if zlib.crc32(memoryview(data)[:body]) != _CRC.unpack_from(data, body)[0]:
+        raise StoreFileError("checksum", "checksum mismatch")
+    if file_kind != kind:
+        found = KIND_NAMES.get(file_kind, f"kind {file_kind}")
+        raise StoreFileError("format", f"a {found} file where a {KIND_NAMES[kind]} file belongs")
+    if ns != namespace:
+        raise StoreFileError("namespace", "written for another model, KV dtype or layout")
+    if h != block_hash:
+        raise StoreFileError("collision", "the file holds another hash")
+    stored_tokens = struct.unpack_from(f"<{n_tok}i", data, _HEAD.size)
+    if tokens is not None and tuple(stored_tokens) != tuple(tokens):
+        raise StoreFileError("collision", "same hash, different tokens")
+    offset = _HEAD.size + 4 * n_tok
+    if bytes(data[offset:offset + n_layout]) != layout:
+        raise StoreFileError("namespace", "another KV layout")
+    if n_payload != payload_bytes:
+        raise StoreFileError("format", f"a payload of {n_payload} bytes where the layout needs {payload_bytes}")
+    return memoryview(data)[offset + n_layout:body]
+
+
+# ---- temp files: named after their writer, so a starting store never removes a live writer's ---------
+_HOST = socket.gethostname().replace("-", "_")[:64] or "host"
+
+
+def temp_name() -> str:
+    return f".tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def temp_is_stale(name: str, mtime: float, max_age: float, now: float | None = None) -> bool:
+    """A temp file is left over if it is older than `max_age` seconds, if its writer was a process
+    on this host that is gone, or if its name carries no writer at all (written before names did).
+    A fresh one from a live process, or from another host, is someone's write in progress."""
+    now = time.time() if now is None else now
+    if now - mtime > max_age:
+        return True
+    parts = name.split("-")
+    if len(parts) != 4 or not parts[2].isdigit():
+        return True
+    return parts[1] == _HOST and not _process_alive(int(parts[2]))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
