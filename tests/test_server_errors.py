@@ -169,3 +169,17 @@ def test_api_key(secured_url: str) -> None:
         assert [m.id for m in client.models.list().data] == [MODEL]
         r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert json.loads(r.model_dump_json())["usage"]["completion_tokens"] >= 1
+
+
+def test_api_key_guards_every_route_but_the_probes(secured_url: str) -> None:
+    with httpx.Client(base_url=secured_url, timeout=60) as http:
+        for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+                             ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")):
+            check_error(http.request(method, path, json={"prompt": "x", "tokens": [70]}), 401, code="invalid_api_key")
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        keyed = {"Authorization": f"Bearer {KEY}"}
+        assert http.post("/tokenize", json={"prompt": "x"}, headers=keyed).status_code == 200
+    with daemon("--api-key", KEY, "--protect-metrics") as url:
+        check_error(httpx.get(url + "/metrics", timeout=10), 401, code="invalid_api_key")
+        assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
