@@ -101,8 +101,9 @@ def same_tokens(a: list[tuple[Any, float]], b: list[tuple[Any, float]], tol: flo
 
 
 def pick_stop(text: str) -> str:
-    """A two-character stop string from the second half of `text` (no U+FFFD, which is lossy)."""
-    for i in range(len(text) // 2, len(text) - 1):
+    """A two-character stop string (no U+FFFD, which is lossy), from the second half of `text` if it
+    has one (the random model's bytes are often invalid UTF-8), else from anywhere after the start."""
+    for i in [*range(len(text) // 2, len(text) - 1), *range(1, len(text) // 2)]:
         piece = text[i:i + 2]
         if "\ufffd" not in piece:
             return piece
