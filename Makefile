@@ -33,6 +33,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_cache.py
 	$(PY) bench/bench_serve.py
 	$(PY) bench/bench_store.py
+	$(PY) bench/bench_structured.py
+	$(PY) bench/bench_load.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -148,6 +148,8 @@ class AsyncEngine:
             raise EngineDead(reason)
         for r in requests:
             self.limits.validate(r)
+            if r.sampling.grammar is not None:
+                self.engine.check_grammar(r.sampling.grammar)
         with self._lock:
             waiting = self._stats.waiting + self._pending
         if waiting + len(requests) > self.max_waiting:

@@ -20,10 +20,11 @@ from v4serve.cache.ssd_store import SSDStore
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.request import Request, RequestError, RequestLimits, RequestStatus
+from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus
 from v4serve.engine.sampler import Sample, Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.stats import EngineStats
+from v4serve.engine.structured import Grammars, RequestGrammar
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class EngineConfig:
     kv_store_read_timeout: float = 10.0  # a store read still running after this is a miss
     kv_store_retry_seconds: float = 30.0  # after a full disk: how often to look for space again
     weights_digest: bytes | None = None  # of the checkpoint files; None: digest the tensors if needed
+    tokenizer_json: str | None = None  # the vocabulary, as data, for structured outputs (None: unsupported)
 
 
 @dataclass
@@ -118,7 +120,9 @@ class LLMEngine:
             max_waiting=config.max_waiting), self.kv)
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
                                     cache=self.cache_config)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.eos_token_id)
+        self.grammars = (Grammars(config.tokenizer_json, cfg.vocab_size, self.eos_token_id)
+                         if config.tokenizer_json else None)
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
         self._forward_failures = 0
@@ -129,8 +133,23 @@ class LLMEngine:
         self.limits.validate(request)
         if request.request_id in self.requests:
             raise RequestError(f"duplicate request id {request.request_id}")
-        self.requests[request.request_id] = request
+        if request.sampling.grammar is not None:
+            request.grammar = self.grammar_matcher(request.sampling.grammar)
         self.scheduler.add(request)
+        self.requests[request.request_id] = request
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Raise RequestError (a 400) now if this grammar cannot be enforced; thread-safe."""
+        self.grammar_matcher(spec, check_only=True)
+
+    def grammar_matcher(self, spec: GrammarSpec, check_only: bool = False) -> RequestGrammar | None:
+        if self.grammars is None:
+            raise RequestError("structured outputs need the model's tokenizer, which this engine was not given",
+                               param=spec.param)
+        if check_only:
+            self.grammars.check(spec)
+            return None
+        return self.grammars.matcher(spec)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -232,6 +251,8 @@ class LLMEngine:
 
     def _sample_and_check(self, request: Request, row: torch.Tensor) -> RequestOutput:
         sample = self.sampler.sample(request, row)
+        if request.grammar is not None:
+            request.grammar.accept(sample.token)
         self.scheduler.append_token(request, sample.token)
         out = RequestOutput(request.request_id, [sample.token], [sample])
         reason = self._stop_reason(request, sample.token)
@@ -242,6 +263,8 @@ class LLMEngine:
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.sampling
+        if request.grammar is not None and request.grammar.done:  # its EOS, whatever ignore_eos says
+            return "stop"
         if token == self.eos_token_id and not params.ignore_eos:
             return "stop"
         if token in params.stop_token_ids:

@@ -6,9 +6,13 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import RequestKV
+
+if TYPE_CHECKING:
+    from v4serve.engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -25,6 +29,17 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.LOADING, RequestStatus.RUNNING)
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (compiled and enforced by `engine.structured`)."""
+
+    kind: Literal["json_schema", "lark"]
+    text: str  # the JSON schema (serialized) or the Lark grammar
+    param: str  # the request field it came from, for errors
+    # Thinking mode: the grammar applies only after this token (`</think>`) has been generated.
+    after_token: int | None = None
+
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1  # torch generators take seeds up to this
 
@@ -32,6 +47,7 @@ MAX_SEED = 2**63 - 1  # torch generators take seeds up to this
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop tokens are not sampled before this many output tokens
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
@@ -45,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = only the chosen one)
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None  # structured output: a token mask at every step
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +90,7 @@ class Request:
     num_preemptions: int = 0
     # One entry per prompt token from the second on (the first has none), when asked for.
     prompt_logprobs: list = field(default_factory=lambda: [None])
+    grammar: RequestGrammar | None = None  # its matcher, when sampling.grammar is set
     first_token_time: float | None = None
     finish_reason: str | None = None
 
@@ -131,6 +149,8 @@ class RequestLimits:
             raise RequestError("the prompt is empty", param="prompt")
         if params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        if not 0 <= params.min_tokens <= params.max_tokens:
+            raise RequestError(f"min_tokens must be between 0 and max_tokens ({params.max_tokens})", param="min_tokens")
         if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
             raise RequestError(f"seed must be between 0 and {MAX_SEED} (after adding the choice index)", param="seed")
         total = len(prompt) + params.max_tokens

@@ -1,8 +1,8 @@
 """Turn one row of logits into the next token for a request, per its sampling parameters.
 
-Order: logit_bias → penalties → (logprobs reported from here) → temperature → top-k → top-p →
-min-p → draw. A request with a `seed` draws from its own generator, so the same seed gives the
-same output whatever else shares the batch.
+Order: logit_bias → grammar mask, or else min_tokens (no EOS or stop token yet) → penalties →
+(logprobs reported from here) → temperature → top-k → top-p → min-p → draw. A request with a `seed` draws from its own
+generator, so the same seed gives the same output whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_id: int | None = None) -> None:
+        self.eos_token_id = eos_token_id
         self._default = torch.Generator().manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
 
@@ -75,6 +76,11 @@ class Sampler:
         logits = logits.float().cpu().clone()
         for token, bias in params.logit_bias.items():  # ids were checked against the vocabulary
             logits[token] += bias
+        if request.grammar is not None and request.grammar.active:
+            request.grammar.mask(logits)  # the grammar decides when the output may end
+        elif len(request.output_token_ids) < params.min_tokens:  # too early to stop
+            ends = [*params.stop_token_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])]
+            logits[ends] = float("-inf")
         apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
         if torch.isnan(logits).any() or torch.isposinf(logits).any():
             raise NonFiniteLogits("the logits are not finite (NaN or +inf); nothing can be sampled from them")

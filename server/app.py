@@ -10,14 +10,14 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.async_engine import AsyncEngine
 from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
 from v4serve.server.chat import chat_completions
 from v4serve.server.completions import completions
-from v4serve.server.errors import error_json, install_error_handlers
+from v4serve.server.errors import ApiError, error_json, error_responses, install_error_handlers
 from v4serve.server.generation import FrontEnd, ServerConfig
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -68,35 +68,44 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key, protect_metrics=config.protect_metrics)
 
-    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    generating = error_responses(400, 401, 404, 413, 500, 503)
+    model_card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "v4serve",
+                  "max_model_len": config.max_model_len}
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest), responses=generating)
     async def chat(raw: Request) -> Response:
         return await chat_completions(front, await parse_body(raw, ChatCompletionRequest), raw)
 
-    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), responses=generating)
     async def complete(raw: Request) -> Response:
         return await completions(front, await parse_body(raw, CompletionRequest), raw)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "v4serve", "max_model_len": config.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
+    async def model(model_id: str) -> dict[str, Any]:
+        front.check_model(model_id)
+        return model_card
+
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         reason = engine.unavailable_reason()
         if reason is not None:
             return JSONResponse(error_json(reason, "server_error", code="engine_dead"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.get("/version", responses=error_responses(401))
     async def get_version() -> dict[str, str]:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}, **error_responses(401)})
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), responses=error_responses(400, 401, 404, 413))
     async def tokenize(raw: Request) -> dict[str, Any]:
         body = await parse_body(raw, TokenizeRequest)
         front.check_model(body.model)
@@ -106,19 +115,31 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
             tokens = await front.encode_text(body.prompt or "", add_bos=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
 
-    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest),
+              responses=error_responses(400, 401, 404, 413))
     async def detokenize(raw: Request) -> dict[str, Any]:
         body = await parse_body(raw, DetokenizeRequest)
         front.check_model(body.model)
         engine.limits.check_token_ids(body.tokens, "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(store: bool = False) -> dict[str, Any]:
+    store_param = {"parameters": [{"name": "store", "in": "query", "required": False, "schema": {"type": "boolean"},
+                                   "description": "also empty the SSD store"}]}
+
+    @app.post("/reset_prefix_cache", openapi_extra=store_param, responses=error_responses(400, 401, 503))
+    async def reset_prefix_cache(raw: Request) -> dict[str, Any]:
         """Empty the device prefix cache and host snapshots; with `?store=true` also remove every
         block and snapshot file of this model's namespace from the SSD store, including files other
         daemons sharing the folder wrote."""
+        store = query_flag(raw, "store")
         dropped, removed = await engine.call(lambda eng: eng.reset_prefix_cache(store=store))
         return {"status": "ok", "dropped_blocks": dropped, "store_cleared": store, "store_files_removed": removed}
 
     return app
+
+
+def query_flag(raw: Request, name: str) -> bool:
+    value = raw.query_params.get(name, "false").strip().lower()
+    if value not in ("true", "1", "yes", "false", "0", "no", ""):
+        raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name)
+    return value in ("true", "1", "yes")

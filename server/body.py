@@ -67,7 +67,8 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Add the body models (and what they reference) to the generated OpenAPI components."""
+    """Add the body models (and what they reference) to the generated OpenAPI components, and drop
+    FastAPI's 422 responses (this server answers 400)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -77,6 +78,11 @@ def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(schema.pop("$defs", {}))
                 schemas[model.__name__] = schema
+            # Validation failures are 400s in OpenAI's shape here, never FastAPI's 422.
+            for operation in (op for ops in spec["paths"].values() for op in ops.values()):
+                operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
             app.openapi_schema = spec
         return app.openapi_schema
 

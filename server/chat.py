@@ -1,4 +1,9 @@
-"""`POST /v1/chat/completions`: messages → DeepSeek-V4 prompt → choices, as one JSON reply or SSE."""
+"""`POST /v1/chat/completions`: messages → DeepSeek-V4 prompt → choices, as one JSON reply or SSE.
+
+Tools are offered in the prompt (unless `tool_choice` is "none"); DSML calls in the output come back
+as `message.tool_calls` (`delta.tool_calls` when streaming) with `finish_reason` "tool_calls".
+`tool_choice` "required" or a named function, and `response_format`, are enforced by a grammar.
+"""
 
 from __future__ import annotations
 
@@ -11,41 +16,90 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from v4serve.server.framing import DONE, Chunker, error_event, sse, usage
+from v4serve.engine.request import GrammarSpec
+from v4serve.server.errors import ApiError
+from v4serve.server.framing import DONE, Chunker, error_event, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
+from v4serve.server.text.tool_calls import ToolCallDelta
+from v4serve.server.tools import plan_tools, response_format_grammar, tool_call_grammar
 
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
     front.check_model(body.model)
-    front.warn_extras(body)
     thinking = body.thinking_mode()
+    think_end = front.think_end_id if thinking else None
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    grammar = _grammar(body, tools, think_end)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = await front.encode_chat(messages, thinking=thinking, tools=body.tools,
+    prompt = await front.encode_chat(messages, thinking=thinking, tools=tools.offered,
                                      reasoning_effort=body.reasoning_effort)
     max_tokens = front.default_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    options = front.output_options(body, reasoning_end_token=front.think_end_id if thinking else None)
-    generation = front.generation(rid, prompt, body, max_tokens, logprobs, options)
+    options = front.output_options(body, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
+                                   parallel_tool_calls=tools.parallel)
+    generation = front.generation(rid, prompt, body, max_tokens, logprobs, options, grammar=grammar)
     front.check([generation])
     created = int(time.time())
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunk = Chunker(rid, "chat.completion.chunk", created, front.config.served_model_name, include_usage)
+        chunk = stream_chunker(rid, "chat.completion.chunk", created, front.config.served_model_name,
+                               body.stream_options, lambda: [generation.usage()])
         return sse(_stream(front, chunk, generation, body.logprobs))
     per_choice = await front.collect(generation, raw)
-    choices = []
-    for i, deltas in enumerate(per_choice):
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        if thinking:
-            message["reasoning_content"] = "".join(d.reasoning for d in deltas)
-        choices.append({"index": i, "message": message, "finish_reason": deltas[-1].finish_reason,
-                        "logprobs": _logprobs(front, deltas) if body.logprobs else None})
+    choices = [_choice(front, generation, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice)]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                          "model": front.config.served_model_name, "choices": choices,
                          "usage": usage([generation.usage()])})
+
+
+def _grammar(body: ChatCompletionRequest, tools: Any, think_end: int | None) -> GrammarSpec | None:
+    formatted = response_format_grammar(body.response_format, think_end)
+    if tools.forced is None:
+        return formatted
+    if formatted is not None:
+        raise ApiError(400, "response_format cannot be combined with a required or named tool_choice",
+                       param="response_format")
+    return tool_call_grammar(tools.forced, tools.parallel, think_end)
+
+
+def _choice(front: FrontEnd, generation: Generation, i: int, deltas: list[Delta], thinking: bool,
+            logprobs: bool) -> dict[str, Any]:
+    content = "".join(d.text for d in deltas)
+    calls = _assembled([c for d in deltas for c in d.tool_calls])
+    parser = generation.texts[i].tools
+    if parser is not None and parser.truncated_text is not None:  # cut off inside a call: it is text
+        content, calls = content + parser.truncated_text, []
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if thinking:
+        message["reasoning_content"] = "".join(d.reasoning for d in deltas)
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": i, "message": message, "finish_reason": deltas[-1].finish_reason,
+            "logprobs": _logprobs(front, deltas) if logprobs else None}
+
+
+def _assembled(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.index not in calls:
+            calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+        calls[d.index]["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def _stream_tool_calls(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's streamed form: id, type and name with a call's first fragment, then arguments only."""
+    out = []
+    for d in deltas:
+        function: dict[str, Any] = {"arguments": d.arguments}
+        item: dict[str, Any] = {"index": d.index, "function": function}
+        if d.id is not None:
+            item |= {"id": d.id, "type": "function"}
+            function["name"] = d.name
+        out.append(item)
+    return out
 
 
 def _logprobs(front: FrontEnd, deltas: list[Delta]) -> dict[str, Any]:
@@ -72,8 +126,10 @@ async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logpr
                 body["reasoning_content"] = delta.reasoning
             if delta.text:
                 body["content"] = delta.text
+            if delta.tool_calls:
+                body["tool_calls"] = _stream_tool_calls(delta.tool_calls)
             if not body and not delta.finished and not (logprobs and delta.samples):
-                continue  # bytes held back (partial character, stop-string prefix, skipped special)
+                continue  # bytes held back (partial character, stop-string or tag prefix, skipped special)
             yield chunk([{"index": delta.index, "delta": body,
                           "logprobs": _logprobs(front, [delta]) if logprobs else None,
                           "finish_reason": delta.finish_reason if delta.finished else None}])

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from v4serve.server.errors import ApiError
-from v4serve.server.framing import DONE, Chunker, error_event, sse, usage
+from v4serve.server.framing import DONE, Chunker, error_event, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import CompletionRequest
 from v4serve.server.text.output import Delta
@@ -24,7 +24,6 @@ MAX_CHOICES = 64  # prompts × n in one request
 
 async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) -> Response:
     front.check_model(body.model)
-    front.warn_extras(body)
     prompts = await _prompts(front, body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, f"at most {MAX_CHOICES} prompts × n per request", param="prompt")
@@ -36,8 +35,8 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     front.check(generations)
     created = int(time.time())
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunk = Chunker(rid, "text_completion", created, front.config.served_model_name, include_usage)
+        chunk = stream_chunker(rid, "text_completion", created, front.config.served_model_name, body.stream_options,
+                               lambda: [g.usage() for g in generations])
         return sse(_stream(front, chunk, generations, body))
     results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
     choices = []
@@ -72,14 +71,16 @@ def _choice(front: FrontEnd, index: int, generation: Generation, j: int, deltas:
     if body.logprobs is not None:
         entries = (list(generation.texts[j].prompt_logprobs or ()) if body.echo else []) + samples
         tokens = (prompt if body.echo else []) + [s.token for s in samples]
-        logprobs = _legacy_logprobs(front, tokens, entries)
+        logprobs, _ = _legacy_logprobs(front, tokens, entries)
     return {"index": index, "text": echoed + "".join(d.text for d in deltas), "logprobs": logprobs,
             "finish_reason": deltas[-1].finish_reason}
 
 
-def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any]) -> dict[str, Any]:
+def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], offset: int = 0
+                     ) -> tuple[dict[str, Any], int]:
+    """The completions API's logprobs for these tokens, text offsets counted from `offset`;
+    → (logprobs, the offset after them)."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
     for token, entry in zip(tokens, entries, strict=True):
         text = front.token_text(token)[0]
         out["tokens"].append(text)
@@ -91,7 +92,7 @@ def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any]) -> 
         else:
             out["token_logprobs"].append(entry.logprob)
             out["top_logprobs"].append({front.token_text(t)[0]: lp for t, lp in entry.top})
-    return out
+    return out, offset
 
 
 async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation],
@@ -110,13 +111,8 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
 
     tasks = [asyncio.ensure_future(pump(p, g)) for p, g in enumerate(generations)]
     open_prompts, failed = len(generations), False
+    offsets: dict[int, int] = {}  # per choice: text offset of its next logprob entry
     try:
-        if body.echo:
-            for p, generation in enumerate(generations):
-                text = front.tokenizer.decode(generation.requests[0].prompt_token_ids,
-                                              skip_special_tokens=body.skip_special_tokens)
-                for j in range(body.n):
-                    yield chunk([{"index": p * body.n + j, "text": text, "logprobs": None, "finish_reason": None}])
         while open_prompts:
             p, delta = await merged.get()
             if delta is None:
@@ -126,12 +122,18 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
                 yield error_event(delta.error)
                 failed = True
                 break
+            index = p * body.n + delta.index
+            if index not in offsets:  # a choice's first delta: its prompt's logprobs are known now
+                offsets[index] = 0
+                if body.echo:
+                    yield _echo_chunk(front, chunk, generations[p], delta.index, index, body, offsets)
             if not delta.text and not delta.finished and body.logprobs is None:
                 continue  # bytes held back (partial character or stop-string prefix)
             lp = None
             if body.logprobs is not None:
-                lp = _legacy_logprobs(front, [s.token for s in delta.samples], delta.samples)
-            yield chunk([{"index": p * body.n + delta.index, "text": delta.text, "logprobs": lp,
+                lp, offsets[index] = _legacy_logprobs(front, [s.token for s in delta.samples], delta.samples,
+                                                      offsets[index])
+            yield chunk([{"index": index, "text": delta.text, "logprobs": lp,
                           "finish_reason": delta.finish_reason if delta.finished else None}])
         if chunk.include_usage and not failed:
             yield chunk([], usage([g.usage() for g in generations]))
@@ -139,3 +141,14 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _echo_chunk(front: FrontEnd, chunk: Chunker, generation: Generation, j: int, index: int,
+                body: CompletionRequest, offsets: dict[int, int]) -> str:
+    """The prompt, echoed as a choice's first chunk (with its logprobs when asked for)."""
+    prompt = generation.requests[j].prompt_token_ids
+    text = front.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens)
+    lp = None
+    if body.logprobs is not None:
+        lp, offsets[index] = _legacy_logprobs(front, prompt, list(generation.texts[j].prompt_logprobs or ()))
+    return chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": None}])

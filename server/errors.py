@@ -26,6 +26,27 @@ class ErrorBody(BaseModel):
     code: str | None = None
 
 
+class ErrorResponse(BaseModel):
+    """What every error response carries (documented in /openapi.json for each status)."""
+
+    error: ErrorBody
+
+
+ERROR_STATUSES = {
+    400: "a bad request: invalid JSON or field, unknown parameter, prompt too long",
+    401: "missing or wrong API key (with --api-key)",
+    404: "unknown model or route",
+    413: "the request body is larger than --max-request-bytes",
+    500: "the generation failed (only this request)",
+    503: "the engine is dead, shutting down or overloaded (Retry-After says when to retry)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: the OpenAI error shape under each status it can answer with."""
+    return {status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses}
+
+
 def error_json(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": ErrorBody(message=message, type=type_, param=param, code=code).model_dump()}
@@ -79,9 +100,9 @@ def as_api_error(exc: Exception) -> ApiError:
                         code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDead):
         return ApiError(503, str(exc), "server_error", code="engine_dead")
-    if isinstance(exc, StarletteHTTPException):
+    if isinstance(exc, StarletteHTTPException):  # unknown route (404), wrong method (405, with Allow)
         type_ = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), type_)
+        return ApiError(exc.status_code, str(exc.detail), type_, headers=dict(exc.headers or {}) or None)
     raise TypeError(f"no OpenAI error for {type(exc).__name__}")
 
 

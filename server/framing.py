@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,21 +47,30 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 @dataclass(frozen=True)
 class Chunker:
-    """Builds one event per chunk of a streamed response; with include_usage every chunk carries
-    `usage` (null until the final, choice-less one)."""
+    """Builds one event per chunk of a streamed response. With include_usage every chunk carries
+    `usage`: null until the final, choice-less one, or (continuous_usage_stats) the usage so far."""
 
     response_id: str
     object: str  # "chat.completion.chunk" or "text_completion"
     created: int
     model: str
     include_usage: bool
+    usage_so_far: Callable[[], dict[str, Any]] | None = None  # set for continuous_usage_stats
 
     def __call__(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         payload: dict[str, Any] = {"id": self.response_id, "object": self.object, "created": self.created,
                                    "model": self.model, "choices": choices}
         if self.include_usage:
-            payload["usage"] = usage
+            payload["usage"] = usage if usage is not None or self.usage_so_far is None else self.usage_so_far()
         return event(payload)
+
+
+def stream_chunker(response_id: str, obj: str, created: int, model: str, options: Any,
+                   prompts: Callable[[], Sequence[PromptUsage]]) -> Chunker:
+    """The Chunker for a request's `stream_options` (include_usage, continuous_usage_stats)."""
+    include = bool(options and options.include_usage)
+    continuous = bool(include and options.continuous_usage_stats)
+    return Chunker(response_id, obj, created, model, include, (lambda: usage(prompts())) if continuous else None)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import Request
 
 from v4serve.engine.async_engine import AsyncEngine, TokenOutput
+from v4serve.engine.request import GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
-from v4serve.engine.request import SamplingParams
 from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
@@ -106,12 +106,6 @@ class FrontEnd:
         if name is not None and name != self.config.served_model_name:
             raise ApiError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
 
-    @staticmethod
-    def warn_extras(body: SamplingFields) -> None:
-        extra = sorted((body.model_extra or {}).keys())
-        if extra:
-            log.warning("ignoring unsupported request fields: %s", ", ".join(extra))
-
     def default_max_tokens(self, requested: int | None, prompt_len: int) -> int:
         if requested is not None:
             return requested
@@ -119,7 +113,7 @@ class FrontEnd:
 
     @staticmethod
     def sampling(body: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                 seed_offset: int = 0) -> SamplingParams:
+                 seed_offset: int = 0, grammar: GrammarSpec | None = None) -> SamplingParams:
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -128,18 +122,21 @@ class FrontEnd:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, grammar=grammar)
 
     @staticmethod
-    def output_options(body: SamplingFields, reasoning_end_token: int | None = None) -> OutputOptions:
+    def output_options(body: SamplingFields, reasoning_end_token: int | None = None, tool_calls: bool = False,
+                       parallel_tool_calls: bool = True) -> OutputOptions:
         return OutputOptions(stop=tuple(body.stop_list()), include_stop_str_in_output=body.include_stop_str_in_output,
-                             skip_special_tokens=body.skip_special_tokens, reasoning_end_token=reasoning_end_token)
+                             skip_special_tokens=body.skip_special_tokens, reasoning_end_token=reasoning_end_token,
+                             min_tokens=body.min_tokens, tool_calls=tool_calls, parallel_tool_calls=parallel_tool_calls)
 
     def generation(self, request_id: str, prompt: list[int], body: SamplingFields, max_tokens: int,
-                   logprobs: int | None, options: OutputOptions, prompt_logprobs: int | None = None) -> Generation:
+                   logprobs: int | None, options: OutputOptions, prompt_logprobs: int | None = None,
+                   grammar: GrammarSpec | None = None) -> Generation:
         """The n choices of one prompt (not yet submitted)."""
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
-                                  self.sampling(body, max_tokens, logprobs, prompt_logprobs, seed_offset=i),
+                                  self.sampling(body, max_tokens, logprobs, prompt_logprobs, i, grammar),
                                   cache_salt=body.cache_salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options)
 

@@ -6,21 +6,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+CHAT_TEMPLATE_KWARGS = frozenset({"thinking", "enable_thinking"})
 MAX_STOPS = 16
 # The detokenizer holds back every prefix of every stop string: this bounds what one request costs.
 MAX_STOP_CHARS = 256
 
 
+IGNORED = "x-v4serve-ignored"  # schema marker of fields accepted for compatibility and ignored
+
+
+def ignored(reason: str, default: Any = None) -> Any:
+    """A field accepted for compatibility and ignored; the README's list gives the same reason."""
+    return Field(default, description=f"Accepted and ignored: {reason}", json_schema_extra={IGNORED: reason})
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are accepted and logged, as clients and
-    benchmark tools send extras."""
+    """Fields shared by both endpoints. Nothing is silently dropped: a field is honoured, listed as
+    accepted-and-ignored (with the reason, also in the README), or a 400."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -37,12 +48,13 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     cache_salt: str | None = None
+    user: str | None = ignored("an end-user id for the provider's abuse monitoring; v4serve keeps no such records")
 
     @field_validator("stop")
     @classmethod
@@ -77,14 +89,19 @@ class SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-    name: str | None = None
+    name: str | None = ignored("DeepSeek-V4's prompt format has no participant names")
+    # What the SDK sends back when a reply's message object is appended to the conversation:
+    refusal: str | None = ignored("a reply field, sent back with earlier assistant messages")
+    annotations: list[Any] | None = ignored("a reply field, sent back with earlier assistant messages")
+    audio: None = ignored("a reply field; only null is accepted (no audio)")
+    function_call: None = ignored("the deprecated form of tool_calls; only null is accepted")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -94,16 +111,35 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = ignored('text is the only output; anything but ["text"] is a 400')
+    metadata: dict[str, str] | None = ignored("for stored completions; v4serve stores none")
+    store: bool | None = ignored("v4serve stores no completions")
+    service_tier: str | None = ignored("v4serve has one service tier")
+    prompt_cache_key: str | None = ignored("a cache-routing hint; v4serve's prefix cache needs none "
+                                           "(use cache_salt to separate tenants)")
+    safety_identifier: str | None = ignored("an end-user id for the provider's abuse monitoring")
+    prediction: dict[str, Any] | None = ignored("predicted outputs only speed generation up; "
+                                                "outputs are the same without them")
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        unknown = sorted(set(v or {}) - CHAT_TEMPLATE_KWARGS)
+        if unknown:  # DeepSeek-V4 has no Jinja template: only these switches mean anything
+            raise ValueError(f"unsupported chat_template_kwargs {unknown}; supported: {sorted(CHAT_TEMPLATE_KWARGS)}")
+        return v
 
     def thinking_mode(self) -> bool:
         if self.thinking is not None:
@@ -138,6 +174,8 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -151,5 +189,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: str | None = None
     tokens: list[int]

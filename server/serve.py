@@ -96,7 +96,7 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     return load_model(folder, device=device, dtype=dtype), load_tokenizer(folder)
 
 
-def engine_config(cfg: ServeConfig, model: DeepseekV4) -> EngineConfig:
+def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer: Tokenizer) -> EngineConfig:
     block = model.cfg.block_size
     max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
     interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
@@ -105,7 +105,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4) -> EngineConfig:
     if store_dir is not None and cfg.model != "tiny":  # the files' bytes, cached beside the store
         digest = checkpoint_digest(cfg.model, Path(store_dir) / "weights-digests.json")
     return EngineConfig(kv_store_dir=store_dir, kv_store_max_bytes=cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES,
-                        weights_digest=digest,
+                        weights_digest=digest, tokenizer_json=tokenizer.vocabulary_json(),
                         max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
@@ -114,7 +114,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4) -> EngineConfig:
 
 def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     model, tokenizer = load(cfg)
-    econf = engine_config(cfg, model)
+    econf = engine_config(cfg, model, tokenizer)
     engine = LLMEngine(model, econf, eos_token_id=tokenizer.eos_token_id)
     async_engine = AsyncEngine(engine)
     metrics = Metrics(cfg.model_name, lambda: async_engine.stats)

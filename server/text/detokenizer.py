@@ -34,8 +34,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # Stop strings only count in text that comes after the first `min_tokens` tokens.
+        self._unstoppable = min_tokens
         self._skip_special_tokens = skip_special_tokens
         self._include_stop = include_stop_str_in_output
         self._stops = _normalise_stops(stop)
@@ -75,6 +78,9 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         raw = self._tokenizer.token_bytes(token_id, skip_special_tokens=self._skip_special_tokens)
+        if self._unstoppable > 0:
+            self._unstoppable -= 1
+            return self._emit(self._utf8.decode(raw))
         return self._advance(self._utf8.decode(raw), final=False)
 
     def flush(self) -> str:

@@ -13,6 +13,7 @@ from v4serve.engine.async_engine import TokenOutput
 from v4serve.engine.sampler import Sample
 from v4serve.server.text.detokenizer import IncrementalDetokenizer
 from v4serve.server.text.tokenizer import Tokenizer
+from v4serve.server.text.tool_calls import ToolCallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class OutputOptions:
     skip_special_tokens: bool = True
     # Thinking mode: tokens before `</think>` are reasoning, the rest content.
     reasoning_end_token: int | None = None
+    min_tokens: int = 0  # no stop string matches within the first this many tokens
+    tool_calls: bool = False  # parse DSML tool calls out of the content
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Delta:
     reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
@@ -42,11 +47,13 @@ class ChoiceText:
     def __init__(self, tokenizer: Tokenizer, options: OutputOptions) -> None:
         def detok(stop: tuple[str, ...]) -> IncrementalDetokenizer:
             return IncrementalDetokenizer(tokenizer, skip_special_tokens=options.skip_special_tokens, stop=stop,
-                                          include_stop_str_in_output=options.include_stop_str_in_output)
+                                          include_stop_str_in_output=options.include_stop_str_in_output,
+                                          min_tokens=options.min_tokens)
 
         self.options = options
         self.content = detok(options.stop)
         self.reasoning = detok(()) if options.reasoning_end_token is not None else None
+        self.tools = ToolCallParser(options.parallel_tool_calls) if options.tool_calls else None
         self.num_tokens = 0  # tokens of this choice's completion (up to a stop string, if one matched)
         self.num_cached_tokens = 0
         self.prompt_logprobs: tuple | None = None
@@ -68,6 +75,8 @@ class ChoiceText:
             self._flush(delta)
             self.finished = delta.finished = True
             delta.finish_reason = "stop" if self.content.stopped else out.finish_reason
+            if delta.finish_reason == "stop" and self.tools is not None and self.tools.calls:
+                delta.finish_reason = "tool_calls"
         return delta
 
     def _route(self, token: int, delta: Delta) -> None:
@@ -78,10 +87,20 @@ class ChoiceText:
         if self.reasoning is not None:
             delta.reasoning += self.reasoning.push(token)
         else:
-            delta.text += self.content.push(token)
+            self._content(delta, self.content.push(token))
+
+    def _content(self, delta: Delta, text: str, final: bool = False) -> None:
+        if self.tools is None:
+            delta.text += text
+            return
+        content, calls = self.tools.push(text)
+        if final:
+            more, last = self.tools.finish()
+            content, calls = content + more, calls + last
+        delta.text += content
+        delta.tool_calls += calls
 
     def _flush(self, delta: Delta) -> None:
         if self.reasoning is not None:
             delta.reasoning += self.reasoning.flush()
-        if not self.content.stopped:
-            delta.text += self.content.flush()
+        self._content(delta, "" if self.content.stopped else self.content.flush(), final=True)

@@ -66,6 +66,9 @@ def _byte_special_tokens() -> tuple[str, ...]:
 
 
 BYTE_SPECIAL_TOKENS: tuple[str, ...] = _byte_special_tokens()
+# As in DeepSeek-V4's own vocabulary, `｜DSML｜` is an added token but not a special one: it is text
+# (tool-call markup), kept when special tokens are skipped and treated as text by grammars.
+BYTE_SPECIAL_IDS: frozenset[int] = frozenset(range(NUM_SPECIAL_TOKENS)) - {BYTE_SPECIAL_TOKENS.index(DSML)}
 
 
 @runtime_checkable
@@ -93,6 +96,10 @@ class Tokenizer(Protocol):
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes: ...
 
+    def vocabulary_json(self) -> str:
+        """The vocabulary as a tokenizer.json document (what grammar engines build their masks from)."""
+        ...
+
 
 def _special_pattern(tokens: Sequence[str]) -> re.Pattern[str]:
     # Longest first so that, at a given position, the longest special wins, which is how the
@@ -111,7 +118,7 @@ class ByteTokenizer:
 
     def __init__(self) -> None:
         self.special_tokens: tuple[str, ...] = BYTE_SPECIAL_TOKENS
-        self.special_token_ids: frozenset[int] = frozenset(range(NUM_SPECIAL_TOKENS))
+        self.special_token_ids: frozenset[int] = BYTE_SPECIAL_IDS
         self._special_to_id = {tok: i for i, tok in enumerate(self.special_tokens)}
         self._special_re = _special_pattern(self.special_tokens)
         self._special_bytes = [tok.encode("utf-8") for tok in self.special_tokens]
@@ -133,12 +140,15 @@ class ByteTokenizer:
     def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
         if BYTE_OFFSET <= token_id < BYTE_VOCAB_SIZE:
             return bytes((token_id - BYTE_OFFSET,))
-        if 0 <= token_id < NUM_SPECIAL_TOKENS and not skip_special_tokens:
+        if 0 <= token_id < NUM_SPECIAL_TOKENS and not (skip_special_tokens and token_id in self.special_token_ids):
             return self._special_bytes[token_id]
         return b""
 
     def token_to_id(self, token: str) -> int | None:
         return self._special_to_id.get(token)
+
+    def vocabulary_json(self) -> str:
+        return _build_byte_backend().to_str()
 
 
 def _text_to_byte_ids(text: str) -> list[int]:
@@ -172,7 +182,9 @@ def _build_byte_backend() -> _HFBackend:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     # The specials already have ids in the model vocabulary, so registering them reuses those ids.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for i, t in enumerate(BYTE_SPECIAL_TOKENS) if i in BYTE_SPECIAL_IDS])
+    backend.add_tokens([AddedToken(DSML, special=False, normalized=False)])
     return backend
 
 
@@ -230,6 +242,9 @@ class HFTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def vocabulary_json(self) -> str:
+        return self._backend.to_str()
 
     def _compute_token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added_bytes:

@@ -1,0 +1,97 @@
+"""Constrained decoding: a request's grammar as a token mask in the sampler.
+
+The front end turns `response_format` and forced tool calls into a `GrammarSpec` (a JSON schema or a
+Lark grammar, text either way: it crosses the engine boundary like token ids). `Grammars` compiles
+specs with llguidance against the model's vocabulary (its tokenizer.json, as data: the engine never
+tokenizes), keeps each compiled grammar once, and gives every request its own matcher. A request
+without a grammar pays nothing.
+
+llguidance over xgrammar, measured side by side on this vocabulary: it has no dependencies
+(xgrammar imports transformers and pulls triton), compiles a schema in about 1 ms, reports
+unsupported schema keywords instead of ignoring them (xgrammar silently drops `not` and
+`uniqueItems`), and treats control tokens right out of the box; its masks (≈20 µs a token, 0.4 ms to
+apply on a 129K vocabulary) are small next to a forward pass.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import llguidance
+import llguidance.numpy as llg_np
+import torch
+
+from v4serve.engine.request import GrammarSpec, RequestError
+
+
+class Grammars:
+    """Compiled grammars for one vocabulary; safe to use from the engine and the asyncio side."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        self._compiled: dict[tuple[str, str], llguidance.LLMatcher] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0  # cache misses, for tests and the benchmark
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Compile now (or find it compiled): an invalid or unsupported grammar is a 400 before any
+        response byte is sent."""
+        self._template(spec)
+
+    def matcher(self, spec: GrammarSpec) -> RequestGrammar:
+        return RequestGrammar(self._template(spec).deep_copy(), spec.after_token, self.vocab_size)
+
+    def _template(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        key = (spec.kind, spec.text)
+        with self._lock:
+            template = self._compiled.get(key)
+        if template is not None:
+            return template
+        if spec.kind == "json_schema":
+            # Compact JSON: no free whitespace, so a weak model cannot pad until max_tokens.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides={"whitespace_flexible": False})
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise RequestError(f"{spec.param}: the grammar engine cannot use this: {template.get_error()}",
+                               param=spec.param)
+        with self._lock:
+            self.compiles += 1
+            self._compiled.setdefault(key, template)
+        return template
+
+
+class RequestGrammar:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, after_token: int | None, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._after_token = after_token
+        self._bitmask = llg_np.allocate_token_bitmask(1, vocab_size)
+
+    @property
+    def active(self) -> bool:
+        return self._after_token is None
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended (its EOS was accepted): the request is complete."""
+        return self.active and self._matcher.is_stopped()
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set every token the grammar does not allow next to −inf (logits: one fp32 CPU row)."""
+        if not self.active:
+            return
+        llg_np.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        row = logits.numpy()[None, :]
+        llg_np.apply_token_bitmask_inplace(row, self._bitmask)
+
+    def accept(self, token: int) -> None:
+        if not self.active:
+            if token == self._after_token:
+                self._after_token = None
+            return
+        if not self._matcher.consume_token(token):
+            raise RequestError(f"token {token} is not allowed by the grammar: {self._matcher.get_error()}")

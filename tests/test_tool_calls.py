@@ -1,0 +1,102 @@
+"""The DSML tool-call parser on strings written from DeepSeek-V4's documented format (spelled out
+here, not produced by the code under test), whole and split at every possible point."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from v4serve.server.text.tool_calls import ToolCallDelta, ToolCallParser
+
+D = "\uff5cDSML\uff5c"  # ｜DSML｜
+
+
+def block(*invokes: str) -> str:
+    return f"\n\n<{D}tool_calls>\n" + "\n".join(invokes) + f"\n</{D}tool_calls>"
+
+
+def invoke(name: str, *params: tuple[str, bool, str]) -> str:
+    body = "\n".join(f'<{D}parameter name="{p}" string="{"true" if s else "false"}">{v}</{D}parameter>'
+                     for p, s, v in params)
+    return f'<{D}invoke name="{name}">\n{body}\n</{D}invoke>'
+
+
+def parse(text: str, pieces: list[str] | None = None, parallel: bool = True) -> tuple[str, list[dict], ToolCallParser]:
+    parser = ToolCallParser(parallel)
+    content, deltas = "", []
+    for piece in pieces if pieces is not None else [text]:
+        c, d = parser.push(piece)
+        content, deltas = content + c, deltas + d
+    c, d = parser.finish()
+    return content + c, assemble(content + c, deltas + d), parser
+
+
+def assemble(_: str, deltas: list[ToolCallDelta]) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": d.id, "name": d.name, "arguments": ""})
+        call["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def splits(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+CASES = {
+    "one call": (block(invoke("get_weather", ("city", True, "Paris"), ("days", False, "3"))), "",
+                 [("get_weather", {"city": "Paris", "days": 3})]),
+    "text before a call": ("Let me check." + block(invoke("lookup", ("q", True, "x"))), "Let me check.",
+                           [("lookup", {"q": "x"})]),
+    "parallel calls": (block(invoke("a", ("n", False, "1")), invoke("b", ("n", False, "2")), invoke("c")), "",
+                       [("a", {"n": 1}), ("b", {"n": 2}), ("c", {})]),
+    "nested JSON and escaped quotes": (
+        block(invoke("f", ("cfg", False, '{"a":[1,{"b":"x\\"y"}],"c":null}'), ("s", True, 'say "hi" \\ <tag>\n2'))),
+        "", [("f", {"cfg": {"a": [1, {"b": 'x"y'}], "c": None}, "s": 'say "hi" \\ <tag>\n2'})]),
+    "unicode and markup-like text": (block(invoke("f", ("s", True, "Zürich 北京 </not-a-tag>"))), "",
+                                     [("f", {"s": "Zürich 北京 </not-a-tag>"})]),
+    "no call at all": ("plain text with a < and ｜ in it\n\n", "plain text with a < and ｜ in it\n\n", []),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_calls_and_content_whole_and_split(case: str) -> None:
+    text, want_content, want_calls = CASES[case]
+    rng = random.Random(case)
+    for pieces in [None, list(text), *(splits(text, rng) for _ in range(30))]:
+        content, calls, parser = parse(text, pieces)
+        assert content == want_content, pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want_calls
+        assert all(c["id"] and c["id"].startswith("call_") for c in calls)
+        assert parser.truncated_text is None and D not in content
+
+
+def test_arguments_are_the_same_string_however_the_text_arrives() -> None:
+    text = CASES["nested JSON and escaped quotes"][0]
+    whole = parse(text)[1][0]["arguments"]
+    rng = random.Random(3)
+    assert all(parse(text, splits(text, rng))[1][0]["arguments"] == whole for _ in range(50))
+
+
+def test_a_call_cut_off_by_max_tokens_is_left_as_text() -> None:
+    full = "Checking." + block(invoke("get_weather", ("city", True, "Paris"), ("days", False, "3")))
+    opened = len("Checking.") + len(f"\n\n<{D}tool_calls>")
+    for cut in (opened, opened + 7, len(full) // 2, len(full) - 3):
+        content, _, parser = parse(full[:cut])
+        assert content == "Checking."
+        assert parser.truncated_text == full[len("Checking."):cut]  # the caller appends it to the content
+
+
+def test_only_the_first_call_without_parallel_calls() -> None:
+    text = block(invoke("a", ("n", False, "1")), invoke("b", ("n", False, "2")))
+    _, calls, _ = parse(text, parallel=False)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("a", {"n": 1})]
+
+
+def test_markup_that_is_not_a_block_is_content() -> None:
+    text = f"see <{D}tool_calls> here"  # the tag, then no invoke: not a call after all
+    content, calls, _ = parse(text)
+    assert calls == [] and content == text
