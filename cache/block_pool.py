@@ -1,12 +1,15 @@
-"""The Block Cache's bookkeeping: block ids, refcounts, sealing, the hash chain and LRU eviction.
+"""The Block Cache's bookkeeping: block ids, refcounts, sealing, the hash chain and eviction.
 
 Plain Python, no torch. A block is either
 - free: refcount 0, no hash; reused first;
-- cached: refcount 0 with a hash; findable by prefix lookups until evicted (LRU order);
+- cached: refcount 0 with a hash; findable by prefix lookups until evicted;
 - in use: refcount > 0 (private while being filled, or sealed and possibly shared).
 Free and cached blocks share one queue: unhashed ones at the front, cached ones appended as they
-are released, so allocation takes plain free blocks first and then evicts the least recently
-used cached block. A block in use is never in the queue, so it can never be evicted.
+are released, so allocation takes plain free blocks first and then evicts cached blocks, least
+recently used first, but leaves before the blocks they hang off: a cached block that other
+findable blocks continue (a shared head: a system prompt, a conversation's early turns) goes only
+once nothing continues it, so losing one block never makes a long prefix unmatchable from the
+middle. A block in use is never in the queue, so it can never be evicted.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+    parent_hash: bytes | None = None  # the hash of the block this one continues (None: the first)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -66,6 +70,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self._children: dict[bytes, int] = {}  # findable blocks continuing each hash
         self.evictions = 0
 
     # ---- queries --------------------------------------------------------------------------
@@ -105,7 +110,7 @@ class BlockPool:
             raise NoFreeBlocks(f"need {n} blocks, {len(self._queue)} free")
         out = []
         for _ in range(n):
-            block_id, _ = self._queue.popitem(last=False)
+            block_id = self._next_victim()
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._forget(block)
@@ -113,6 +118,14 @@ class BlockPool:
             block.ref_count = 1
             out.append(block_id)
         return out
+
+    def _next_victim(self) -> int:
+        """Leave the queue: the first free block, else the least recently used cached leaf (a block
+        nothing continues), else (only heads left, their children in use) the least recently used."""
+        victim = next((i for i in self._queue if not self._children.get(self.blocks[i].block_hash or b"")),
+                      next(iter(self._queue)))
+        del self._queue[victim]
+        return victim
 
     def take(self, block_ids: Iterable[int]) -> None:
         """Add a reference to cached blocks (a prefix hit); they leave the eviction queue."""
@@ -137,10 +150,10 @@ class BlockPool:
                 if block.block_hash is None:
                     self._queue.move_to_end(block_id, last=False)
 
-    def seal(self, block_id: int, block_hash: bytes) -> bool:
-        """Mark a full private block shareable under its chain hash. If another block already
-        holds that hash (two requests computed the same prefix), this one stays unshared and is
-        recycled when released. Returns whether the block became findable."""
+    def seal(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None) -> bool:
+        """Mark a full private block shareable under its chain hash (continuing `parent_hash`). If
+        another block already holds that hash (two requests computed the same prefix), this one
+        stays unshared and is recycled when released. Returns whether the block became findable."""
         block = self.blocks[block_id]
         if block.ref_count <= 0:
             raise ValueError(f"block {block_id} is not in use")
@@ -148,8 +161,10 @@ class BlockPool:
             return block.block_hash == block_hash
         if block_hash in self._by_hash:
             return False
-        block.block_hash = block_hash
+        block.block_hash, block.parent_hash = block_hash, parent_hash
         self._by_hash[block_hash] = block_id
+        if parent_hash is not None:
+            self._children[parent_hash] = self._children.get(parent_hash, 0) + 1
         return True
 
     def reset(self) -> int:
@@ -167,7 +182,13 @@ class BlockPool:
         assert block.block_hash is not None
         if self._by_hash.get(block.block_hash) == block.block_id:
             del self._by_hash[block.block_hash]
-        block.block_hash = None
+            if block.parent_hash is not None:
+                left = self._children[block.parent_hash] - 1
+                if left:
+                    self._children[block.parent_hash] = left
+                else:
+                    del self._children[block.parent_hash]
+        block.block_hash = block.parent_hash = None
 
     # ---- invariants -----------------------------------------------------------------------
     def check_integrity(self, tables: Iterable[Sequence[int]] | None = None) -> None:
@@ -184,6 +205,12 @@ class BlockPool:
             assert block.ref_count >= 0, block
         for h, block_id in self._by_hash.items():
             assert self.blocks[block_id].block_hash == h, (block_id, h)
+        children: dict[bytes, int] = {}
+        for block_id in self._by_hash.values():
+            parent = self.blocks[block_id].parent_hash
+            if parent is not None:
+                children[parent] = children.get(parent, 0) + 1
+        assert children == self._children, (children, self._children)
         if tables is not None:
             counts = [0] * self.num_blocks
             for table in tables:

@@ -20,13 +20,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from v4serve.cache.block_pool import BlockPool, NoFreeBlocks, TokenSlice, block_hashes, extend_chain, root_hash
+from v4serve.cache.block_pool import (
+    BlockPool,
+    NoFreeBlocks,
+    TokenSlice,
+    block_hashes,
+    chain_hash,
+    extend_chain,
+    root_hash,
+)
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
 from v4serve.cache.ssd_store import SSDStore, StoreStats
-from v4serve.cache.state_cache import StateCache
+from v4serve.cache.state_cache import ResponseEnd, StateCache
 
 
 class DeviceAccess(PayloadCodec, Protocol):
@@ -77,17 +85,36 @@ class KVCacheManager:
         extend_chain(kv.block_hashes, kv.root, tokens, num_tokens, self.config.block_size)
 
     # ---- admission -------------------------------------------------------------------------------
-    def plan_prefix(self, kv: RequestKV, num_tokens: int, reuse: bool = True) -> PrefixPlan:
+    def plan_prefix(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice, reuse: bool = True) -> PrefixPlan:
         """The request's start: the cached blocks it can take and where computation resumes. Kept
-        on the handle (its frozen/window bounds shape the first chunk)."""
+        on the handle (its frozen/window bounds shape the first chunk). An end-of-response snapshot
+        continuing the hit (a follow-up turn) resumes exactly where that response ended."""
         kv.plan = NO_HIT
-        if reuse and self.config.enable_prefix_caching:
-            hit = self.pool.longest_prefix(self._reusable(kv, num_tokens))
-            if hit:
-                resume, key = self.state.restore_point(kv.block_hashes, len(hit))
-                kv.plan = PrefixPlan(hit_blocks=tuple(hit), hit_tokens=len(hit) * self.config.block_size,
-                                     resume_from=resume, snapshot_key=key)
+        if not reuse or not self.config.enable_prefix_caching:
+            return kv.plan
+        hit = self.pool.longest_prefix(self._reusable(kv, num_tokens))
+        hit_end = len(hit) * self.config.block_size
+        # A tail stays inside the block after the hit, and the last known token is always computed.
+        following_end = min(hit_end + self.config.block_size, num_tokens) - 1
+        response = self._find_response(kv, len(hit), tokens(hit_end, following_end) if hit_end < following_end else [])
+        if response is not None:
+            key, tail = response
+            kv.plan = PrefixPlan(tuple(hit), hit_end + tail, hit_end + tail, None, response_key=key)
+        elif hit:
+            resume, key = self.state.restore_point(kv.block_hashes, len(hit))
+            kv.plan = PrefixPlan(tuple(hit), hit_end, resume, key)
         return kv.plan
+
+    def _find_response(self, kv: RequestKV, hit_blocks: int, following: Sequence[int]) -> tuple[bytes, int] | None:
+        if self.config.swa_cache_mode == "zero" or not following:
+            return None
+        parent = kv.block_hashes[hit_blocks - 1] if hit_blocks else kv.root
+        key = self.state.find_response(parent, following)
+        if key is None:
+            return None
+        response = self.state.snapshots.get(key)
+        assert isinstance(response, ResponseEnd)
+        return key, len(response.tail)
 
     def chunk_size(self, kv: RequestKV, start: int, n: int, prompt_len: int) -> int:
         """Shorten a chunk of n tokens from `start` so it ends on the next snapshot point (the state
@@ -111,7 +138,13 @@ class KVCacheManager:
         self.pool.take(plan.hit_blocks)
         kv.block_table = list(plan.hit_blocks) + self.pool.allocate(need)
         kv.num_sealed = len(plan.hit_blocks)
-        if plan.snapshot_key is not None:
+        if plan.response_key is not None:  # the open block's entries into a fresh private block, then the state
+            response = self.state.snapshots.get(plan.response_key)
+            assert isinstance(response, ResponseEnd)
+            open_block = kv.block_table[len(plan.hit_blocks)]
+            self.device.install_blocks([open_block], self.device.stack_block_payloads([memoryview(response.block)]))
+            self.device.write_slot(kv.slot, response.state)
+        elif plan.snapshot_key is not None:
             state = self.state.snapshots.get(plan.snapshot_key)
             assert state is not None
             self.device.write_slot(kv.slot, state)
@@ -137,13 +170,34 @@ class KVCacheManager:
         b = self.config.block_size
         full = min(num_computed // b, len(kv.block_hashes))
         for i in range(kv.num_sealed, full):
-            self.pool.seal(kv.block_table[i], kv.block_hashes[i])
+            self.pool.seal(kv.block_table[i], kv.block_hashes[i], kv.block_hashes[i - 1] if i else None)
             if self._store_writing():
                 self.store.put(KIND_BLOCK, kv.block_hashes[i], tokens(i * b, (i + 1) * b),
                                self.device.block_payload(kv.block_table[i]))
         kv.num_sealed = max(kv.num_sealed, full)
         if kv.state_exact_at(num_computed) and self.state.is_snapshot_point(num_computed, prompt_len):
             self._save_snapshot(kv, kv.block_hashes[num_computed // b - 1], tokens(num_computed - b, num_computed))
+
+    def save_response_end(self, kv: RequestKV, num_computed: int, tokens: TokenSlice) -> None:
+        """A response has finished: keep the slot at its exact last computed position, with its open
+        block's entries, so the next turn of the conversation resumes right there (all modes that
+        snapshot; never for an aborted or failed request, whose state may be half made)."""
+        cfg, b = self.config, self.config.block_size
+        if (not cfg.enable_prefix_caching or cfg.swa_cache_mode == "zero" or kv.slot is None or not num_computed
+                or not kv.state_exact_at(num_computed)):
+            return
+        sealed = num_computed // b
+        if num_computed % b == 0:  # at a block boundary it is an ordinary sealed snapshot
+            self._save_snapshot(kv, kv.block_hashes[sealed - 1], tokens(num_computed - b, num_computed))
+            return
+        parent = kv.block_hashes[sealed - 1] if sealed else kv.root
+        tail = tuple(tokens(sealed * b, num_computed))
+        key = chain_hash(parent, tail)
+        if key in self.state.snapshots:
+            return
+        block = b"".join(self.device.block_payload(kv.block_table[sealed]))
+        response = ResponseEnd(parent, tail, self.device.read_slot(kv.slot), block)
+        self.state.put_response(key, response, self.device.slot_nbytes() + len(block))
 
     def _save_snapshot(self, kv: RequestKV, key: bytes, last_block_tokens: Sequence[int]) -> None:
         if key in self.state.snapshots:
@@ -191,8 +245,9 @@ class KVCacheManager:
             ids = self.pool.allocate(n)
             if n:
                 self.device.install_blocks(ids, load.stacked)
-            for block_id, h in zip(ids, load.hashes, strict=False):
-                self.pool.seal(block_id, h)
+            for j, (block_id, h) in enumerate(zip(ids, load.hashes, strict=False)):
+                parent = hashes[load.first + j - 1] if load.first + j else None
+                self.pool.seal(block_id, h, parent)
             self.pool.release(reversed(ids))
         finally:
             self.pool.release(reversed(device_hit))

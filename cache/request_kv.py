@@ -13,9 +13,11 @@ class PrefixPlan:
     """How a request starts: which cached blocks it takes and where computation resumes."""
 
     hit_blocks: tuple[int, ...]  # cached block ids to take, in order
-    hit_tokens: int  # H: tokens whose compressed entries come from the cache
+    hit_tokens: int  # tokens whose compressed entries come from the cache (blocks, plus a response's tail)
     resume_from: int  # where computation resumes
-    snapshot_key: bytes | None  # snapshot restoring the slot at `resume_from`, if any
+    snapshot_key: bytes | None  # sealed snapshot restoring the slot at `resume_from`, if any
+    # An end-of-response snapshot: the slot at `resume_from`, inside a block, with that block's entries.
+    response_key: bytes | None = None
 
     @property
     def recompute_tokens(self) -> int:
@@ -24,7 +26,20 @@ class PrefixPlan:
     @property
     def window_from(self) -> int:
         """Window KV below this position is absent (zero-mode recompute starts empty)."""
-        return 0 if self.snapshot_key is not None else self.resume_from
+        return 0 if self.snapshot_key is not None or self.response_key is not None else self.resume_from
+
+    @property
+    def restore_point(self) -> str | None:
+        """How the slot's state was restored: at the hit's end from a sealed snapshot ("block"), from
+        an earlier one then recomputing ("snapshot"), from an end-of-response snapshot, or rebuilt
+        from nothing ("recompute"); None without a hit."""
+        if not self.hit_tokens:
+            return None
+        if self.response_key is not None:
+            return "response_end"
+        if self.snapshot_key is not None:
+            return "block" if self.resume_from == self.hit_tokens else "snapshot"
+        return "recompute"
 
 
 NO_HIT = PrefixPlan(hit_blocks=(), hit_tokens=0, resume_from=0, snapshot_key=None)

@@ -18,7 +18,8 @@ tensors sit in `device_kv.DeviceKV`, indexed by slot.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from v4serve.cache.config import CacheConfig
@@ -62,13 +63,14 @@ class SlotAllocator:
 
 
 class HostSnapshots(Generic[V]):
-    """Bounded LRU over byte sizes."""
+    """Bounded LRU over byte sizes; `on_evict(key, value)` hears of every entry that leaves."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, on_evict: Callable[[bytes, V], None] | None = None) -> None:
         self.max_bytes = max_bytes
         self.used_bytes = 0
         self._items: OrderedDict[bytes, tuple[V, int]] = OrderedDict()
         self.evictions = 0
+        self._on_evict = on_evict
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._items
@@ -84,9 +86,11 @@ class HostSnapshots(Generic[V]):
             self._items.move_to_end(key)
             return True
         while self.used_bytes + nbytes > self.max_bytes:
-            _, (_, size) = self._items.popitem(last=False)
+            old, (value, size) = self._items.popitem(last=False)
             self.used_bytes -= size
             self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(old, value)
         self._items[key] = (value, nbytes)
         self.used_bytes += nbytes
         return True
@@ -99,15 +103,32 @@ class HostSnapshots(Generic[V]):
         return item[0]
 
     def clear(self) -> None:
+        if self._on_evict is not None:
+            for key, (value, _) in self._items.items():
+                self._on_evict(key, value)
         self._items.clear()
         self.used_bytes = 0
+
+
+@dataclass(frozen=True)
+class ResponseEnd:
+    """A request's slot state where its response ended, inside a block: what resuming there needs
+    besides the sealed blocks before it (the open block's entries, and the tokens it covers)."""
+
+    parent: bytes  # the chain hash of the last sealed block before it (or the chain's root)
+    tail: tuple[int, ...]  # tokens from that block boundary to where the response ended
+    state: object  # the slot state (host tensors)
+    block: bytes  # the open block's entries, every layer (as DeviceKV lays a block out)
 
 
 class StateCache:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self.slots = SlotAllocator(config.num_slots)
-        self.snapshots: HostSnapshots[object] = HostSnapshots(config.snapshot_bytes)
+        # Sealed-boundary snapshots and end-of-response snapshots share one byte budget (LRU: a
+        # conversation's newest turn end is its most recently used, so older ones go first).
+        self.snapshots: HostSnapshots[object] = HostSnapshots(config.snapshot_bytes, self._forget_response)
+        self._responses: dict[bytes, dict[tuple[int, ...], bytes]] = {}  # parent → {tail: key}
 
     # ---- restoring after a hit ----------------------------------------------------------------
     def restore_candidates(self, hit_blocks: int) -> Iterator[int]:
@@ -149,6 +170,27 @@ class StateCache:
             if self.is_snapshot_point(p, prompt_len):
                 return p
         return None
+
+    # ---- end-of-response snapshots ---------------------------------------------------------------
+    def put_response(self, key: bytes, response: ResponseEnd, nbytes: int) -> None:
+        if self.snapshots.put(key, response, nbytes):
+            self._responses.setdefault(response.parent, {})[response.tail] = key
+
+    def find_response(self, parent: bytes, following: Sequence[int]) -> bytes | None:
+        """The end-of-response snapshot continuing `parent` with the longest tail that `following`
+        (the tokens after that boundary) starts with."""
+        best, found = 0, None
+        for tail, key in self._responses.get(parent, {}).items():
+            if best < len(tail) <= len(following) and tuple(following[:len(tail)]) == tail:
+                best, found = len(tail), key
+        return found
+
+    def _forget_response(self, key: bytes, value: object) -> None:
+        if isinstance(value, ResponseEnd):
+            tails = self._responses.get(value.parent, {})
+            tails.pop(value.tail, None)
+            if not tails:
+                self._responses.pop(value.parent, None)
 
     def check_integrity(self) -> None:
         self.slots.check_integrity()

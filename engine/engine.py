@@ -298,6 +298,7 @@ class LLMEngine:
             state_cache_usage=cache.state_cache_usage, block_cache_usage=cache.block_cache_usage,
             prefix_queries=s.prefix_queries, prefix_hits_device=s.prefix_hits, prefix_hits_disk=s.prefix_hits_disk,
             recomputed_tokens=s.recomputed, preemptions=s.preemptions, evictions=cache.evictions,
+            restores=MappingProxyType(dict(s.restores)),
             store_read_bytes=io.bytes_read if io else 0, store_written_bytes=io.bytes_written if io else 0,
             store_usage_bytes=cache.store_usage_bytes, store_quarantine_files=cache.store_quarantine_files,
             store_errors=MappingProxyType(dict(io.errors) if io else {}),

@@ -11,7 +11,7 @@ tokens already computed; a preempted request goes back to the queue and resumes 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ class SchedulerStats:
     prefix_hits_disk: int = 0  # prompt tokens whose entries were read from the SSD store
     recomputed: int = 0  # tokens recomputed to rebuild window state after hits
     preemptions: int = 0
+    restores: Counter = field(default_factory=Counter)  # how hits restored the window state, by point
     load_seconds: Histogram = field(default_factory=Histogram.for_store_reads)  # per-request store reads
 
 
@@ -68,7 +69,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Leave the queues and give back the slot and blocks at once."""
+        """Leave the queues and give back the slot and blocks at once; a response that ended
+        normally leaves its state behind for the conversation's next turn."""
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request in self.running:
+            self.kv.save_response_end(request.kv, request.num_computed_tokens, request.token_slice)
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -129,7 +133,7 @@ class Scheduler:
             request = self.waiting[0]
             # Every prompt row's logits wanted (prompt logprobs): nothing may be skipped.
             reuse = request.sampling.prompt_logprobs is None
-            plan = self.kv.plan_prefix(request.kv, request.num_tokens, reuse)
+            plan = self.kv.plan_prefix(request.kv, request.num_tokens, request.token_slice, reuse)
             if reuse and self._start_disk_load(request):
                 continue
             n = self._chunk_size(request, plan.resume_from, budget)
@@ -146,6 +150,8 @@ class Scheduler:
                 self.stats.prefix_queries += request.num_prompt_tokens
                 self.stats.prefix_hits += plan.hit_tokens - request.num_disk_hit_tokens
                 self.stats.prefix_hits_disk += request.num_disk_hit_tokens
+                if plan.restore_point is not None:
+                    self.stats.restores[plan.restore_point] += 1
             self.stats.recomputed += plan.recompute_tokens
             self.running.append(request)
             chunks.append(ScheduledChunk(request, n))

@@ -62,6 +62,8 @@ class EngineStats:
     recomputed_tokens: int = 0  # tokens recomputed to rebuild window state after hits
     preemptions: int = 0
     evictions: int = 0  # cached blocks evicted to make room
+    # admissions with a hit, by how the window state was restored: block, snapshot, response_end, recompute
+    restores: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # the SSD store (zeros when it is off)
     store_read_bytes: int = 0
     store_written_bytes: int = 0

@@ -23,6 +23,7 @@ from v4serve.engine.stats import EngineStats, HistogramSnapshot
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 FINISH_REASONS = ("stop", "length", "abort")
+RESTORE_POINTS = ("block", "snapshot", "response_end", "recompute")
 
 # (name, help, EngineStats field) of the snapshot's counters and gauges.
 _COUNTERS = (
@@ -70,6 +71,11 @@ class EngineCollector:
         for kind in sorted(set(ERROR_KINDS) | set(s.store_errors)):
             errors.add_metric([self.model_name, kind], s.store_errors.get(kind, 0))
         yield errors
+        restores = CounterMetricFamily("v4serve_prefix_cache_restores", "Prefix hits by how the window state was "
+                                       "restored", labels=["model_name", "point"])
+        for point in RESTORE_POINTS:
+            restores.add_metric([self.model_name, point], s.restores.get(point, 0))
+        yield restores
         yield _histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time", name, s.store_read_seconds)
 
 

@@ -58,6 +58,36 @@ def test_eviction_order_is_least_recently_released_and_prefix_tail_first():
     pool.check_integrity([[2, 1, 0, 5]])
 
 
+def test_leaves_are_evicted_before_the_heads_they_hang_off():
+    """Two conversations share a head block; the head was released first (least recently used), yet
+    every leaf goes before it, and it goes only once nothing continues it."""
+    pool = BlockPool(5)
+    head, a1, a2 = pool.allocate(3)  # conversation A: head, a1, a2
+    for block, h, parent in ((head, H[0], None), (a1, H[1], H[0]), (a2, H[2], H[1])):
+        pool.seal(block, h, parent)
+    pool.release([head])  # released early: the oldest in the queue
+    (b1,) = pool.allocate(1)  # conversation B continues the same head
+    pool.seal(b1, H[3], H[0])
+    pool.release([a2, a1])
+    pool.release([b1])
+    pool.check_integrity([])
+    assert pool.allocate(1) == [4]  # a plain free block first
+    order = [pool.allocate(1)[0] for _ in range(4)]
+    assert order == [a2, a1, b1, head]  # leaves (a2, then a1 once a2 was gone, then b1) before the head
+    pool.check_integrity([[4], [a2], [a1], [b1], [head]])
+
+
+def test_a_head_whose_children_are_in_use_goes_last():
+    pool = BlockPool(3)
+    head, child = pool.allocate(2)
+    pool.seal(head, H[0])
+    pool.seal(child, H[1], H[0])
+    pool.release([head])  # the child stays in use: the head is still the only choice once space runs out
+    assert pool.allocate(1) == [2]
+    assert pool.allocate(1) == [head] and pool.cached_block(H[0]) is None
+    pool.check_integrity([[child], [2], [head]])
+
+
 def test_take_removes_cached_blocks_from_eviction_and_refcounts_add_up():
     pool = BlockPool(4)
     t1 = pool.allocate(2)

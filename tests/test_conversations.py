@@ -1,0 +1,184 @@
+"""Agent conversations: a follow-up turn (the whole conversation so far plus new tokens) resumes
+exactly where the previous response ended, through an end-of-response snapshot, and gives the cold
+run's tokens; it falls back to the sealed boundary when the new prompt diverges inside the tail.
+State-level checks: the restored slot equals a cold run's slot at the same position, for sealed
+snapshots, end-of-response snapshots and the zero-mode recompute alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
+from v4serve.engine.model.single import SingleSequence
+
+B = 16  # the small model's block (ratios 4 and 16); window 8
+
+
+def cold(model, prompt: list[int], n: int = 6) -> list[int]:
+    return engine_for(model, enable_prefix_caching=False).generate([greedy("cold", prompt, n)])["cold"]
+
+
+def turn(engine, rid: str, prompt: list[int], n: int):
+    request = greedy(rid, prompt, n)
+    engine.generate([request])
+    engine.check()
+    return request
+
+
+@pytest.mark.parametrize("mode", ["full", "periodic"])
+@pytest.mark.parametrize("end", [31, 32, 33, 37, 45, 47, 48, 49])  # where turn 1's response ends (p)
+@pytest.mark.parametrize("n_out", [1, 5])
+def test_the_next_turn_resumes_where_the_response_ended(mode: str, end: int, n_out: int) -> None:
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=64)
+    first = turn(engine, "t1", tokens(end - n_out + 1, end), n_out)  # computes `end` tokens
+    assert first.num_computed_tokens == end
+    prompt = first.prompt_token_ids + first.output_token_ids + tokens(9, 100 + end)
+    second = turn(engine, "t2", prompt, 6)
+    assert second.num_cached_tokens == end  # everything but the new tokens and the last output token
+    assert second.num_recomputed_tokens == 0
+    assert second.output_token_ids == cold(model, prompt)
+
+
+@pytest.mark.parametrize("mode", ["full", "periodic"])
+def test_a_prompt_that_diverges_inside_the_tail_falls_back_to_the_block(mode: str) -> None:
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=16)
+    first = turn(engine, "t1", tokens(40, 1), 5)  # ends at 44: tail 32..44
+    edited = first.prompt_token_ids[:38] + tokens(12, 2)  # the history was edited at 38, inside the tail
+    second = turn(engine, "t2", edited, 6)
+    assert second.num_cached_tokens == 32  # the sealed boundary before the tail (snapshots every block)
+    assert second.output_token_ids == cold(model, edited)
+    before = turn(engine, "t3", first.prompt_token_ids[:20] + tokens(30, 3), 6)  # diverges before it
+    assert before.num_cached_tokens == 16
+    assert before.output_token_ids == cold(model, before.prompt_token_ids)
+
+
+def test_a_conversation_of_six_turns_computes_only_new_tokens() -> None:
+    model = tiny_model()  # 128-token blocks, window 128
+    engine = engine_for(model, swa_cache_mode="periodic", swa_checkpoint_interval=512)
+    history: list[int] = []
+    for t, (new, out) in enumerate([(300, 40), (57, 71), (1, 6), (128, 128), (200, 3), (90, 12)]):
+        prompt = history + tokens(new, 500 + t)
+        reply = turn(engine, f"t{t}", prompt, out)
+        if t:
+            assert reply.num_cached_tokens == len(history) - 1, t  # all but the previous last token
+        assert reply.output_token_ids == cold(model, prompt, out), t
+        history = prompt + reply.output_token_ids
+
+
+def test_n_choices_each_leave_their_own_turn_end() -> None:
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode="full")
+    prompt = tokens(35, 7)
+    choices = [greedy(f"c{i}", prompt, 4) for i in range(2)]
+    for c in choices:  # sampled differently: the choices' outputs differ
+        c.sampling.temperature, c.sampling.seed = 1.0, 10 + int(c.request_id[1:])
+    engine.generate(choices)
+    assert choices[0].output_token_ids != choices[1].output_token_ids
+    for c in choices:
+        follow = c.prompt_token_ids + c.output_token_ids + tokens(5, 8)
+        again = turn(engine, f"{c.request_id}-next", follow, 3)
+        assert again.num_cached_tokens == len(prompt) + 3
+        assert again.output_token_ids == cold(model, follow, 3)
+
+
+def test_an_aborted_turn_leaves_no_snapshot_of_a_half_state() -> None:
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode="full")
+    request = greedy("half", tokens(40, 9), 30)
+    engine.add_request(request)
+    while len(request.output_token_ids) < 3:
+        engine.step()
+    engine.abort("half")
+    follow = request.prompt_token_ids + request.output_token_ids + tokens(5, 10)
+    again = turn(engine, "next", follow, 4)
+    assert again.num_cached_tokens == 32  # the last sealed boundary, not the abandoned position
+    assert again.output_token_ids == cold(model, follow, 4)
+    assert engine.scheduler.stats.restores["response_end"] == 0
+
+
+def test_tool_call_like_turns_with_the_restore_metric() -> None:
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode="periodic", swa_checkpoint_interval=32)
+    history = tokens(30, 11)
+    for t in range(4):
+        reply = turn(engine, f"r{t}", history, 3 + t)
+        history = history + reply.output_token_ids + tokens(7, 20 + t)  # the call, then its result
+    assert engine.scheduler.stats.restores["response_end"] + engine.scheduler.stats.restores["block"] == 3
+
+
+# ---- the restored state itself ------------------------------------------------------------------------------
+def cold_slot(model, prompt: list[int], position: int) -> list[torch.Tensor]:
+    seq = SingleSequence(model, position + 1)
+    seq.prefill(prompt[:position], chunk=7)
+    return seq.device_kv.read_slot(0)
+
+
+class SlotAtStart:
+    """Reads a request's slot when a chunk of it starts at `position` (after any restore, before compute)."""
+
+    def __init__(self, engine, rid: str, position: int) -> None:
+        self.state: list[torch.Tensor] | None = None
+        real = engine.execute
+
+        def execute(chunks):  # noqa: ANN001, ANN202
+            for c in chunks:
+                if c.request.request_id == rid and c.request.num_computed_tokens == position and self.state is None:
+                    self.state = engine.device_kv.read_slot(c.request.kv.slot)
+            return real(chunks)
+
+        engine.execute = execute
+
+
+def live_rows(layout, name: str, position: int, ring: int) -> list[int]:
+    """Rows of a ring (`ring` rows, position p at p mod ring) that the tokens from `position` on can
+    still read: the window's last W−1 positions; a compressor's unfinished window (and, overlapping,
+    the one before it). The rest are spent."""
+    if name == "window":
+        first = position - layout.window + 1
+    else:
+        first = position - position % layout.ratio - (layout.ratio if layout.overlap else 0)
+    return sorted({p % ring for p in range(max(first, 0), position)})
+
+
+def assert_same_state(engine, got: list[torch.Tensor], want: list[torch.Tensor], position: int) -> None:
+    names = [(layer.layout, n) for layer in engine.device_kv.layers
+             for n in ("window", "pending_kv", "pending_score", "index_pending_kv", "index_pending_score")
+             if getattr(layer, n) is not None]
+    assert len(got) == len(want) == len(names)
+    for (layout, name), g, w in zip(names, got, want, strict=True):
+        rows = live_rows(layout, name, position, g.shape[0])
+        assert torch.allclose(g[rows], w[rows], rtol=1e-4, atol=1e-5), (layout.kind, name, (g - w)[rows].abs().max())
+
+
+@pytest.mark.parametrize("how", ["response_end", "block", "recompute"])
+def test_the_restored_slot_equals_a_cold_runs(how: str) -> None:
+    model = small_model()
+    mode = "zero" if how == "recompute" else "full"
+    engine = engine_for(model, swa_cache_mode=mode, max_prefill_chunk=1 if how == "recompute" else 1024)
+    end = {"response_end": 45, "block": 48, "recompute": 64}[how]
+    first = turn(engine, "t1", tokens(end - 2, 12), 3)
+    prompt = first.prompt_token_ids + first.output_token_ids + tokens(5, 13)
+    probe = SlotAtStart(engine, "t2", end)
+    second = turn(engine, "t2", prompt, 2)
+    assert engine.scheduler.stats.restores == {how: 1}
+    assert second.num_cached_tokens == (end if how != "recompute" else end - 35)  # zero mode: 35 recomputed
+    assert probe.state is not None
+    assert_same_state(engine, probe.state, cold_slot(model, prompt, end), end)
+
+
+def test_a_zero_mode_span_one_layer_short_is_caught_by_the_state_check(monkeypatch) -> None:
+    from v4serve.cache.config import CacheConfig
+
+    short = property(lambda self: max(self.window - 1, self.overlap_ratio) * (self.num_layers - 1))
+    monkeypatch.setattr(CacheConfig, "zero_mode_span", short)
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode="zero", max_prefill_chunk=1)
+    first = turn(engine, "t1", tokens(62, 12), 3)
+    prompt = first.prompt_token_ids + first.output_token_ids + tokens(5, 13)
+    probe = SlotAtStart(engine, "t2", 64)
+    turn(engine, "t2", prompt, 2)
+    with pytest.raises(AssertionError):
+        assert_same_state(engine, probe.state, cold_slot(model, prompt, 64), 64)
