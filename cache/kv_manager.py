@@ -31,7 +31,7 @@ from v4serve.cache.block_pool import (
 )
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
 from v4serve.cache.ssd_store import SSDStore, StoreStats
 from v4serve.cache.state_cache import ResponseEnd, StateCache
@@ -198,6 +198,8 @@ class KVCacheManager:
         block = b"".join(self.device.block_payload(kv.block_table[sealed]))
         response = ResponseEnd(parent, tail, self.device.read_slot(kv.slot), block)
         self.state.put_response(key, response, self.device.slot_nbytes() + len(block))
+        if self._store_writing():  # so the conversation resumes here after a restart too
+            self.store.put(KIND_RESPONSE, key, tail, [*self.device.snapshot_payload(response.state), block], parent)
 
     def _save_snapshot(self, kv: RequestKV, key: bytes, last_block_tokens: Sequence[int]) -> None:
         if key in self.state.snapshots:
@@ -218,12 +220,19 @@ class KVCacheManager:
         if self.loader is None or kv.disk_checked or not self.config.enable_prefix_caching:
             return False
         kv.disk_checked = True
-        first = len(kv.plan.hit_blocks)
+        b, first = self.config.block_size, len(kv.plan.hit_blocks)
         count = self.loader.blocks_on_disk(self._reusable(kv, num_tokens)[first:])
-        if not count:
+        boundary = first + count
+        following_end = min(boundary * b + b, num_tokens) - 1  # as in plan_prefix
+        responses = self.config.swa_cache_mode != "zero"
+        response = False
+        if responses and kv.plan.response_key is None and boundary * b < following_end:
+            parent = kv.block_hashes[boundary - 1] if boundary else kv.root
+            response = self.loader.response_on_disk(parent, tokens(boundary * b, following_end))
+        if not count and not response:
             return False
-        kv.disk_load = self.loader.start(kv.block_hashes, tokens(0, (first + count) * self.config.block_size),
-                                         first, count)
+        kv.disk_load = self.loader.start(kv.block_hashes, tokens(0, max(following_end, boundary * b)), first, count,
+                                         kv.root if responses else None)
         return True
 
     def finish_disk_load(self, kv: RequestKV) -> float:
@@ -254,6 +263,9 @@ class KVCacheManager:
         if load.snapshot is not None:
             key, state = load.snapshot
             self.state.snapshots.put(key, state, self.device.slot_nbytes())
+        if load.response is not None:
+            key, response = load.response
+            self.state.put_response(key, response, self.device.slot_nbytes() + len(response.block))
         return n
 
     def _reusable(self, kv: RequestKV, num_tokens: int) -> list[bytes]:

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 
 MAGIC = b"V4KVSTOR"
 FORMAT_VERSION = 1
-KIND_BLOCK, KIND_SNAPSHOT = 1, 2
-KIND_NAMES = {KIND_BLOCK: "block", KIND_SNAPSHOT: "snapshot"}
-SUFFIX = {KIND_BLOCK: ".blk", KIND_SNAPSHOT: ".snap"}
+# A sealed block; the slot state at a block boundary; the slot state and open block where a response ended.
+KIND_BLOCK, KIND_SNAPSHOT, KIND_RESPONSE = 1, 2, 3
+KIND_NAMES = {KIND_BLOCK: "block", KIND_SNAPSHOT: "snapshot", KIND_RESPONSE: "response-end"}
+SUFFIX = {KIND_BLOCK: ".blk", KIND_SNAPSHOT: ".snap", KIND_RESPONSE: ".resp"}
 # magic, version, kind, namespace, hash, token count, layout length, payload length
 _HEAD = struct.Struct("<8sHB32s32sIIQ")
 _CRC = struct.Struct("<I")

@@ -1,10 +1,11 @@
 """Loading a waiting request's prefix from the SSD store, off the engine thread.
 
-When the store holds blocks past a request's device hit, the request waits (LOADING) while a
-reader thread reads those block files (runs of them in parallel) and, alongside, the best
-snapshot to restore the window state from, then stacks the blocks into one host buffer per
-storage tensor. The engine thread later installs the result with one copy per tensor
-(`KVCacheManager.finish_disk_load`). A bad or vanished file ends the prefix there: a miss.
+When the store holds blocks past a request's device hit, or the end of an earlier response that the
+request continues, the request waits (LOADING) while a reader thread reads those block files (runs
+of them in parallel) and, alongside, the best snapshot to restore the window state from, then
+stacks the blocks into one host buffer per storage tensor. The engine thread later installs the
+result with one copy per tensor (`KVCacheManager.finish_disk_load`). A bad or vanished file ends
+the prefix there: a miss.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
+from v4serve.cache.block_pool import chain_hash
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore, in_daemon_thread
-from v4serve.cache.state_cache import StateCache
+from v4serve.cache.state_cache import ResponseEnd, StateCache
 
 
 class PayloadCodec(Protocol):
@@ -25,6 +27,7 @@ class PayloadCodec(Protocol):
 
     def stack_block_payloads(self, payloads: list[memoryview]) -> list[Any]: ...
     def snapshot_from_payload(self, payload: memoryview) -> Any: ...
+    def slot_nbytes(self) -> int: ...
 
 
 @dataclass
@@ -35,7 +38,9 @@ class DiskLoad:
     hashes: list[bytes] = field(default_factory=list)  # of the blocks loaded, in order
     stacked: list[Any] = field(default_factory=list)  # their contents, one host tensor per storage tensor
     snapshot: tuple[bytes, Any] | None = None  # (key, host state)
+    response: tuple[bytes, ResponseEnd] | None = None  # (key, the end of a response the request continues)
     seconds: float = 0.0
+
 
 
 class SSDLoader:
@@ -46,12 +51,29 @@ class SSDLoader:
         """How many of `hashes`, from the first, the store holds."""
         return self.store.longest_prefix(hashes)
 
-    def start(self, hashes: Sequence[bytes], tokens: Sequence[int], first: int, count: int) -> Future:
-        """Read blocks [first, first+count) and the best snapshot on a reader thread → DiskLoad."""
-        hashes, tokens = list(hashes), list(tokens)
-        return self.store.submit(lambda: self._read(hashes, tokens, first, count))
+    def response_on_disk(self, parent: bytes, following: Sequence[int]) -> bool:
+        """Whether the store holds (and host memory does not) a response end continuing `parent`
+        that `following` (the tokens after that boundary) goes on from."""
+        match = self._matching_response(parent, following)
+        return match is not None and match[0] not in self.state.snapshots
 
-    def _read(self, hashes: list[bytes], tokens: list[int], first: int, count: int) -> DiskLoad:
+    def _matching_response(self, parent: bytes, following: Sequence[int]) -> tuple[bytes, int] | None:
+        """The store's response end with the longest tail that `following` starts with."""
+        best = None
+        for key, tail_len in self.store.responses(parent).items():
+            if (best is None or tail_len > best[1]) and tail_len <= len(following) \
+                    and chain_hash(parent, following[:tail_len]) == key:
+                best = (key, tail_len)
+        return best
+
+    def start(self, hashes: Sequence[bytes], tokens: Sequence[int], first: int, count: int,
+              root: bytes | None) -> Future:
+        """Read blocks [first, first+count), the best snapshot and, given the chain's `root`, the
+        response end the request continues (if any) on a reader thread → DiskLoad."""
+        hashes, tokens = list(hashes), list(tokens)
+        return self.store.submit(lambda: self._read(hashes, tokens, first, count, root))
+
+    def _read(self, hashes: list[bytes], tokens: list[int], first: int, count: int, root: bytes | None) -> DiskLoad:
         t0, b = time.perf_counter(), self.block_size
         load = DiskLoad(first=first)
         items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
@@ -64,8 +86,24 @@ class SSDLoader:
         load.snapshot = snapshot.result()
         if len(payloads) < count:
             load.snapshot = self._read_snapshot(hashes, tokens, first + len(payloads))
+        if root is not None:
+            boundary = first + len(payloads)
+            parent = hashes[boundary - 1] if boundary else root
+            load.response = self._read_response(parent, tokens[boundary * b:boundary * b + b - 1])
         load.seconds = time.perf_counter() - t0
         return load
+
+    def _read_response(self, parent: bytes, following: Sequence[int]) -> tuple[bytes, ResponseEnd] | None:
+        match = self._matching_response(parent, following)
+        if match is None or match[0] in self.state.snapshots:
+            return None
+        key, tail_len = match
+        tail = tuple(following[:tail_len])
+        payload = self.store.read(KIND_RESPONSE, key, tail)
+        if payload is None:
+            return None
+        slot = self.codec.slot_nbytes()
+        return key, ResponseEnd(parent, tail, self.codec.snapshot_from_payload(payload[:slot]), bytes(payload[slot:]))
 
     def _read_snapshot(self, hashes: list[bytes], tokens: list[int], top: int) -> tuple[bytes, Any] | None:
         """The nearest snapshot on disk below block `top` that beats a zero-mode recompute, unless

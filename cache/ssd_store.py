@@ -42,6 +42,7 @@ from typing import TypeVar
 
 from v4serve.cache.ssd_file import (
     KIND_BLOCK,
+    KIND_RESPONSE,
     SUFFIX,
     StoreFileError,
     decode,
@@ -62,6 +63,7 @@ Item = tuple[bytes, Sequence[int] | None]  # (chain hash, the block's token ids 
 class StoreEntry:
     path: Path
     size: int
+    parent: bytes | None = None  # response-end files: the sealed block they continue
 
 
 @dataclass
@@ -103,6 +105,7 @@ class SSDStore:
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[tuple[int, bytes], StoreEntry] = OrderedDict()  # LRU order
+        self._responses: dict[bytes, dict[bytes, int]] = {}  # parent → {response-end key: tail length}
         self._writes: queue.Queue[tuple | None] = queue.Queue(maxsize=4096)
         self._full_until: float | None = None  # while the disk is full: when to look for space again
         self.used_bytes = 0
@@ -116,8 +119,43 @@ class SSDStore:
 
     # ---- index ----------------------------------------------------------------------------------
     def path(self, kind: int, block_hash: bytes) -> Path:
+        """Where a block or snapshot file lives (response-end files: `response_path`)."""
         h = block_hash.hex()
         return self.dir / h[:2] / h[2:4] / (h + SUFFIX[kind])
+
+    def response_path(self, parent: bytes, tail_len: int, key: bytes) -> Path:
+        """`resp/<parent>/<tail length>-<key>.resp`: a follow-up prompt finds the candidates that
+        continue its sealed prefix by listing one folder."""
+        p = parent.hex()
+        return self.dir / "resp" / p[:2] / p / f"{tail_len}-{key.hex()}{SUFFIX[KIND_RESPONSE]}"
+
+    def _file(self, kind: int, key: bytes) -> Path | None:
+        if kind != KIND_RESPONSE:
+            return self.path(kind, key)
+        with self._lock:
+            entry = self._index.get((kind, key))
+        return entry.path if entry is not None else None
+
+    def responses(self, parent: bytes) -> dict[bytes, int]:
+        """The response-end files continuing `parent`: {key: tail length}, including ones another
+        daemon sharing the folder wrote since."""
+        folder = self.response_path(parent, 0, b"").parent
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                if name.endswith(SUFFIX[KIND_RESPONSE]):
+                    with contextlib.suppress(OSError, ValueError):
+                        self._add_response(folder / name, (folder / name).stat().st_size)
+        with self._lock:
+            return dict(self._responses.get(parent, {}))
+
+    def _add_response(self, path: Path, size: int) -> None:
+        tail_len, key_hex = path.name.removesuffix(SUFFIX[KIND_RESPONSE]).split("-")
+        parent, key = bytes.fromhex(path.parent.name), bytes.fromhex(key_hex)
+        with self._lock:
+            if (KIND_RESPONSE, key) not in self._index:
+                self._index[(KIND_RESPONSE, key)] = StoreEntry(path, size, parent)
+                self.used_bytes += size
+            self._responses.setdefault(parent, {})[key] = int(tail_len)
 
     def _scan(self) -> None:
         """Rebuild the index from the files present (oldest first); remove leftover temp files."""
@@ -133,9 +171,15 @@ class SSDStore:
                             stale += 1
                         continue
                     kind = next((k for k, s in SUFFIX.items() if name.endswith(s)), None)
-                    if kind is not None:
+                    if kind == KIND_RESPONSE:
+                        found.append((st.st_mtime, kind, b"", path, st.st_size))
+                    elif kind is not None:
                         found.append((st.st_mtime, kind, bytes.fromhex(name[: -len(SUFFIX[kind])]), path, st.st_size))
         for _, kind, h, path, size in sorted(found):
+            if kind == KIND_RESPONSE:
+                with contextlib.suppress(ValueError):
+                    self._add_response(path, size)
+                continue
             self._index[(kind, h)] = StoreEntry(path, size)
             self.used_bytes += size
         if found or stale:
@@ -147,6 +191,8 @@ class SSDStore:
         with self._lock:
             if key in self._index:
                 return True
+        if kind == KIND_RESPONSE:
+            return False  # found through `responses(parent)`
         path = self.path(kind, block_hash)
         try:
             size = path.stat().st_size  # written by another daemon sharing the folder
@@ -185,12 +231,14 @@ class SSDStore:
         self._full_until = None
         return True
 
-    def put(self, kind: int, block_hash: bytes, tokens: Sequence[int], payload: Sequence[bytes | memoryview]) -> bool:
-        """Queue a file for the background writer; False if writing is off or the queue is full."""
+    def put(self, kind: int, block_hash: bytes, tokens: Sequence[int], payload: Sequence[bytes | memoryview],
+            parent: bytes | None = None) -> bool:
+        """Queue a file for the background writer (a response-end file names the `parent` it
+        continues); False if writing is off or the queue is full."""
         if not self.writing or self.contains(kind, block_hash):
             return False
         try:
-            self._writes.put_nowait((kind, block_hash, tuple(tokens), payload))
+            self._writes.put_nowait((kind, block_hash, tuple(tokens), payload, parent))
         except queue.Full:
             return False
         return True
@@ -214,10 +262,15 @@ class SSDStore:
             finally:
                 self._writes.task_done()
 
-    def _write(self, kind: int, block_hash: bytes, tokens: tuple[int, ...], payload: Sequence[bytes]) -> None:
+    def _write(self, kind: int, block_hash: bytes, tokens: tuple[int, ...], payload: Sequence[bytes],
+               parent: bytes | None) -> None:
         if self._full_until is not None:
             return
-        path = self.path(kind, block_hash)
+        if kind == KIND_RESPONSE:
+            assert parent is not None
+            path = self.response_path(parent, len(tokens), block_hash)
+        else:
+            path = self.path(kind, block_hash)
         if path.exists():
             self.contains(kind, block_hash)
             return
@@ -236,7 +289,9 @@ class SSDStore:
             self._write_failed(path, exc)
             return
         with self._lock:
-            self._index[(kind, block_hash)] = StoreEntry(path, size)
+            self._index[(kind, block_hash)] = StoreEntry(path, size, parent)
+            if parent is not None:
+                self._responses.setdefault(parent, {})[block_hash] = len(tokens)
             self.used_bytes += size
             self.stats.bytes_written += size
             self.stats.files_written += 1
@@ -258,8 +313,9 @@ class SSDStore:
             with self._lock:
                 if self.used_bytes <= self.max_bytes or not self._index:
                     return
-                _, entry = self._index.popitem(last=False)
+                (_, key), entry = self._index.popitem(last=False)
                 self.used_bytes -= entry.size
+                self._drop_response(key, entry)
             with contextlib.suppress(OSError):
                 entry.path.unlink()
 
@@ -268,7 +324,9 @@ class SSDStore:
         """A file's payload, or None (a miss) if absent or bad; bad files are quarantined. Blocks
         for as long as the file system does: call it on a thread that may be abandoned."""
         key = (kind, block_hash)
-        path = self.path(kind, block_hash)
+        path = self._file(kind, block_hash)
+        if path is None:
+            return None
         try:
             # Non-blocking open: a FIFO (or device) under a store name must not hang the reader.
             with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
@@ -335,6 +393,15 @@ class SSDStore:
             entry = self._index.pop(key, None)
             if entry is not None:
                 self.used_bytes -= entry.size
+                self._drop_response(key[1], entry)
+
+    def _drop_response(self, key: bytes, entry: StoreEntry) -> None:
+        """(Under the lock.) An evicted or bad response-end file leaves the parent index too."""
+        if entry.parent is not None:
+            keys = self._responses.get(entry.parent, {})
+            keys.pop(key, None)
+            if not keys:
+                self._responses.pop(entry.parent, None)
 
     def _count_error(self, kind: str) -> None:
         with self._lock:
@@ -384,6 +451,7 @@ class SSDStore:
         self.flush()
         with self._lock:
             self._index.clear()
+            self._responses.clear()
             self.used_bytes = 0
         removed = 0
         for dirpath, _, names in os.walk(self.dir):

@@ -15,7 +15,7 @@ from v4serve.cache.config import CacheConfig
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.layout import KVLayout, cache_table
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
@@ -110,7 +110,8 @@ class LLMEngine:
         namespace = kv_namespace(model, config.kv_dtype, digest)
         if persistent:
             store = SSDStore(config.kv_store_dir, namespace, self.device_kv.layout_descriptor(),
-                             {KIND_BLOCK: self.device_kv.block_nbytes(), KIND_SNAPSHOT: self.device_kv.slot_nbytes()},
+                             {KIND_BLOCK: self.device_kv.block_nbytes(), KIND_SNAPSHOT: self.device_kv.slot_nbytes(),
+                              KIND_RESPONSE: self.device_kv.slot_nbytes() + self.device_kv.block_nbytes()},
                              max_bytes=config.kv_store_max_bytes, read_timeout=config.kv_store_read_timeout,
                              retry_seconds=config.kv_store_retry_seconds)
         self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store)

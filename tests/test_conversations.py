@@ -182,3 +182,67 @@ def test_a_zero_mode_span_one_layer_short_is_caught_by_the_state_check(monkeypat
     turn(engine, "t2", prompt, 2)
     with pytest.raises(AssertionError):
         assert_same_state(engine, probe.state, cold_slot(model, prompt, 64), 64)
+
+
+# ---- after a restart: from the SSD store ----------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "periodic"])
+@pytest.mark.parametrize("end", [12, 45, 48, 70])  # inside the first block (parent: the root), mid-block, boundary
+def test_the_next_turn_resumes_from_disk_after_a_restart(tmp_path, mode: str, end: int) -> None:
+    model = small_model()
+    first_engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=64, kv_store_dir=str(tmp_path))
+    first = turn(first_engine, "t1", tokens(end - 3, 30 + end), 4)
+    first_engine.close()  # queued files land
+    assert list(tmp_path.rglob("*.resp")) or end % B == 0
+    prompt = first.prompt_token_ids + first.output_token_ids + tokens(6, 31)
+    engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=64, kv_store_dir=str(tmp_path))
+    second = turn(engine, "t2", prompt, 5)
+    engine.close()
+    assert second.num_cached_tokens == end
+    assert second.num_disk_hit_tokens == end // B * B
+    assert second.output_token_ids == cold(model, prompt, 5)
+    assert engine.kv.store.stats_snapshot().errors == {}
+
+
+def test_a_bad_response_end_file_is_a_miss(tmp_path) -> None:
+    model = small_model()
+    first_engine = engine_for(model, swa_cache_mode="full", kv_store_dir=str(tmp_path))
+    first = turn(first_engine, "t1", tokens(40, 40), 5)
+    first_engine.close()
+    (path,) = tmp_path.rglob("*.resp")
+    data = path.read_bytes()
+    path.write_bytes(data[:-30] + bytes([data[-30] ^ 0xFF]) + data[-29:])
+    prompt = first.prompt_token_ids + first.output_token_ids + tokens(6, 41)
+    engine = engine_for(model, swa_cache_mode="full", kv_store_dir=str(tmp_path))
+    second = turn(engine, "t2", prompt, 5)
+    engine.close()
+    assert second.num_cached_tokens == 32  # the sealed boundary (a snapshot at every block in `full`)
+    assert second.output_token_ids == cold(model, prompt, 5)
+    assert engine.kv.store.stats_snapshot().errors["checksum"] == 1
+
+
+def test_many_conversations_under_memory_pressure_keep_their_heads() -> None:
+    """Eight conversations over one shared system prompt, turn after turn, in a Block Cache far too
+    small for all of them: eviction takes leaves first, so no findable block ever loses the block
+    it continues; integrity holds after every step; every reply is the cold one."""
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode="periodic", swa_checkpoint_interval=32, num_blocks=20,
+                        max_num_seqs=4, max_num_batched_tokens=48)
+    system = tokens(40, 90)
+    histories = {c: system + tokens(5 + c, 91 + c) for c in range(8)}
+    pool = engine.kv.pool
+    evicted_before = pool.evictions
+    for t in range(5):
+        requests = [greedy(f"c{c}-t{t}", histories[c], 3 + c % 3) for c in range(8)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work():
+            engine.step()
+            engine.check()
+            for block in pool.blocks:  # every findable block's parent is findable
+                if block.block_hash is not None and block.parent_hash is not None:
+                    assert pool.cached_block(block.parent_hash) is not None
+        for c, r in zip(range(8), requests, strict=True):
+            assert r.output_token_ids == cold(model, r.prompt_token_ids, len(r.output_token_ids)), (c, t)
+            histories[c] = r.prompt_token_ids + r.output_token_ids + tokens(17, 200 + 10 * t + c)
+    assert pool.evictions > evicted_before  # the pressure was real
+    assert pool.cached_block(engine.kv.hashes(system, None)[0]) is not None  # the shared head survived

@@ -461,20 +461,44 @@ def test_nonstream_disconnect_frees_slot(lone_url: str) -> None:
         wait_for_metric(http, "v4serve_state_cache_usage", 0)
 
 
+NEAR_TIE = 1e-3  # logprob margin below which batching's different chunk splits may flip a greedy choice
+
+
+Stream = tuple[list[tuple[str, bytes]], list[float], str | None]  # chosen tokens, top-1 minus top-2 margin, finish
+
+
+def diverges_only_at_a_near_tie(solo: Stream, batched: Stream) -> bool:
+    """Equal, or equal up to a step where the solo run's top two were within NEAR_TIE.
+
+    Batched prefill splits a prompt into different chunks, and the indexer's top-k selection
+    amplifies the fp32 rounding that causes into ~1e-4 logit differences; past a flipped
+    near-tie the two continuations are legitimately different texts.
+    """
+    (one, margins, fa), (two, _, fb) = solo, batched
+    if (one, fa) == (two, fb):
+        return True
+    first = next((i for i, (x, y) in enumerate(zip(one, two, strict=True)) if x != y), None)
+    return first is not None and margins[first] < NEAR_TIE
+
+
 def test_concurrent_streams_match_solo(base_url: str, http: httpx.Client) -> None:
     prompts = [fresh("x" * (7 * i * i)) for i in range(16)]  # 33 .. 1600 characters
 
-    async def one(c: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None]:
-        text, finish = "", None
+    async def one(c: openai.AsyncOpenAI, prompt: str) -> Stream:
+        chosen, margins, finish = [], [], None
         stream = await c.chat.completions.create(model=MODEL, messages=user(prompt), max_tokens=24, stream=True,
-                                                 temperature=0.0, extra_body={"ignore_eos": True})
+                                                 temperature=0.0, logprobs=True, top_logprobs=2,
+                                                 extra_body={"ignore_eos": True})
         async for chunk in stream:
             for ch in chunk.choices:
-                text += ch.delta.content or ""
+                for lp in (ch.logprobs.content or []) if ch.logprobs else []:
+                    chosen.append((lp.token, bytes(lp.bytes or [])))
+                    top = sorted((t.logprob for t in lp.top_logprobs), reverse=True)
+                    margins.append(top[0] - top[1])
                 finish = ch.finish_reason or finish
-        return text, finish
+        return chosen, margins, finish
 
-    async def run(together: bool) -> list[tuple[str, str | None]]:
+    async def run(together: bool) -> list[Stream]:
         async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                                       timeout=120) as c:
             if together:
@@ -485,11 +509,24 @@ def test_concurrent_streams_match_solo(base_url: str, http: httpx.Client) -> Non
     assert http.post("/reset_prefix_cache").status_code == 200
     cold = asyncio.run(run(together=True))  # chunked prefills mixed with decodes
     warm = asyncio.run(run(together=True))  # every prompt a prefix-cache hit
-    assert all(f == "length" for _, f in solo)
+    assert all(f == "length" and len(chosen) == 24 for chosen, _, f in solo)
+    exact = 0
     for name, batch in (("cold", cold), ("warm", warm)):
         for i, (a, b) in enumerate(zip(solo, batch, strict=True)):
-            assert a == b, f"prompt {i} ({len(prompts[i])} chars) differs when batched ({name} cache)"
+            assert diverges_only_at_a_near_tie(a, b), \
+                f"prompt {i} ({len(prompts[i])} chars) differs when batched ({name} cache)"
+            exact += a[0] == b[0]
+    assert exact >= 28, "near-ties are rare: most batched runs must equal their solo run exactly"
     wait_for_metric(http, "v4serve_requests_running", 0)
+
+
+def test_the_near_tie_allowance_only_covers_near_ties() -> None:
+    a, b, c, x, y, z = ((t, t.encode()) for t in "abcxyz")
+    solo = ([a, b, c], [0.5, 2e-4, 0.7], "length")
+    assert diverges_only_at_a_near_tie(solo, solo)
+    assert diverges_only_at_a_near_tie(solo, ([a, x, y], [], "length"))
+    assert not diverges_only_at_a_near_tie(solo, ([x, b, c], [], "length"))
+    assert not diverges_only_at_a_near_tie(solo, ([a, b, z], [], "length"))
 
 
 # ---- small endpoints ----------------------------------------------------------------------------------------

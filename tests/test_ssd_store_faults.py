@@ -232,10 +232,13 @@ def test_reset_removes_what_every_daemon_sharing_the_folder_wrote(tmp_path: Path
     b.generate([greedy("b", tokens(60, 33))])
     a.kv.store.flush()
     b.kv.store.flush()
-    on_disk = len(list(tmp_path.rglob("*.blk"))) + len(list(tmp_path.rglob("*.snap")))
-    assert on_disk >= 6
+    def cache_files() -> list[Path]:
+        return [f for suffix in ("blk", "snap", "resp") for f in tmp_path.rglob(f"*.{suffix}")]
+
+    on_disk = len(cache_files())
+    assert on_disk >= 8 and len(list(tmp_path.rglob("*.resp"))) == 2  # one response end per daemon
     dropped, removed = b.reset_prefix_cache(store=True)
-    assert removed == on_disk and not list(tmp_path.rglob("*.blk")) and not list(tmp_path.rglob("*.snap"))
+    assert removed == on_disk and not cache_files()
     a.close()
     b.close()
 

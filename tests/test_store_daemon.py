@@ -222,3 +222,53 @@ def test_kill_9_during_heavy_store_writes_serves_nothing_corrupt(tmp_path):
         disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
     assert results == cold
     assert errors == 0 and disk_hits > 0  # what landed was whole; what did not was a plain miss
+
+
+# Only lowercase ASCII letters (byte tokens 64 + 97..122) are likely: replies round-trip through text exactly.
+LETTERS = {str(64 + c): 30 for c in range(ord("a"), ord("z") + 1)}
+
+
+def test_a_conversation_resumes_after_a_restart_computing_only_new_tokens(tmp_path):
+    """Five turns through both endpoints (completions with token ids, chat with messages), a restart
+    on the same store folder, then turn six: every follow-up reports all but its new tokens cached."""
+    args = ("--kv-store-dir", str(tmp_path))
+    history: list[int] = []
+    answered: list[int] = []  # the conversation up to the end of the last reply
+    messages: list[dict] = []
+    with daemon(*args) as url:
+        for t in range(5):
+            history += tokens(150 + 37 * t, 60 + t)
+            reply = httpx.post(url + "/v1/completions", json={
+                "prompt": history, "max_tokens": 20 + t, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                "logit_bias": LETTERS}, timeout=120).json()
+            if t:  # all but the new tokens and the previous reply's last token (never computed)
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == len(answered) - 1, t
+            history += [64 + ord(c) for c in reply["choices"][0]["logprobs"]["tokens"]]
+            answered = list(history)
+        computed = 0  # tokens the previous chat turn computed: its prompt and reply but the last token
+        for t in range(3):
+            messages.append({"role": "user", "content": f"question {t}: " + "x" * (90 * t + 5)})
+            reply = httpx.post(url + "/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 25, "temperature": 0, "logit_bias": LETTERS}, timeout=120).json()
+            usage = reply["usage"]
+            if t:  # the new prompt renders the old one, the reply and EOS, then the new question
+                assert usage["prompt_tokens_details"]["cached_tokens"] == computed, t
+            computed = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+            messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+    history += tokens(64, 70)
+    body = {"prompt": history, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    with daemon(*args) as url:
+        after = complete_with(url, body)
+        disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+        restores = metric(url, "v4serve_prefix_cache_restores_total", point="response_end")
+    with daemon("--no-prefix-caching") as url:
+        cold_reply = complete_with(url, body)
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == len(answered) - 1
+    assert disk_hits == (len(answered) - 1) // 128 * 128 and restores == 1
+    assert output_tokens(after) == output_tokens(cold_reply)
+
+
+def complete_with(url: str, body: dict) -> dict:
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
