@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_store.py
 	$(PY) bench/bench_structured.py
 	$(PY) bench/bench_load.py
+	$(PY) bench/bench_conversations.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

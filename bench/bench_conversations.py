@@ -83,11 +83,15 @@ async def one_turn(client: httpx.AsyncClient, conv: Conversation, new: list[int]
 
 
 async def replay(url: str, conversations: list[Conversation], plan: list[list[tuple[list[int], int]]],
-                 shared: int) -> None:
+                 shared: int, label: str) -> None:
+    total, done = sum(len(p) for p in plan), 0
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         async def run(c: int) -> None:
+            nonlocal done
             for new, out in plan[c]:
                 await one_turn(client, conversations[c], new, out, shared)
+                done += 1
+                print(f"{label}: {done}/{total} turns", file=sys.stderr, flush=True)
 
         await asyncio.gather(*(run(c) for c in range(len(conversations))))
 
@@ -117,13 +121,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, dict[str, float]]
              str(args.conversations))
     with tempfile.TemporaryDirectory() as store:
         with daemon(*flags, "--kv-store-dir", store, timeout=180) as url:
-            asyncio.run(replay(url, conversations, plans, len(system)))
+            asyncio.run(replay(url, conversations, plans, len(system), f"{mode} live"))
             recomputed = metric_total(url, "v4serve_swa_recompute_tokens_total")
         live = summarize([t for c in conversations for t in c.turns])
         live["recomputed_tokens"] = recomputed
         seen = [len(c.turns) for c in conversations]
         with daemon(*flags, "--kv-store-dir", store, timeout=180) as url:  # the next day: a restart
-            asyncio.run(replay(url, conversations, after, len(system)))
+            asyncio.run(replay(url, conversations, after, len(system), f"{mode} after restart"))
             disk = metric_total(url, "v4serve_prefix_cache_hits_total")
         restarted = summarize([t for c, n in zip(conversations, seen, strict=True) for t in c.turns[n:]])
         restarted["hit_tokens"] = disk

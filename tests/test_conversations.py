@@ -16,7 +16,14 @@ B = 16  # the small model's block (ratios 4 and 16); window 8
 
 
 def cold(model, prompt: list[int], n: int = 6) -> list[int]:
-    return engine_for(model, enable_prefix_caching=False).generate([greedy("cold", prompt, n)])["cold"]
+    return cold_run(model, prompt, n)[0]
+
+
+def cold_run(model, prompt: list[int], n: int = 6) -> tuple[list[int], torch.Tensor]:
+    """A cold run's tokens and the logits of each decision."""
+    engine = engine_for(model, enable_prefix_caching=False)
+    out = engine.generate([greedy("cold", prompt, n)])["cold"]
+    return out, torch.stack(engine.logits["cold"])
 
 
 def turn(engine, rid: str, prompt: list[int], n: int):
@@ -38,7 +45,9 @@ def test_the_next_turn_resumes_where_the_response_ended(mode: str, end: int, n_o
     second = turn(engine, "t2", prompt, 6)
     assert second.num_cached_tokens == end  # everything but the new tokens and the last output token
     assert second.num_recomputed_tokens == 0
-    assert second.output_token_ids == cold(model, prompt)
+    out, logits = cold_run(model, prompt)
+    assert second.output_token_ids == out
+    torch.testing.assert_close(torch.stack(engine.logits["t2"]), logits, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["full", "periodic"])
