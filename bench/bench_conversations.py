@@ -69,6 +69,8 @@ async def one_turn(client: httpx.AsyncClient, conv: Conversation, new: list[int]
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"turn {len(conv.turns) + 1} failed: {chunk['error']}")
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 tokens = (choice.get("logprobs") or {}).get("tokens") or []

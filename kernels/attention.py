@@ -1,20 +1,89 @@
-"""Attention over a window plus compressed entries, one softmax with a per-head sink; V = K.
+"""Sparse attention of DeepSeek-V4 over a ragged batch (prefill chunks and decodes together).
 
-`sparse_attention` is the plain-torch reference; a GPU kernel can replace it behind the same
-signature. Keys come in two groups: keys shared by the whole query tile (the window and, for HCA,
-every visible entry) with a [n, L] mask, and keys picked per query (CSA top-k) with a [n, k] mask.
+Each query at position p attends to
+- its window: positions [lo, p] with lo = max(p − W + 1, window_from, 0); keys below the
+  sequence's `start` come from its State Cache ring (row j mod W), the rest from this step's
+  new keys `kv` (the ring is written only after attention, so nothing it needs is overwritten);
+- compressed entries read through the block table: on HCA layers every visible entry
+  (e < (p + 1) // m), on CSA layers the indexer's top-k (`topk` [T, k], −1 = none);
+and one softmax over all of them plus a per-head sink; V = K.
+
+`sparse_attention` is the plain-torch twin of `attention_triton.sparse_attention` (same
+signature). It groups the work the way a CPU likes it: decodes in one batched pass, prefill
+chunks in query tiles that share their keys.
+
+Shapes: T = rows of the flattened batch, B = sequences, H = heads, d = head dim, W = window,
+m = compress ratio, P = entries per block, k = indexer top-k.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+# Queries per tile on long chunks: bounds the window branch to O(n·(tile + W)).
+ATTN_TILE = 256
 
-def sparse_attention(q: torch.Tensor, shared: torch.Tensor, shared_mask: torch.Tensor,
-                     picked: torch.Tensor | None, picked_mask: torch.Tensor | None,
-                     sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, d]; shared [L, d], shared_mask [n, L]; picked [n, k, d], picked_mask [n, k];
-    sink [H] → out [n, H, d]."""
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Where each sequence's new tokens sit in a flattened batch, as tensors for kernels and as
+    Python tuples for host-side loops. Built once per forward step and shared by all layers."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]  # position of each sequence's first new token
+    num_new: tuple[int, ...]
+    offsets: tuple[int, ...]  # row of each sequence's first new token
+    window_from: tuple[int, ...]  # window keys below this position are absent (recompute after a hit)
+    tables: torch.Tensor  # [B, nb] block tables, padded with block 0
+    row_seq: torch.Tensor  # [T] sequence of each row
+    row_pos: torch.Tensor  # [T] position of each row
+    seq_info: torch.Tensor  # [B, 4]: slot, start, offset, window_from (int64, for kernels)
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
+              block_tables: list[list[int]], device: torch.device | str) -> RaggedBatch:
+        offsets, total = [], 0
+        for n in num_new:
+            offsets.append(total)
+            total += n
+        width = max([len(t) for t in block_tables] + [1])
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        row_seq = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new, dtype=torch.long))
+        row_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
+                            or [torch.zeros(0, dtype=torch.long)])
+        info = torch.tensor([slots, starts, offsets, [max(w, 0) for w in window_from]], dtype=torch.long).T
+        return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from),
+                   tables.to(device), row_seq.to(device), row_pos.to(device), info.contiguous().to(device))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.num_new)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
+                     topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, d], kv [T, d] (this step's keys), ring [S, W, d], entries [NB, P, d] or None,
+    topk [T, k] or None (CSA), sink [H] → out [T, H, d]."""
+    out = torch.empty_like(q)
+    decodes = [b for b, n in enumerate(batch.num_new) if n == 1]
+    if decodes:
+        rows = torch.tensor([batch.offsets[b] for b in decodes], device=q.device)
+        out[rows] = _decodes(q, kv, ring, entries, topk, batch, decodes, rows, ratio, sink, scale)
+    for b, n in enumerate(batch.num_new):
+        if n > 1:
+            lo = batch.offsets[b]
+            out[lo:lo + n] = _chunk(q, kv, ring, entries, topk, batch, b, ratio, sink, scale)
+    return out
+
+
+def attend(q: torch.Tensor, shared: torch.Tensor, shared_mask: torch.Tensor, picked: torch.Tensor | None,
+           picked_mask: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """The softmax itself. Keys come in two groups: keys shared by the whole query tile with a
+    [n, L] mask, and keys picked per query with a [n, k] mask.
+    q [n, H, d]; shared [L, d]; picked [n, k, d]; sink [H] → out [n, H, d]."""
     logits = torch.einsum("nhd,ld->nhl", q, shared) * scale
     logits = logits.masked_fill(~shared_mask[:, None, :], float("-inf"))
     parts = [logits]
@@ -26,4 +95,78 @@ def sparse_attention(q: torch.Tensor, shared: torch.Tensor, shared_mask: torch.T
     out = torch.einsum("nhl,ld->nhd", probs[..., : shared.shape[0]], shared)
     if picked is not None:
         out = out + torch.einsum("nhk,nkd->nhd", probs[..., shared.shape[0]: -1], picked.to(q.dtype))
+    return out
+
+
+def gather_entries(entries: torch.Tensor, tables: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Entries `index` [R, n] (−1 or any value where masked) of the sequences whose block tables are
+    `tables` [R, nb] → [R, n, d]."""
+    per_block = entries.shape[1]
+    index = index.clamp(min=0)
+    blocks = tables.gather(1, (index // per_block).clamp(max=tables.shape[1] - 1))
+    return entries[blocks, index % per_block]
+
+
+def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
+             topk: torch.Tensor | None, batch: RaggedBatch, seqs: list[int], rows: torch.Tensor, ratio: int,
+             sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every sequence decoding one token: its whole ring (with its own new key at row p mod W, where
+    the ring still holds position p − W) plus its entries, as that query's own keys."""
+    dev, w = q.device, ring.shape[1]
+    slots = torch.tensor([batch.slots[b] for b in seqs], device=dev)
+    t = torch.tensor([batch.starts[b] for b in seqs], device=dev)
+    floor = torch.tensor([max(batch.window_from[b], 0) for b in seqs], device=dev)
+    keys = ring[slots].to(q.dtype)  # [D, W, d]
+    keys[torch.arange(len(seqs), device=dev), t % w] = kv[rows].to(q.dtype)
+    ring_row = torch.arange(w, device=dev)
+    held = t[:, None] - ((t[:, None] - ring_row[None, :]) % w)  # position held by each ring row
+    mask = held >= floor[:, None]
+    if entries is not None:
+        tables = batch.tables[torch.tensor(seqs, device=dev)]
+        if topk is not None:
+            index = topk[rows]
+            visible = index >= 0
+        else:
+            count = (t + 1) // ratio
+            index = torch.arange(int(count.max()), device=dev)[None, :].expand(len(seqs), -1)
+            visible = index < count[:, None]
+        keys = torch.cat([keys, gather_entries(entries, tables, index).to(q.dtype)], dim=1)
+        mask = torch.cat([mask, visible], dim=1)
+    return attend(q[rows], q.new_zeros(0, q.shape[-1]), mask.new_zeros(len(seqs), 0), keys, mask, sink, scale)
+
+
+def _chunk(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
+           topk: torch.Tensor | None, batch: RaggedBatch, b: int, ratio: int, sink: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """One sequence's prefill chunk, in tiles of queries sharing their window keys (and, on HCA
+    layers, their entries)."""
+    dev, w = q.device, ring.shape[1]
+    start, n, first = batch.starts[b], batch.num_new[b], batch.offsets[b]
+    lo = max(start - w + 1, batch.window_from[b], 0)
+    held = torch.arange(lo, start, device=dev)
+    keys = torch.cat([ring[batch.slots[b], held % w].to(q.dtype), kv[first:first + n].to(q.dtype)])
+    key_pos = torch.arange(lo, start + n, device=dev)
+    all_entries = None
+    if entries is not None and topk is None:
+        count = (start + n) // ratio
+        all_entries = gather_entries(entries, batch.tables[b:b + 1], torch.arange(count, device=dev)[None])[0]
+    out = torch.empty_like(q[first:first + n])
+    for a in range(0, n, ATTN_TILE):
+        z = min(a + ATTN_TILE, n)
+        pos = torch.arange(start + a, start + z, device=dev)
+        k_lo = max(start + a - w + 1 - lo, 0)
+        k_hi = start + z - lo
+        dist = pos[:, None] - key_pos[None, k_lo:k_hi]
+        shared, mask = keys[k_lo:k_hi], (dist >= 0) & (dist < w)
+        picked, picked_mask = None, None
+        if all_entries is not None:
+            count = (start + z) // ratio
+            visible = torch.arange(count, device=dev)[None, :] < ((pos + 1) // ratio)[:, None]
+            shared = torch.cat([shared, all_entries[:count].to(q.dtype)])
+            mask = torch.cat([mask, visible], dim=1)
+        elif entries is not None and topk is not None:
+            index = topk[first + a:first + z]
+            picked_mask = index >= 0
+            picked = gather_entries(entries, batch.tables[b:b + 1].expand(len(index), -1), index)
+        out[a:z] = attend(q[first + a:first + z], shared, mask, picked, picked_mask, sink, scale)
     return out

@@ -98,7 +98,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
 
     @app.get("/version", responses=error_responses(401))
     async def get_version() -> dict[str, str]:
-        return {"version": VERSION}
+        return {**config.version_info, "version": VERSION}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}, **error_responses(401)})

@@ -52,6 +52,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--served-model-name", str, "model name clients send and see"),
     ("--device", str, "auto, cpu or cuda"),
     ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),
+    ("--attention-backend", str, "auto (Triton kernels on CUDA, plain torch elsewhere), torch or triton"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),

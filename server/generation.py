@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -39,6 +39,8 @@ class ServerConfig:
     api_key: str | None = None
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
+    version_info: dict[str, str] = field(default_factory=dict)
 
 
 class Generation:

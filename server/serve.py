@@ -17,7 +17,8 @@ from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.fingerprint import checkpoint_digest
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny
-from v4serve.server.app import build_app
+from v4serve.kernels.registry import load_kernels, resolve_backend
+from v4serve.server.app import VERSION, build_app
 from v4serve.server.generation import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 from v4serve.server.metrics import Metrics
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -36,6 +37,7 @@ class ServeConfig:
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    attention_backend: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -87,13 +89,23 @@ def default_store_dir() -> str:
 def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     device = cfg.resolved_device()
     dtype = cfg.resolved_dtype(device)
+    kernels = load_kernels(resolve_backend(cfg.attention_backend, device), device)  # checked before loading
     if cfg.model == "tiny":
-        model = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype)
-        return model, ByteTokenizer()
-    folder = Path(cfg.model)
-    if not folder.is_dir():
-        raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
-    return load_model(folder, device=device, dtype=dtype), load_tokenizer(folder)
+        model, tokenizer = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype), ByteTokenizer()
+    else:
+        folder = Path(cfg.model)
+        if not folder.is_dir():
+            raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
+        model, tokenizer = load_model(folder, device=device, dtype=dtype), load_tokenizer(folder)
+    model.use_kernels(kernels)
+    return model, tokenizer
+
+
+def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str]:
+    param = next(model.parameters())
+    return {"version": VERSION, "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+            "attention_backend": model.kernels.backend,
+            "kv_cache_dtype": str(econf.kv_dtype).removeprefix("torch.")}
 
 
 def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer: Tokenizer) -> EngineConfig:
@@ -119,13 +131,14 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     async_engine = AsyncEngine(engine)
     metrics = Metrics(cfg.model_name, lambda: async_engine.stats)
     server = ServerConfig(cfg.model_name, econf.max_model_len, api_key=cfg.api_key,
-                          protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes)
+                          protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
+                          version_info=version_info(model, econf))
     app = build_app(async_engine, tokenizer, server, metrics)
 
     device = next(model.parameters()).device
-    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s", cfg.model_name, cfg.model,
+    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s, %s kernels", cfg.model_name, cfg.model,
              model.cfg.num_layers, sum(p.numel() for p in model.parameters()) / 1e6,
-             str(next(model.parameters()).dtype).removeprefix("torch."), device)
+             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend)
     log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
              econf.max_model_len)

@@ -535,8 +535,10 @@ def test_models_health_version(client: openai.OpenAI, http: httpx.Client) -> Non
     assert [m.id for m in models] == [MODEL]
     assert models[0].object == "model" and isinstance(models[0].owned_by, str)
     assert http.get("/health").json() == {"status": "ok"}
-    version = http.get("/version").json()["version"]
-    assert isinstance(version, str) and re.match(r"^\d+\.\d+", version)
+    info = http.get("/version").json()
+    assert isinstance(info["version"], str) and re.match(r"^\d+\.\d+", info["version"])
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["kv_cache_dtype"] == "float32"
+    assert info["attention_backend"] == "torch"  # auto on a CPU
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
 
 

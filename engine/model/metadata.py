@@ -9,6 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from v4serve.kernels.attention import RaggedBatch
+
 
 @dataclass
 class SeqChunk:
@@ -47,6 +51,12 @@ class AttentionMetadata:
             rows.extend(offset + j for j in wanted)
             offset += seq.num_new
         return cls(seqs=seqs, logits_rows=rows)
+
+    def ragged(self, device: torch.device | str) -> RaggedBatch:
+        """The same layout as tensors for the attention kernels."""
+        s = self.seqs
+        return RaggedBatch.build([q.slot for q in s], [q.start for q in s], [q.num_new for q in s],
+                                 [q.window_from for q in s], [q.block_table for q in s], device)
 
     @property
     def num_tokens(self) -> int:

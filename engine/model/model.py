@@ -21,6 +21,8 @@ from v4serve.engine.model.attention import Attention
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary, rms_unit
 from v4serve.engine.model.metadata import AttentionMetadata
+from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.registry import Kernels, load_kernels
 
 # ---- mixture of experts ------------------------------------------------------------------------------
 
@@ -90,32 +92,12 @@ class MoE(nn.Module):
         return out + self.shared_experts(x)
 
 
-# ---- manifold-constrained hyper-connections -----------------------------------------------------------
-
-
-def hc_weights(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, hc, D] → (pre [T, hc], post [T, hc], comb [T, hc, hc]); comb is Sinkhorn-projected
-    onto doubly-stochastic matrices so the mixed residual cannot grow."""
-    hc, eps = cfg.hc_mult, cfg.hc_eps
-    mixes = F.linear(rms_unit(h.flatten(1).float(), cfg.rms_norm_eps), fn.float())
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
+        self.kernels = load_kernels("torch")
         self.attn = Attention(cfg, layer)
         self.ffn = MoE(cfg, layer)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -127,16 +109,18 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
 
     def _mixed(self, h: torch.Tensor, part: str, sublayer) -> torch.Tensor:
-        pre, post, comb = hc_weights(h, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_base"),
-                                     getattr(self, f"hc_{part}_scale"), self.cfg)
-        collapsed = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)  # [T, D]
-        y = sublayer(collapsed)
-        # new stream k = post_k · y + Σ_j comb[j, k] · h_j
-        return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(1) + comb.to(h.dtype).transpose(-1, -2) @ h
+        """mHC around a sublayer (kernels/mhc.py): h [T, hc, D] → [T, hc, D]."""
+        cfg, k = self.cfg, self.kernels
+        x, post, comb = k.mhc_pre(h, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_base"),
+                                  getattr(self, f"hc_{part}_scale"), cfg.hc_eps, cfg.rms_norm_eps,
+                                  cfg.hc_sinkhorn_iters)
+        return k.mhc_post(h, sublayer(x), post, comb)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                layer_kv: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = self._mixed(h, "attn", lambda x: self.attn(self.attn_norm(x), meta, layer_kv, rotary, cos, sin, positions))
+                batch: RaggedBatch, layer_kv: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
+        h = self._mixed(h, "attn", lambda x: self.attn(self.attn_norm(x), meta, batch, layer_kv, rotary, cos, sin,
+                                                       positions))
         return self._mixed(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
 
 
@@ -155,19 +139,27 @@ class DeepseekV4(nn.Module):
         # and indexers) with the YaRN-scaled compress theta.
         self.rotary_main = Rotary(cfg.rope_dim, cfg.rope_theta, None)
         self.rotary_compress = Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
+        self.kernels = load_kernels("torch")
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Switch every layer to a kernel set (kernels/registry.py)."""
+        self.kernels = kernels
+        for block in self.layers:
+            block.kernels = block.attn.kernels = kernels
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV) -> torch.Tensor:
         """input_ids [T] (the new tokens of every sequence, flattened) → logits [R, V] for
         `meta.logits_rows` (fp32)."""
-        positions = torch.cat([torch.arange(s.start, s.end) for s in meta.seqs]).to(input_ids.device)
+        batch = meta.ragged(input_ids.device)
+        positions = batch.row_pos
         cs_main = self.rotary_main.cos_sin(positions)
         cs_comp = self.rotary_compress.cos_sin(positions)
         h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for block, layer_kv in zip(self.layers, kv.layers, strict=True):
             rotary, (cos, sin) = ((self.rotary_main, cs_main) if block.attn.kind == "swa"
                                   else (self.rotary_compress, cs_comp))
-            h = block(h, input_ids, positions, meta, layer_kv, rotary, cos, sin)
+            h = block(h, input_ids, positions, meta, batch, layer_kv, rotary, cos, sin)
         h = h[meta.logits_rows]
         x = self.norm(self._hc_head(h))
         return F.linear(x.float(), self.head.weight.float())

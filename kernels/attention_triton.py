@@ -1,0 +1,127 @@
+"""Triton sparse attention over a ragged batch: the twin of `attention.sparse_attention` (same
+signature, same semantics; see that module for what each query attends to).
+
+One program per (query row, tile of heads): an online softmax over key tiles — first the window
+(ring rows below the sequence's start, this step's keys above it), then the compressed entries read
+through the block table (CSA: the indexer's top-k; HCA: every visible entry) — then the sink
+joins the denominator. K = V, so each key tile is loaded once. A row's reduction order depends only
+on its own position and keys, never on its batch-mates or on how its prompt was chunked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.launches import triton_launch
+
+NEG = -1.0e30  # a finite "−inf": a fully masked tile must not turn the running max into NaN
+
+
+@triton.jit
+def _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """Fold one key tile k [N, D] (valid [N]) into the running max/denominator/numerator of q [H, D]."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [H, N]
+    s = tl.where(valid[None, :], s, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, entries_ptr, topk_ptr, tables_ptr, row_seq_ptr, row_pos_ptr,
+                             info_ptr, sink_ptr, out_ptr, H, D, W, ratio, n_tables, scale,
+                             TOPK: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_ENTRIES: tl.constexpr,
+                             HAS_TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok, dim_ok = heads < H, dims < D
+    b = tl.load(row_seq_ptr + r)
+    p = tl.load(row_pos_ptr + r)
+    slot = tl.load(info_ptr + b * 4)
+    start = tl.load(info_ptr + b * 4 + 1)
+    offset = tl.load(info_ptr + b * 4 + 2)
+    window_from = tl.load(info_ptr + b * 4 + 3)
+    q = tl.load(q_ptr + (r * H + heads[:, None]) * D + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
+                other=0.0)
+    m_i = tl.full([BLOCK_H], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    # Window: positions [lo, p]; below `start` from the ring, from this step's keys above.
+    lo = tl.maximum(tl.maximum(p - W + 1, window_from), 0)
+    for j0 in range(lo, p + 1, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j <= p
+        new = j >= start
+        from_kv = tl.load(kv_ptr + (offset + j - start)[:, None] * D + dims[None, :],
+                          mask=(valid & new)[:, None] & dim_ok[None, :], other=0.0)
+        from_ring = tl.load(ring_ptr + (slot * W + j % W)[:, None] * D + dims[None, :],
+                            mask=(valid & ~new)[:, None] & dim_ok[None, :], other=0.0)
+        k = tl.where(new[:, None], from_kv.to(q.dtype), from_ring.to(q.dtype))
+        m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+
+    # Compressed entries through the block table.
+    if HAS_ENTRIES:
+        if HAS_TOPK:
+            for e0 in range(0, TOPK, BLOCK_N):
+                slots_k = e0 + tl.arange(0, BLOCK_N)
+                e = tl.load(topk_ptr + r * TOPK + slots_k, mask=slots_k < TOPK, other=-1)
+                valid = e >= 0
+                e = tl.maximum(e, 0)
+                blk = tl.load(tables_ptr + b * n_tables + e // PER_BLOCK, mask=valid, other=0)
+                k = tl.load(entries_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * D + dims[None, :],
+                            mask=valid[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)
+                m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+        else:
+            count = (p + 1) // ratio
+            for e0 in range(0, count, BLOCK_N):
+                e = e0 + tl.arange(0, BLOCK_N)
+                valid = e < count
+                blk = tl.load(tables_ptr + b * n_tables + e // PER_BLOCK, mask=valid, other=0)
+                k = tl.load(entries_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * D + dims[None, :],
+                            mask=valid[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)
+                m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+
+    # The sink: one more logit per head in the denominator, nothing in the numerator.
+    sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.exp(sink - m_new)
+    out = acc * alpha[:, None] / l_i[:, None]
+    tl.store(out_ptr + (r * H + heads[:, None]) * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & dim_ok[None, :])
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
+                     topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, d], kv [T, d], ring [S, W, d], entries [NB, P, d] or None, topk [T, k] or None,
+    sink [H] → out [T, H, d]."""
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    block_h = 16  # tl.dot's smallest tile; fewer heads are masked
+    has_entries, has_topk = entries is not None, topk is not None
+    entries_t = entries if entries is not None else ring  # any tensor: never read without entries
+    topk_t = topk.contiguous() if topk is not None else batch.row_seq
+    # Interpreted, each op costs the same whatever its size: fewer, larger key tiles run faster.
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    with triton_launch():
+        _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
+            q.contiguous(), kv.contiguous(), ring, entries_t, topk_t, batch.tables, batch.row_seq, batch.row_pos,
+            batch.seq_info, sink, out, h, d, ring.shape[1], max(ratio, 1), batch.tables.shape[1], scale,
+            TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1], HAS_ENTRIES=has_entries,
+            HAS_TOPK=has_topk, BLOCK_H=block_h, BLOCK_N=128 if interpreting else 32,
+            BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out

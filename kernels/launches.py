@@ -1,0 +1,52 @@
+"""Counting the device work of a forward pass: non-view ATen ops (each is at least one kernel
+launch on a GPU) plus Triton launches, which the dispatcher never sees and so are counted at
+the launcher. Used by `bench/bench_launches.py` and the launch-budget tests."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def triton_launch(name: str = "triton") -> Iterator[None]:
+    """Wraps every Triton launch: counts it as one work item, and hides the launch's own tensor
+    handling (the interpreter copies arguments with torch ops) from the op counter."""
+    counter: LaunchCounter | None = getattr(_local, "counter", None)
+    if counter is None:
+        yield
+        return
+    counter.ops[name] += 1
+    with _disable_current_modes():
+        yield
+
+
+class LaunchCounter(TorchDispatchMode):
+    """with LaunchCounter() as c: ... → c.ops counts work items by name, c.total() their sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> LaunchCounter:
+        _local.counter = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _local.counter = None
+        super().__exit__(*exc)
+
+    def total(self) -> int:
+        return sum(self.ops.values())

@@ -1,0 +1,42 @@
+"""Manifold-constrained hyper-connections (mHC): the residual is hc parallel streams h [T, hc, D].
+
+Before a sublayer (`mhc_pre`): RMS-normalised mixing weights from all streams give the input
+gates `pre`, the output gates `post` and the stream-mixing matrix `comb`, which Sinkhorn
+iterations project onto the doubly-stochastic matrices so the mixed residual cannot grow; the
+sublayer's input is Σ_k pre_k h_k. After it (`mhc_post`): new stream k = post_k · y + Σ_j comb[j, k] h_j.
+
+Plain torch, the twin of the Triton kernels in `mhc_triton.py` (same signatures).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, hc, D], fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3] →
+    (x [T, D] in h's dtype, post [T, hc], comb [T, hc, hc]) (fp32 gates)."""
+    hc = h.shape[1]
+    flat = h.flatten(1).float()
+    # The RMS factor is a per-row scalar, so it is applied after the projection: one op fewer.
+    rs = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    z = torch.addcmul(base.float(), F.linear(flat, fn.float()) * rs,
+                      scale.float().repeat_interleave(torch.tensor([hc, hc, hc * hc], device=scale.device)))
+    pre_z, post_z, comb_z = z.split([hc, hc, hc * hc], dim=-1)
+    pre = torch.sigmoid(pre_z) + hc_eps
+    post = 2 * torch.sigmoid(post_z)
+    comb = torch.softmax(comb_z.unflatten(-1, (hc, hc)), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    x = torch.bmm(pre.unsqueeze(1), flat.view_as(h)).squeeze(1)  # Σ_k pre_k h_k
+    return x.to(h.dtype), post, comb
+
+
+def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """h [T, hc, D], y [T, D], post [T, hc], comb [T, hc, hc] → new streams [T, hc, D]."""
+    mixed = torch.baddbmm(post.unsqueeze(-1) * y.float().unsqueeze(1), comb.transpose(-1, -2), h.float())
+    return mixed.to(h.dtype)

@@ -1,0 +1,125 @@
+"""Triton kernels for mHC (see `mhc.py`, their plain-torch twin): the whole pre step (RMS-normalised
+mixing, sigmoid gates, every Sinkhorn iteration, the collapse Σ_k pre_k h_k) is one launch per
+layer part, and the post step another. A program takes a tile of tokens but reduces each token's
+row on its own, in a fixed order, so a token's result does not depend on its batch-mates."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from v4serve.kernels.launches import triton_launch
+
+
+@triton.jit
+def _mhc_pre_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, T, D, hc_eps, norm_eps,
+                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < T
+    K = HC * D
+    i = tl.arange(0, HC)
+    ij = tl.arange(0, HC * HC)
+    acc_pre = tl.zeros([BLOCK_T, HC, BLOCK], tl.float32)
+    acc_post = tl.zeros([BLOCK_T, HC, BLOCK], tl.float32)
+    acc_comb = tl.zeros([BLOCK_T, HC * HC, BLOCK], tl.float32)
+    sq = tl.zeros([BLOCK_T, BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        live = offs < K
+        hv = tl.load(h_ptr + tok[:, None] * K + offs[None, :], mask=tok_ok[:, None] & live[None, :],
+                     other=0.0).to(tl.float32)  # [BT, BK]
+        sq += hv * hv
+        w_pre = tl.load(fn_ptr + i[:, None] * K + offs[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        w_post = tl.load(fn_ptr + (HC + i[:, None]) * K + offs[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        w_comb = tl.load(fn_ptr + (2 * HC + ij[:, None]) * K + offs[None, :], mask=live[None, :],
+                         other=0.0).to(tl.float32)
+        acc_pre += w_pre[None, :, :] * hv[:, None, :]
+        acc_post += w_post[None, :, :] * hv[:, None, :]
+        acc_comb += w_comb[None, :, :] * hv[:, None, :]
+    rs = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + norm_eps)  # [BT]
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(tl.sum(acc_pre, axis=2) * rs[:, None] * s_pre + tl.load(base_ptr + i)[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(tl.sum(acc_post, axis=2) * rs[:, None] * s_post + tl.load(base_ptr + HC + i)[None, :])
+    z = tl.sum(acc_comb, axis=2) * rs[:, None] * s_comb + tl.load(base_ptr + 2 * HC + ij)[None, :]
+    z = tl.reshape(z, (BLOCK_T, HC, HC))  # [t, j, k]: softmax over k
+    z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+    comb = z / tl.sum(z, axis=2)[:, :, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    tl.store(post_ptr + tok[:, None] * HC + i[None, :], post, mask=tok_ok[:, None])
+    tl.store(comb_ptr + tok[:, None] * HC * HC + ij[None, :], tl.reshape(comb, (BLOCK_T, HC * HC)),
+             mask=tok_ok[:, None])
+    for d0 in range(0, D, BLOCK):
+        offs = d0 + tl.arange(0, BLOCK)
+        live = tok_ok[:, None, None] & (offs < D)[None, None, :]
+        hv = tl.load(h_ptr + tok[:, None, None] * K + i[None, :, None] * D + offs[None, None, :], mask=live,
+                     other=0.0).to(tl.float32)  # [BT, HC, BD]
+        x = tl.sum(pre[:, :, None] * hv, axis=1)
+        tl.store(x_ptr + tok[:, None] * D + offs[None, :], x.to(x_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & (offs < D)[None, :])
+
+
+@triton.jit
+def _mhc_post_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, D, HC: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.arange(0, HC)
+    live = (tok < T)[:, None, None] & (offs < D)[None, None, :]
+    at = tok[:, None, None] * HC * D + i[None, :, None] * D + offs[None, None, :]
+    y = tl.load(y_ptr + tok[:, None] * D + offs[None, :], mask=(tok < T)[:, None] & (offs < D)[None, :],
+                other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + tok[:, None] * HC + i[None, :], mask=(tok < T)[:, None], other=0.0)  # [BT, k]
+    mixed = post[:, :, None] * y[:, None, :]
+    for j in tl.static_range(HC):  # Σ_j comb[j, k] h_j, one stream at a time keeps it 3-D
+        c_j = tl.load(comb_ptr + tok[:, None] * HC * HC + j * HC + i[None, :], mask=(tok < T)[:, None], other=0.0)
+        h_j = tl.load(h_ptr + tok[:, None] * HC * D + j * D + offs[None, :],
+                      mask=(tok < T)[:, None] & (offs < D)[None, :], other=0.0).to(tl.float32)
+        mixed += c_j[:, :, None] * h_j[:, None, :]
+    tl.store(out_ptr + at, mixed.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_streams(hc: int) -> None:
+    if hc & (hc - 1):
+        raise ValueError(f"the Triton mHC kernels need a power-of-two stream count, got hc_mult={hc}")
+
+
+def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, hc, d = h.shape
+    _check_streams(hc)
+    x = h.new_empty(t, d)
+    post = h.new_empty(t, hc, dtype=torch.float32)
+    comb = h.new_empty(t, hc, hc, dtype=torch.float32)
+    if t:
+        # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
+        block_t, block = (16, 128) if _interpreting() else (4, 32)
+        with triton_launch():
+            _mhc_pre_kernel[(triton.cdiv(t, block_t),)](
+                h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), x, post, comb,
+                t, d, hc_eps, norm_eps, HC=hc, ITERS=iters, BLOCK_T=block_t, BLOCK=block)
+    return x, post, comb
+
+
+def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    t, hc, d = h.shape
+    _check_streams(hc)
+    out = torch.empty_like(h)
+    if t:
+        block_t, block = (16, 256) if _interpreting() else (4, 128)
+        with triton_launch():
+            _mhc_post_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block))](
+                h.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous(), out, t, d, HC=hc,
+                BLOCK_T=block_t, BLOCK=block)
+    return out

@@ -1,0 +1,161 @@
+"""Every Triton kernel against its plain-torch twin (kernels/registry.py pairs them). Without a GPU
+the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by `load_kernels`); on
+a CUDA machine the same tests run them compiled (bench/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.launches import LaunchCounter
+from v4serve.kernels.registry import load_kernels, resolve_backend, triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="the triton package is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TWIN = load_kernels("torch")
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    return load_kernels("triton", DEVICE)
+
+
+def rand(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-6) -> None:
+    """fp32 results that differ only in reduction order."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= tol * max(1.0, b.abs().max().item()), f"max error {err:.3g}"
+
+
+# ---- mHC -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 128), (5, 200), (17, 64), (33, 96)])
+def test_mhc_pre_and_post_equal_their_twins(triton_kernels, tokens: int, dim: int) -> None:
+    """Token counts below, at and across the kernels' token tiles; widths that are not a multiple
+    of the column tile."""
+    gen = torch.Generator().manual_seed(tokens * dim)
+    hc = 4
+    h = rand(tokens, hc, dim, gen=gen)
+    fn, base = rand((2 + hc) * hc, hc * dim, gen=gen, scale=0.05), rand((2 + hc) * hc, gen=gen)
+    scale = (torch.rand(3, generator=gen) + 0.5).to(DEVICE)
+    want = TWIN.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)
+    got = triton_kernels.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+    _, post, comb = want
+    # Sinkhorn ends on a column normalisation and leaves rows nearly normalised too.
+    assert torch.allclose(got[2].sum(-2), torch.ones(tokens, hc, device=DEVICE), atol=1e-4)
+    assert torch.allclose(got[2].sum(-1), torch.ones(tokens, hc, device=DEVICE), atol=2e-2)
+    y = rand(tokens, dim, gen=gen)
+    close(triton_kernels.mhc_post(h, y, post, comb), TWIN.mhc_post(h, y, post, comb))
+
+
+def test_mhc_pre_of_one_token_does_not_depend_on_its_batch_mates(triton_kernels) -> None:
+    gen = torch.Generator().manual_seed(3)
+    h = rand(20, 4, 64, gen=gen)
+    fn, base, scale = rand(24, 256, gen=gen, scale=0.05), rand(24, gen=gen), torch.ones(3, device=DEVICE)
+    alone = triton_kernels.mhc_pre(h[7:8], fn, base, scale, 1e-6, 1e-6, 20)
+    batched = triton_kernels.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)
+    for a, b in zip(alone, batched, strict=True):
+        assert torch.equal(a[0], b[7])
+
+
+# ---- sparse attention ------------------------------------------------------------------------------------
+H, D, W, SLOTS, BLOCKS, PER_BLOCK, RATIO = 4, 32, 16, 5, 48, 4, 4
+# (slot, start, new tokens, window_from): decodes, chunks crossing the window and block edges, a
+# first chunk, a chunk after a hit whose window starts at its own start (empty ring part), a decode
+# with a full window, a decode at position 0.
+SEQS = [(0, 37, 1, 0), (1, 0, 23, 0), (2, 50, 20, 50), (3, 15, 1, 0), (4, 0, 1, 0), (0, 64, 17, 60)]
+
+
+def ragged(seqs: list[tuple[int, int, int, int]], gen: torch.Generator) -> RaggedBatch:
+    tables = [torch.randperm(BLOCKS, generator=gen)[:12].tolist() for _ in seqs]
+    return RaggedBatch.build([s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs],
+                             [s[3] for s in seqs], tables, DEVICE)
+
+
+def random_topk(batch: RaggedBatch, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k picks per query among its visible entries (−1 where fewer are visible: top-k larger than
+    the entries), in random order."""
+    rows = []
+    for pos in batch.row_pos.tolist():
+        visible = (pos + 1) // RATIO
+        picks = torch.randperm(visible, generator=gen)[:k].tolist() if visible else []
+        rows.append(picks + [-1] * (k - len(picks)))
+    return torch.tensor(rows, dtype=torch.long, device=DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa", "csa_wide"])
+def test_sparse_attention_equals_its_twin_on_a_ragged_batch(triton_kernels, kind: str) -> None:
+    gen = torch.Generator().manual_seed(len(kind))
+    batch = ragged(SEQS if kind != "csa_wide" else SEQS[:3], gen)
+    t = batch.num_rows
+    q, kv = rand(t, H, D, gen=gen), rand(t, D, gen=gen)
+    ring, entries = rand(SLOTS, W, D, gen=gen), rand(BLOCKS, PER_BLOCK, D, gen=gen)
+    sink = rand(H, gen=gen)
+    args = {"swa": (None, None, 0), "hca": (entries, None, RATIO),
+            "csa": (entries, random_topk(batch, 6, gen), RATIO),
+            "csa_wide": (entries, random_topk(batch, 40, gen), RATIO)}[kind]
+    ent, topk, ratio = args
+    want = TWIN.sparse_attention(q, kv, ring, ent, topk, batch, ratio, sink, D**-0.5)
+    got = triton_kernels.sparse_attention(q, kv, ring, ent, topk, batch, ratio, sink, D**-0.5)
+    close(got, want)
+
+
+def test_sparse_attention_reads_the_ring_only_below_the_start(triton_kernels) -> None:
+    """Ring rows that the window does not cover (poisoned with NaN) are never read: a chunk's own keys
+    come from `kv`, and positions below window_from are skipped."""
+    gen = torch.Generator().manual_seed(5)
+    batch = ragged([(0, 40, 6, 38), (1, 3, 1, 0)], gen)
+    ring = rand(SLOTS, W, D, gen=gen)
+    q, kv, sink = rand(batch.num_rows, H, D, gen=gen), rand(batch.num_rows, D, gen=gen), rand(H, gen=gen)
+    want = TWIN.sparse_attention(q, kv, ring, None, None, batch, 0, sink, D**-0.5)
+    ring[0, [p % W for p in range(40 - W, 38)]] = float("nan")  # outside slot 0's window
+    ring[1, [p % W for p in range(3, W)]] = float("nan")  # never written for slot 1
+    got = triton_kernels.sparse_attention(q, kv, ring, None, None, batch, 0, sink, D**-0.5)
+    assert torch.isfinite(got).all()
+    close(got, want)
+
+
+def test_sparse_attention_of_a_row_is_independent_of_the_batch(triton_kernels) -> None:
+    """Bitwise: a decode alone, beside other decodes, and beside prefill chunks."""
+    gen = torch.Generator().manual_seed(9)
+    ring, entries, sink = rand(SLOTS, W, D, gen=gen), rand(BLOCKS, PER_BLOCK, D, gen=gen), rand(H, gen=gen)
+    q, kv = rand(1, H, D, gen=gen), rand(1, D, gen=gen)
+    table = torch.randperm(BLOCKS, generator=gen)[:12].tolist()
+    alone = RaggedBatch.build([3], [37], [1], [0], [table], DEVICE)
+    out = triton_kernels.sparse_attention(q, kv, ring, entries, None, alone, RATIO, sink, D**-0.5)
+    others = ragged([(1, 0, 23, 0), (2, 50, 20, 50)], gen)
+    mixed = RaggedBatch.build([1, 2, 3], [0, 50, 37], [23, 20, 1], [0, 50, 0],
+                              others.tables.tolist()[:2] + [table], DEVICE)
+    q_mixed = torch.cat([rand(43, H, D, gen=gen), q])
+    kv_mixed = torch.cat([rand(43, D, gen=gen), kv])
+    in_batch = triton_kernels.sparse_attention(q_mixed, kv_mixed, ring, entries, None, mixed, RATIO, sink, D**-0.5)
+    assert torch.equal(in_batch[-1], out[0])
+
+
+# ---- selection and counting ---------------------------------------------------------------------------------
+def test_backend_resolution() -> None:
+    assert resolve_backend("torch", "cpu") == "torch"
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("triton", "cpu") == "triton"
+    assert resolve_backend("auto", "cuda") == "triton"
+    with pytest.raises(ValueError, match="attention-backend"):
+        resolve_backend("flash", "cpu")
+
+
+def test_triton_launches_are_counted_and_torch_ops_seen(triton_kernels) -> None:
+    gen = torch.Generator().manual_seed(1)
+    h = rand(3, 4, 16, gen=gen)
+    fn, base, scale = rand(24, 64, gen=gen), rand(24, gen=gen), torch.ones(3, device=DEVICE)
+    with LaunchCounter() as c:
+        triton_kernels.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)
+    assert c.ops["triton"] == 1
+    with LaunchCounter() as c:
+        TWIN.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)
+    assert c.ops["triton"] == 0 and c.ops["aten.div"] >= 2 * 19
