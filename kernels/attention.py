@@ -27,6 +27,18 @@ ATTN_TILE = 256
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """The sequences decoding one token each, gathered once per step for the batched decode paths."""
+
+    seqs: tuple[int, ...]  # indices into the batch's sequences
+    rows: torch.Tensor  # [D] row of each one's token
+    slots: torch.Tensor  # [D]
+    positions: torch.Tensor  # [D] position of each one's token
+    window_floor: torch.Tensor  # [D] lowest window position present
+    frozen_until: torch.Tensor  # [D] entries below this position are already in the Block Cache
+
+
+@dataclass(frozen=True)
 class RaggedBatch:
     """Where each sequence's new tokens sit in a flattened batch, as tensors for kernels and as
     Python tuples for host-side loops. Built once per forward step and shared by all layers."""
@@ -40,10 +52,12 @@ class RaggedBatch:
     row_seq: torch.Tensor  # [T] sequence of each row
     row_pos: torch.Tensor  # [T] position of each row
     seq_info: torch.Tensor  # [B, 4]: slot, start, offset, window_from (int64, for kernels)
+    decodes: DecodeRows
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
-              block_tables: list[list[int]], device: torch.device | str) -> RaggedBatch:
+              block_tables: list[list[int]], device: torch.device | str,
+              frozen_until: list[int] | None = None) -> RaggedBatch:
         offsets, total = [], 0
         for n in num_new:
             offsets.append(total)
@@ -53,9 +67,16 @@ class RaggedBatch:
         row_seq = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new, dtype=torch.long))
         row_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
                             or [torch.zeros(0, dtype=torch.long)])
-        info = torch.tensor([slots, starts, offsets, [max(w, 0) for w in window_from]], dtype=torch.long).T
+        floor = [max(w, 0) for w in window_from]
+        info = torch.tensor([slots, starts, offsets, floor], dtype=torch.long).T
+        frozen = frozen_until or [0] * len(slots)
+        d = [b for b, n in enumerate(num_new) if n == 1]
+        # One host→device copy for every per-decode vector.
+        per_decode = torch.tensor([[offsets[b] for b in d], [slots[b] for b in d], [starts[b] for b in d],
+                                   [floor[b] for b in d], [frozen[b] for b in d]], dtype=torch.long).to(device)
+        decodes = DecodeRows(tuple(d), *per_decode.unbind(0))
         return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from),
-                   tables.to(device), row_seq.to(device), row_pos.to(device), info.contiguous().to(device))
+                   tables.to(device), row_seq.to(device), row_pos.to(device), info.contiguous().to(device), decodes)
 
     @property
     def num_rows(self) -> int:
@@ -68,10 +89,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     """q [T, H, d], kv [T, d] (this step's keys), ring [S, W, d], entries [NB, P, d] or None,
     topk [T, k] or None (CSA), sink [H] → out [T, H, d]."""
     out = torch.empty_like(q)
-    decodes = [b for b, n in enumerate(batch.num_new) if n == 1]
-    if decodes:
-        rows = torch.tensor([batch.offsets[b] for b in decodes], device=q.device)
-        out[rows] = _decodes(q, kv, ring, entries, topk, batch, decodes, rows, ratio, sink, scale)
+    if batch.decodes.seqs:
+        out[batch.decodes.rows] = _decodes(q, kv, ring, entries, topk, batch, ratio, sink, scale)
     for b, n in enumerate(batch.num_new):
         if n > 1:
             lo = batch.offsets[b]
@@ -108,31 +127,30 @@ def gather_entries(entries: torch.Tensor, tables: torch.Tensor, index: torch.Ten
 
 
 def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
-             topk: torch.Tensor | None, batch: RaggedBatch, seqs: list[int], rows: torch.Tensor, ratio: int,
-             sink: torch.Tensor, scale: float) -> torch.Tensor:
+             topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
+             scale: float) -> torch.Tensor:
     """Every sequence decoding one token: its whole ring (with its own new key at row p mod W, where
     the ring still holds position p − W) plus its entries, as that query's own keys."""
     dev, w = q.device, ring.shape[1]
-    slots = torch.tensor([batch.slots[b] for b in seqs], device=dev)
-    t = torch.tensor([batch.starts[b] for b in seqs], device=dev)
-    floor = torch.tensor([max(batch.window_from[b], 0) for b in seqs], device=dev)
-    keys = ring[slots].to(q.dtype)  # [D, W, d]
-    keys[torch.arange(len(seqs), device=dev), t % w] = kv[rows].to(q.dtype)
+    dec = batch.decodes
+    rows, t, n = dec.rows, dec.positions, len(dec.seqs)
+    keys = ring[dec.slots].to(q.dtype)  # [D, W, d]
+    keys[torch.arange(n, device=dev), t % w] = kv[rows].to(q.dtype)
     ring_row = torch.arange(w, device=dev)
     held = t[:, None] - ((t[:, None] - ring_row[None, :]) % w)  # position held by each ring row
-    mask = held >= floor[:, None]
+    mask = held >= dec.window_floor[:, None]
     if entries is not None:
-        tables = batch.tables[torch.tensor(seqs, device=dev)]
+        tables = batch.tables[batch.row_seq[rows]]
         if topk is not None:
             index = topk[rows]
             visible = index >= 0
         else:
             count = (t + 1) // ratio
-            index = torch.arange(int(count.max()), device=dev)[None, :].expand(len(seqs), -1)
+            index = torch.arange(int(count.max()), device=dev)[None, :].expand(n, -1)
             visible = index < count[:, None]
         keys = torch.cat([keys, gather_entries(entries, tables, index).to(q.dtype)], dim=1)
         mask = torch.cat([mask, visible], dim=1)
-    return attend(q[rows], q.new_zeros(0, q.shape[-1]), mask.new_zeros(len(seqs), 0), keys, mask, sink, scale)
+    return attend(q[rows], q.new_zeros(0, q.shape[-1]), mask.new_zeros(n, 0), keys, mask, sink, scale)
 
 
 def _chunk(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,

@@ -52,6 +52,15 @@ def write_entries(cache: torch.Tensor, block_table: Sequence[int], first: int, e
     cache[blocks.to(cache.device), (index % per_block).to(cache.device)] = entries.to(cache.dtype)
 
 
+def write_entries_batched(cache: torch.Tensor, tables: torch.Tensor, index: torch.Tensor,
+                          entries: torch.Tensor) -> None:
+    """One entry per sequence: entry `index` [R] of the sequence whose padded block table is row r of
+    `tables` [R, nb] ← entries [R, d]."""
+    per_block = cache.shape[1]
+    blocks = tables.gather(1, (index // per_block)[:, None])[:, 0]
+    cache[blocks, index % per_block] = entries.to(cache.dtype)
+
+
 def read_entries(cache: torch.Tensor, block_table: Sequence[int], count: int) -> torch.Tensor:
     """Entries 0..count−1 of one sequence from cache [NB, per_block, d] → [count, d] (fp32)."""
     per_block = cache.shape[1]

@@ -65,6 +65,26 @@ def test_mhc_pre_of_one_token_does_not_depend_on_its_batch_mates(triton_kernels)
         assert torch.equal(a[0], b[7])
 
 
+# ---- RMSNorm and RoPE ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("shape", "rope_dim"), [((7, 4, 64), 16), ((70, 72), 8), ((1, 128), 64), ((3, 2, 16), 16)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_norm_and_rope_equal_their_twins(triton_kernels, shape: tuple[int, ...], rope_dim: int,
+                                         weighted: bool) -> None:
+    """Per-head rows sharing one position's angles, widths that are not a power of two, more rows
+    than one tile, the whole vector rotated, and the inverse rotation (−sin)."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = rand(*shape, gen=gen)
+    weight = rand(shape[-1], gen=gen) if weighted else None
+    angles = rand(shape[0], rope_dim // 2, gen=gen)
+    cos, sin = angles.cos(), angles.sin()
+    close(triton_kernels.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    close(triton_kernels.rope(x, cos, sin), TWIN.rope(x, cos, sin))
+    close(triton_kernels.rope(x, cos, -sin), TWIN.rope(x, cos, -sin))
+    close(triton_kernels.rms_norm_rope(x, weight, 1e-6, cos, sin), TWIN.rms_norm_rope(x, weight, 1e-6, cos, sin))
+    # The twin rotates back exactly what it rotated (the model relies on it for V = K).
+    close(TWIN.rope(TWIN.rope(x, cos, sin), cos, -sin), x, tol=1e-5)
+
+
 # ---- sparse attention ------------------------------------------------------------------------------------
 H, D, W, SLOTS, BLOCKS, PER_BLOCK, RATIO = 4, 32, 16, 5, 48, 4, 4
 # (slot, start, new tokens, window_from): decodes, chunks crossing the window and block edges, a

@@ -17,6 +17,7 @@ from v4serve.kernels.paged import (
     ring_write,
     ring_write_batched,
     write_entries,
+    write_entries_batched,
 )
 
 
@@ -53,6 +54,15 @@ def test_entries_through_block_tables_equal_the_flat_sequence() -> None:
         assert torch.equal(read_entries(cache, table, len(entries)), entries)
     batched = read_entries_batched(cache, padded_tables(tables, 3, cache.device), 6)
     assert torch.equal(batched[0], flat[0][:6]) and torch.equal(batched[1], flat[1][:6])
+
+
+def test_one_entry_per_sequence_lands_where_the_block_table_says() -> None:
+    cache = torch.zeros(10, 4, 3)
+    tables = padded_tables([[7, 2, 5], [0, 9]], 3, cache.device)
+    rows = torch.randn(2, 3)
+    write_entries_batched(cache, tables, torch.tensor([9, 4]), rows)  # entry 9 → block 5 row 1; 4 → block 9 row 0
+    assert torch.equal(cache[5, 1], rows[0]) and torch.equal(cache[9, 0], rows[1])
+    assert int((cache != 0).any(-1).sum()) == 2
 
 
 def test_device_tensors_have_the_layouts_byte_sizes() -> None:

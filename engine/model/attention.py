@@ -19,16 +19,16 @@ from torch import nn
 from v4serve.cache.device_kv import LayerKV
 from v4serve.engine.model.compressor import Compressor, Indexer
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.layers import RMSNorm, Rotary, apply_rope, rms_unit
+from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
 from v4serve.kernels.paged import (
-    padded_tables,
     read_entries,
     read_entries_batched,
     ring_write,
     ring_write_batched,
     write_entries,
+    write_entries_batched,
 )
 from v4serve.kernels.registry import load_kernels
 
@@ -60,58 +60,52 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, batch: RaggedBatch, layer_kv: LayerKV,
                 rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, D]."""
-        t = x.shape[0]
-        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
-        q = rms_unit(self.wq_b(qr).view(t, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, d]
+        t, k, eps = x.shape[0], self.kernels, self.cfg.rms_norm_eps
+        qr = k.rms_norm(self.wq_a(x), self.q_norm.weight, eps)  # [T, q_lora]
+        q = k.rms_norm_rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), None, eps, cos, sin)  # [T, H, d]
+        kv = k.rms_norm_rope(self.wkv(x), self.kv_norm.weight, eps, cos, sin)  # [T, d]
         topk = None
         if self.compressor is not None:
             assert layer_kv.entries is not None and layer_kv.pending_kv is not None
-            self._compress(self.compressor, x, positions, meta, layer_kv.pending_kv, layer_kv.pending_score,
-                           layer_kv.entries, rotary)
+            self._compress(self.compressor, x, positions, meta, batch, layer_kv.pending_kv,
+                           layer_kv.pending_score, layer_kv.entries, rotary)
         if self.indexer is not None:
             assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
-            self._compress(self.indexer.compressor, x, positions, meta, layer_kv.index_pending_kv,
+            self._compress(self.indexer.compressor, x, positions, meta, batch, layer_kv.index_pending_kv,
                            layer_kv.index_pending_score, layer_kv.index_keys, rotary)
-            topk = self._select(self.indexer.queries(x, qr, cos, sin), meta, batch, layer_kv.index_keys)
-        out = self.kernels.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
+            topk = self._select(self.indexer.queries(x, qr, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
+        out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                             self.attn_sink, self.head_dim**-0.5)
-        self._write_window(kv, meta, layer_kv.window)
-        out = apply_rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
+        self._write_window(kv, meta, batch, layer_kv.window)
+        out = k.rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgi,goi->tgo", groups, wo_a).flatten(1))
 
-    def _write_window(self, kv: torch.Tensor, meta: AttentionMetadata, window: torch.Tensor) -> None:
+    def _write_window(self, kv: torch.Tensor, meta: AttentionMetadata, batch: RaggedBatch,
+                      window: torch.Tensor) -> None:
         """Store this step's window keys in each sequence's ring, after attention has read it."""
-        decodes = [s for s in meta.seqs if s.num_new == 1]
-        if decodes:
-            dev = kv.device
-            rows = torch.tensor([s.offset for s in decodes], device=dev)
-            ring_write_batched(window, torch.tensor([s.slot for s in decodes], device=dev),
-                               torch.tensor([s.start for s in decodes], device=dev), kv[rows])
+        dec = batch.decodes
+        if dec.seqs:
+            ring_write_batched(window, dec.slots, dec.positions, kv[dec.rows])
         for seq in meta.seqs:
             if seq.num_new > 1:
                 ring_write(window[seq.slot], seq.end, kv[seq.offset:seq.offset + seq.num_new])
 
     # ---- compressed entries ----------------------------------------------------------------------------
     def _compress(self, compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  pending_kv: torch.Tensor, pending_score: torch.Tensor, dest: torch.Tensor, rotary: Rotary) -> None:
+                  batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor, dest: torch.Tensor,
+                  rotary: Rotary) -> None:
         """Feed this step's rows to a compressor and write the entries they finish to the Block Cache
         (`dest`: CSA/HCA entries or indexer keys) before attention reads them."""
         comp_kv, comp_score = compressor.project(x, positions)
-        decodes = [s for s in meta.seqs if s.num_new == 1]
-        if decodes:
-            dev = x.device
-            rows = torch.tensor([s.offset for s in decodes], device=dev)
-            t = torch.tensor([s.start for s in decodes], device=dev)
-            frozen = torch.tensor([s.frozen_until for s in decodes], device=dev)
-            new, which = compressor.decode_update(comp_kv[rows], comp_score[rows],
-                                                  torch.tensor([s.slot for s in decodes], device=dev), t, frozen,
-                                                  pending_kv, pending_score, rotary)
-            for j, e in zip(which.tolist(), new, strict=True):
-                write_entries(dest, decodes[j].block_table, int(t[j] + 1) // self.ratio - 1, e[None])
+        dec = batch.decodes
+        if dec.seqs:
+            new, which = compressor.decode_update(comp_kv[dec.rows], comp_score[dec.rows], dec.slots, dec.positions,
+                                                  dec.frozen_until, pending_kv, pending_score, rotary)
+            if len(which):
+                rows = dec.rows[which]
+                write_entries_batched(dest, batch.tables[batch.row_seq[rows]], batch.row_pos[rows] // self.ratio, new)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 rows_ = slice(seq.offset, seq.offset + seq.num_new)
@@ -124,19 +118,16 @@ class Attention(nn.Module):
         """The indexer's top-k CSA entries of every query → topk [T, k] (−1 where fewer are visible)."""
         assert self.indexer is not None
         iq, iw = index_q
-        dev = iq.device
-        topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=dev)
-        decodes = [s for s in meta.seqs if s.num_new == 1]
-        if decodes:
-            rows = torch.tensor([s.offset for s in decodes], device=dev)
-            counts = (torch.tensor([s.start for s in decodes], device=dev) + 1) // self.ratio
-            n = int(counts.max())
+        topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
+        dec = batch.decodes
+        if dec.seqs:
+            counts = (dec.positions + 1) // self.ratio
+            n = max((batch.starts[b] + 1) // self.ratio for b in dec.seqs)  # known on the host: no sync
             if n:
-                tables = padded_tables([s.block_table for s in decodes], -(-n // index_keys.shape[1]), dev)
-                keys = read_entries_batched(index_keys, tables, n)
-                visible = torch.arange(n, device=dev)[None, :] < counts[:, None]
-                top, valid = self.indexer.select(iq[rows][:, None], iw[rows][:, None], keys, visible[:, None])
-                topk[rows, :top.shape[-1]] = top[:, 0].masked_fill(~valid[:, 0], -1)
+                keys = read_entries_batched(index_keys, batch.tables[batch.row_seq[dec.rows]], n)
+                visible = torch.arange(n, device=iq.device)[None, :] < counts[:, None]
+                top, valid = self.indexer.select(iq[dec.rows][:, None], iw[dec.rows][:, None], keys, visible[:, None])
+                topk[dec.rows, :top.shape[-1]] = top[:, 0].masked_fill(~valid[:, 0], -1)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 self._select_chunk(iq, iw, seq, index_keys, topk)

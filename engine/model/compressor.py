@@ -12,12 +12,15 @@ c·d = projection width (c = 2 with overlap), E = entries, hI/dI = indexer heads
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.layers import RMSNorm, Rotary, apply_rope
+from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import SeqChunk
+from v4serve.kernels.norm_rope import rope
 from v4serve.kernels.paged import ring_read, ring_read_batched, ring_write, ring_write_batched
 
 
@@ -89,7 +92,7 @@ class Compressor(nn.Module):
             kv, score = win_kv, win_score
         pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, E, d]
         cos, sin = rotary.cos_sin((index * self.ratio).reshape(-1))
-        return apply_rope(pooled.reshape(-1, d), cos, sin).view(pooled.shape)
+        return rope(pooled.reshape(-1, d), cos, sin).view(pooled.shape)
 
     def decode_update(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
                       frozen: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
@@ -128,10 +131,10 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotate: Callable[..., torch.Tensor] = rope) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (qI [T, hI, dI] with RoPE, head weights w [T, hI] with both scales folded in)."""
-        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
+        q = rotate(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
         return q, self.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor

@@ -1,5 +1,5 @@
-"""Building blocks shared by the attention and the rest of the model: norms and rotary
-embeddings (interleaved pairs on the last r dims, YaRN-scaled on compressed layers)."""
+"""Building blocks shared by the attention and the rest of the model: the RMSNorm module and the
+rotary angles (YaRN-scaled on compressed layers); the rotation itself is `kernels.norm_rope.rope`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from v4serve.engine.model.config import YarnScaling
+from v4serve.kernels.norm_rope import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,14 +19,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32).to(x.dtype)
-
-
-def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation without a weight (per-head query norm, mHC input norm)."""
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 # ---- rotary embeddings ----------------------------------------------------------------------------
@@ -63,15 +57,3 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [n, r/2]
         return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing r dims of x [n, ..., D] pairwise (x_2i, x_2i+1) by cos/sin [n, r/2]."""
-    r = cos.shape[-1] * 2
-    extra = x.dim() - 2
-    cos = cos.view(cos.shape[0], *([1] * extra), -1)
-    sin = sin.view(sin.shape[0], *([1] * extra), -1)
-    rope = x[..., -r:].float().unflatten(-1, (-1, 2))
-    x0, x1 = rope[..., 0], rope[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)

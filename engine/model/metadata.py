@@ -56,7 +56,8 @@ class AttentionMetadata:
         """The same layout as tensors for the attention kernels."""
         s = self.seqs
         return RaggedBatch.build([q.slot for q in s], [q.start for q in s], [q.num_new for q in s],
-                                 [q.window_from for q in s], [q.block_table for q in s], device)
+                                 [q.window_from for q in s], [q.block_table for q in s], device,
+                                 [q.frozen_until for q in s])
 
     @property
     def num_tokens(self) -> int:

@@ -19,9 +19,10 @@ from torch import nn
 from v4serve.cache.device_kv import DeviceKV, LayerKV
 from v4serve.engine.model.attention import Attention
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.layers import RMSNorm, Rotary, rms_unit
+from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.norm_rope import rms_norm
 from v4serve.kernels.registry import Kernels, load_kernels
 
 # ---- mixture of experts ------------------------------------------------------------------------------
@@ -119,9 +120,10 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 batch: RaggedBatch, layer_kv: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor
                 ) -> torch.Tensor:
-        h = self._mixed(h, "attn", lambda x: self.attn(self.attn_norm(x), meta, batch, layer_kv, rotary, cos, sin,
-                                                       positions))
-        return self._mixed(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
+        norm, eps = self.kernels.rms_norm, self.cfg.rms_norm_eps
+        h = self._mixed(h, "attn", lambda x: self.attn(norm(x, self.attn_norm.weight, eps), meta, batch, layer_kv,
+                                                       rotary, cos, sin, positions))
+        return self._mixed(h, "ffn", lambda x: self.ffn(norm(x, self.ffn_norm.weight, eps), input_ids))
 
 
 class DeepseekV4(nn.Module):
@@ -166,6 +168,6 @@ class DeepseekV4(nn.Module):
 
     def _hc_head(self, h: torch.Tensor) -> torch.Tensor:
         eps = self.cfg.hc_eps
-        mixes = F.linear(rms_unit(h.flatten(1).float(), self.cfg.rms_norm_eps), self.hc_head_fn.float())
+        mixes = F.linear(rms_norm(h.flatten(1).float(), None, self.cfg.rms_norm_eps), self.hc_head_fn.float())
         pre = torch.sigmoid(mixes * self.hc_head_scale.float() + self.hc_head_base.float()) + eps
         return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

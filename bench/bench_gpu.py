@@ -1,0 +1,165 @@
+"""Kernel timings and model tokens/s at DeepSeek-V4's real head sizes: the measuring half of
+`bench/gpu_check.sh`.
+
+1. Each Triton kernel against its plain-torch twin on the same inputs (time ratio twin / Triton).
+2. Decode and prefill tokens/s of a 4-layer model with random weights and the real attention
+   shapes (64 heads of 512, window 128, ratios 4/128, top-k 512), per backend, at 8K and 64K
+   context (prefill: one 8K-token chunk ending there; decode: batch 1 and 32). Earlier context is
+   random KV rather than prefilled: a step's cost depends on how much it reads, not on what.
+
+    .venv/bin/python bench/bench_gpu.py [--device cuda] [--smoke]
+
+`--smoke` shrinks every size so the script itself can be tested on a CPU (Triton interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, write_results  # noqa: E402
+from v4serve.cache.device_kv import DeviceKV  # noqa: E402
+from v4serve.cache.layout import KVLayout  # noqa: E402
+from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk  # noqa: E402
+from v4serve.engine.model.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.kernels.attention import RaggedBatch  # noqa: E402
+from v4serve.kernels.registry import load_kernels  # noqa: E402
+
+REAL = dict(hidden_size=4096, num_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024, o_groups=8,
+            o_lora_rank=1024, window=128, compress_ratios=(0, 4, 128, 4), index_n_heads=64, index_head_dim=128,
+            index_topk=512, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048,
+            vocab_size=32768, num_layers=4)
+SMOKE = dict(hidden_size=64, num_heads=4, head_dim=32, rope_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=32,
+             window=8, compress_ratios=(0, 4, 16, 4), index_n_heads=4, index_head_dim=16, index_topk=6,
+             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_layers=4)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of fn after one warm-up call (which compiles Triton kernels)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """Each kernel and its twin on one decode batch of 32 sequences at an 8K context."""
+    twin, fused = load_kernels("torch"), load_kernels("triton", device)
+    h_, d, w, hidden = (4, 32, 8, 64) if smoke else (64, 512, 128, 4096)
+    batch, context, per_block, topk = (4, 64, 4, 6) if smoke else (32, 8192, 32, 512)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    blocks_per_seq = -(-(context // 4) // per_block) + 1
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    ragged = RaggedBatch.build(list(range(batch)), [context] * batch, [1] * batch, [0] * batch, tables, device)
+    q, kv, ring = rand(batch, h_, d), rand(batch, d), rand(batch, w, d)
+    entries, sink = rand(batch * blocks_per_seq, per_block, d), rand(h_).float()
+    picks = torch.stack([torch.randperm(context // 4, generator=gen)[:topk] for _ in range(batch)]).to(device)
+    h = rand(batch, 4, hidden)
+    fn, base, scale = rand(24, 4 * hidden) * 0.01, rand(24).float(), torch.ones(3, device=device)
+    x, cos, sin = rand(batch, h_, d), rand(batch, 32 if not smoke else 4).float(), rand(batch, 32 if not smoke else 4)
+    cases = {
+        "sparse_attention (CSA top-k)": lambda k: k.sparse_attention(q, kv, ring, entries, picks, ragged, 4, sink,
+                                                                     d**-0.5),
+        "sparse_attention (HCA)": lambda k: k.sparse_attention(q, kv, ring, entries, None, ragged, 4, sink, d**-0.5),
+        "mhc_pre": lambda k: k.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20),
+        "rms_norm_rope (queries)": lambda k: k.rms_norm_rope(x, None, 1e-6, cos.to(dtype), sin.to(dtype)),
+    }
+    rows = []
+    for name, case in cases.items():
+        t_twin = timed(lambda c=case: c(twin), device, repeats)
+        t_fused = timed(lambda c=case: c(fused), device, repeats)
+        rows.append({"kernel": name, "torch_s": t_twin, "triton_s": t_fused, "ratio": t_twin / t_fused})
+    return rows
+
+
+def filled_kv(model: DeepseekV4, batch: int, context: int, device: torch.device, dtype: torch.dtype
+              ) -> tuple[DeviceKV, list[list[int]]]:
+    cfg = model.cfg
+    per_seq = -(-(context + 64) // cfg.block_size)
+    kv = DeviceKV(KVLayout.from_config(cfg), num_slots=batch, num_blocks=batch * per_seq, dtype=dtype,
+                  device=device)
+    for layer in kv.layers:
+        for t in layer.slot_tensors() + layer.block_tensors():
+            t.normal_()
+    return kv, [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+
+
+def decode_tok_s(model: DeepseekV4, batch: int, context: int, device: torch.device, dtype: torch.dtype,
+                 steps: int) -> float:
+    kv, tables = filled_kv(model, batch, context, device, dtype)
+    ids = torch.randint(0, model.cfg.vocab_size, (batch,), device=device)
+    position = [context]
+
+    def step() -> None:
+        seqs = [SeqChunk(slot=i, block_table=tables[i], start=position[0], num_new=1) for i in range(batch)]
+        model(ids, AttentionMetadata.build(seqs), kv)
+        position[0] += 1
+
+    return batch / timed(step, device, steps)
+
+
+def prefill_tok_s(model: DeepseekV4, context: int, chunk: int, device: torch.device, dtype: torch.dtype,
+                  repeats: int) -> float:
+    """One prefill chunk whose last token sits at `context` (earlier tokens: random KV)."""
+    kv, tables = filled_kv(model, 1, context, device, dtype)
+    start = context - chunk
+    ids = torch.randint(0, model.cfg.vocab_size, (chunk,), device=device)
+    meta = AttentionMetadata.build([SeqChunk(slot=0, block_table=tables[0], start=start, num_new=chunk)])
+    return chunk / timed(lambda: model(ids, meta, kv), device, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to test the script on a CPU")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    repeats = 2 if args.smoke else 10
+    kernels = kernel_timings(device, args.smoke, dtype, repeats)
+    print_table(f"kernels vs their torch twins on {device} ({str(dtype).removeprefix('torch.')}; ratio = torch / "
+                "triton)", ["kernel", "torch s", "triton s", "ratio"],
+                [[r["kernel"], r["torch_s"], r["triton_s"], r["ratio"]] for r in kernels])
+
+    cfg = tiny_config(**(SMOKE if args.smoke else REAL))
+    model = build_tiny(cfg).to(device=device, dtype=dtype)
+    contexts, batches = ([64, 256], [1, 2]) if args.smoke else ([8192, 65536], [1, 32])
+    chunk = 32 if args.smoke else 8192
+    results: dict = {"device": str(device), "dtype": str(dtype), "kernels": kernels, "model": []}
+    for backend in ("torch", "triton"):
+        model.use_kernels(load_kernels(backend, device))
+        for context in contexts:
+            row = {"backend": backend, "context": context,
+                   "prefill_tok_s": prefill_tok_s(model, context, chunk, device, dtype, 1 if args.smoke else 3)}
+            for batch in batches:
+                row[f"decode_tok_s_batch{batch}"] = decode_tok_s(model, batch, context, device, dtype,
+                                                                 2 if args.smoke else 8)
+            results["model"].append(row)
+    header = ["backend", "context", "prefill tok/s"] + [f"decode b{b} tok/s" for b in batches]
+    print_table(f"model with the real head sizes, {cfg.num_layers} layers of random weights",
+                header, [[r["backend"], r["context"], r["prefill_tok_s"]] +
+                         [r[f"decode_tok_s_batch{b}"] for b in batches] for r in results["model"]])
+    write_results("bench_gpu_smoke" if args.smoke else "bench_gpu", results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Triton RMSNorm / RoPE / both in one launch: the twin of `norm_rope.py` (same signatures).
+
+One program per tile of rows; each row is normalised on its own (a fixed reduction order, whatever
+its batch-mates). A rotated column reads its pair partner (column c xor 1) a second time rather than
+shuffling registers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from v4serve.kernels.launches import triton_launch
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half, eps,
+                      NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    live = (rows < N)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=live, other=0.0).to(tl.float32)
+    rs = tl.full([BLOCK_R], 1.0, tl.float32)
+    if NORM:
+        rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        x = x * rs[:, None]
+        if HAS_WEIGHT:
+            x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    if ROPE:
+        first = D - 2 * half  # first rotated column
+        rotated = (cols >= first) & (cols < D)
+        pair = tl.maximum(cols - first, 0) // 2
+        partner = cols ^ 1
+        y = tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=live & rotated[None, :], other=0.0)
+        y = y.to(tl.float32)
+        if NORM:
+            y = y * rs[:, None]
+            if HAS_WEIGHT:
+                y = y * tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)[None, :]
+        at = (rows // heads)[:, None] * half + pair[None, :]
+        cos = tl.load(cos_ptr + at, mask=live & rotated[None, :], other=1.0)
+        sin = tl.load(sin_ptr + at, mask=live & rotated[None, :], other=0.0)
+        # even column: x·cos − partner·sin; odd column: x·cos + partner·sin
+        sign = tl.where((cols - first) % 2 == 0, -1.0, 1.0)
+        x = tl.where(rotated[None, :], x * cos + sign[None, :] * y * sin, x)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
+            sin: torch.Tensor | None, norm: bool) -> torch.Tensor:
+    x = x.contiguous()
+    d = x.shape[-1]
+    n = x.numel() // d if d else 0
+    out = torch.empty_like(x)
+    if n == 0:
+        return out
+    heads = n // x.shape[0] if cos is not None else 1  # rows sharing one position's angles
+    half = cos.shape[-1] if cos is not None else 0
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(64 if os.environ.get("TRITON_INTERPRET") == "1" else 16, 4096 // block_d))
+    dummy = x
+    with triton_launch():
+        _norm_rope_kernel[(triton.cdiv(n, block_r),)](
+            x, weight if weight is not None else dummy, cos.contiguous() if cos is not None else dummy,
+            sin.contiguous() if sin is not None else dummy, out, n, d, heads, half, eps,
+            NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, BLOCK_R=block_r, BLOCK_D=block_d)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _launch(x, weight, eps, None, None, norm=True)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _launch(x, None, 0.0, cos, sin, norm=False)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    return _launch(x, weight, eps, cos, sin, norm=True)

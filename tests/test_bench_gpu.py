@@ -1,0 +1,40 @@
+"""bench/bench_gpu.py (the measuring half of bench/gpu_check.sh) runs end to end at smoke sizes on
+a CPU, with the Triton kernels interpreted, and writes every figure the GPU check reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from v4serve.kernels.registry import triton_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not triton_available(), reason="the triton package is not installed")
+def test_gpu_bench_runs_at_smoke_sizes() -> None:
+    done = subprocess.run([sys.executable, "bench/bench_gpu.py", "--device", "cpu", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((ROOT / "bench" / "results" / "bench_gpu_smoke.json").read_text())
+    kernels = {k["kernel"]: k for k in results["kernels"]}
+    assert set(kernels) == {"sparse_attention (CSA top-k)", "sparse_attention (HCA)", "mhc_pre",
+                            "rms_norm_rope (queries)"}
+    assert all(k["torch_s"] > 0 and k["triton_s"] > 0 for k in kernels.values())
+    rows = {(r["backend"], r["context"]): r for r in results["model"]}
+    assert set(rows) == {(b, c) for b in ("torch", "triton") for c in (64, 256)}
+    for row in rows.values():
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s_batch1"] > 0 and row["decode_tok_s_batch2"] > 0
+
+
+def test_gpu_check_refuses_a_machine_without_cuda() -> None:
+    if subprocess.run([sys.executable, "-c", "import torch; assert not torch.cuda.is_available()"]).returncode:
+        pytest.skip("this machine has a CUDA device: gpu_check.sh would run for real")
+    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PY": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr
