@@ -25,12 +25,14 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk  # noqa: E
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny  # noqa: E402
 from v4serve.kernels.launches import LaunchCounter  # noqa: E402
-from v4serve.kernels.registry import load_kernels, triton_available  # noqa: E402
+from v4serve.kernels.registry import Kernels, load_kernels, triton_available  # noqa: E402
 
 
-def decode_step_counts(model: DeepseekV4, batch: int, context: int) -> dict[str, float]:
-    """Prefill `batch` sequences of `context` tokens, then count one decode step of all of them."""
+def decode_step_counts(model: DeepseekV4, kernels: Kernels, batch: int, context: int) -> dict[str, float]:
+    """Prefill `batch` sequences of `context` tokens (torch kernels: interpreted Triton is slow and
+    the prefill is not what is counted), then count one decode step of all of them on `kernels`."""
     cfg = model.cfg
+    model.use_kernels(load_kernels("torch"))
     per_seq = -(-(context + 1) // cfg.block_size)
     kv = DeviceKV(KVLayout.from_config(cfg), num_slots=batch, num_blocks=batch * per_seq + 1)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
@@ -40,6 +42,7 @@ def decode_step_counts(model: DeepseekV4, batch: int, context: int) -> dict[str,
         model(torch.randint(0, cfg.vocab_size, (context,), generator=gen), meta, kv)
     meta = AttentionMetadata.build([SeqChunk(slot=i, block_table=tables[i], start=context, num_new=1)
                                     for i in range(batch)])
+    model.use_kernels(kernels)
     per_layer: list[int] = []
     hooks = []
     with LaunchCounter() as counter:
@@ -68,9 +71,9 @@ def main() -> None:
     model = build_tiny()
     rows, results = [], {}
     for backend in backends:
-        model.use_kernels(load_kernels(backend))
+        kernels = load_kernels(backend)
         for batch in [int(b) for b in args.batch.split(",")]:
-            counts = decode_step_counts(model, batch, args.context)
+            counts = decode_step_counts(model, kernels, batch, args.context)
             results[f"{backend}_batch{batch}"] = counts
             rows.append([backend, batch, counts["per_layer"], counts["swa_layer"], counts["csa_layer"],
                          counts["hca_layer"], counts["triton_launches_per_layer"], counts["whole_step"]])

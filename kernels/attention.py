@@ -36,6 +36,7 @@ class DecodeRows:
     positions: torch.Tensor  # [D] position of each one's token
     window_floor: torch.Tensor  # [D] lowest window position present
     frozen_until: torch.Tensor  # [D] entries below this position are already in the Block Cache
+    tables: torch.Tensor  # [D, nb] their block tables
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ class RaggedBatch:
         # One host→device copy for every per-decode vector.
         per_decode = torch.tensor([[offsets[b] for b in d], [slots[b] for b in d], [starts[b] for b in d],
                                    [floor[b] for b in d], [frozen[b] for b in d]], dtype=torch.long).to(device)
-        decodes = DecodeRows(tuple(d), *per_decode.unbind(0))
+        tables = tables.to(device)
+        decodes = DecodeRows(tuple(d), *per_decode.unbind(0), tables[torch.tensor(d, dtype=torch.long, device=device)])
         return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from),
-                   tables.to(device), row_seq.to(device), row_pos.to(device), info.contiguous().to(device), decodes)
+                   tables, row_seq.to(device), row_pos.to(device), info.contiguous().to(device), decodes)
 
     @property
     def num_rows(self) -> int:
@@ -140,7 +142,7 @@ def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: tor
     held = t[:, None] - ((t[:, None] - ring_row[None, :]) % w)  # position held by each ring row
     mask = held >= dec.window_floor[:, None]
     if entries is not None:
-        tables = batch.tables[batch.row_seq[rows]]
+        tables = dec.tables
         if topk is not None:
             index = topk[rows]
             visible = index >= 0

@@ -85,6 +85,35 @@ def test_norm_and_rope_equal_their_twins(triton_kernels, shape: tuple[int, ...],
     close(TWIN.rope(TWIN.rope(x, cos, sin), cos, -sin), x, tol=1e-5)
 
 
+# ---- compressor (decode step) ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("overlap", "ratio", "dim", "rope_dim"),
+                         [(True, 4, 32, 8), (False, 16, 32, 8), (True, 4, 64, 64), (False, 4, 24, 8)])
+def test_compress_decodes_equals_its_twin(triton_kernels, overlap: bool, ratio: int, dim: int, rope_dim: int) -> None:
+    """Rows that complete an entry and rows that do not; the first entry of a sequence (window −1
+    empty, with overlap); an entry below frozen_until (cached: not written); a width that is not a
+    power of two; the whole entry rotated. The pending rings must end up identical too."""
+    gen = torch.Generator().manual_seed(ratio * dim)
+    width, rows = (2 if overlap else 1) * dim, (2 if overlap else 1) * ratio
+    positions = torch.tensor([3, 7, 2, 4 * ratio - 1, 4 * ratio - 1, ratio - 1], device=DEVICE)
+    frozen = torch.tensor([0, 0, 0, 0, 8 * ratio, 0], device=DEVICE)
+    slots = torch.tensor([0, 1, 2, 3, 4, 5], device=DEVICE)
+    tables = torch.stack([torch.randperm(20, generator=gen)[:6] for _ in range(6)]).to(DEVICE)
+    kv, score = rand(6, width, gen=gen), rand(6, width, gen=gen)
+    rings = [rand(6, rows, width, gen=gen) for _ in range(2)]
+    weight, inv_freq = rand(dim, gen=gen), torch.rand(rope_dim // 2, generator=gen).to(DEVICE)
+    outs = []
+    for kernels in (TWIN, triton_kernels):
+        ring_kv, ring_score, dest = rings[0].clone(), rings[1].clone(), torch.zeros(20, 4, dim, device=DEVICE)
+        kernels.compress_decodes(kv, score, ring_kv, ring_score, slots, positions, frozen, tables, dest, ratio,
+                                 overlap, weight, 1e-6, inv_freq)
+        outs.append((ring_kv, ring_score, dest))
+    (want_kv, want_score, want), (got_kv, got_score, got) = outs
+    assert torch.equal(got_kv, want_kv) and torch.equal(got_score, want_score)
+    written = int((want != 0).any(-1).sum())
+    assert written == int(((positions + 1) % ratio == 0).sum()) - 1  # every completed entry but the frozen one
+    close(got, want)
+
+
 # ---- sparse attention ------------------------------------------------------------------------------------
 H, D, W, SLOTS, BLOCKS, PER_BLOCK, RATIO = 4, 32, 16, 5, 48, 4, 4
 # (slot, start, new tokens, window_from): decodes, chunks crossing the window and block edges, a

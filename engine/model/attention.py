@@ -28,7 +28,6 @@ from v4serve.kernels.paged import (
     ring_write,
     ring_write_batched,
     write_entries,
-    write_entries_batched,
 )
 from v4serve.kernels.registry import load_kernels
 
@@ -101,11 +100,10 @@ class Attention(nn.Module):
         comp_kv, comp_score = compressor.project(x, positions)
         dec = batch.decodes
         if dec.seqs:
-            new, which = compressor.decode_update(comp_kv[dec.rows], comp_score[dec.rows], dec.slots, dec.positions,
-                                                  dec.frozen_until, pending_kv, pending_score, rotary)
-            if len(which):
-                rows = dec.rows[which]
-                write_entries_batched(dest, batch.tables[batch.row_seq[rows]], batch.row_pos[rows] // self.ratio, new)
+            self.kernels.compress_decodes(comp_kv[dec.rows], comp_score[dec.rows], pending_kv, pending_score,
+                                          dec.slots, dec.positions, dec.frozen_until, dec.tables, dest,
+                                          compressor.ratio, compressor.overlap, compressor.norm.weight,
+                                          compressor.norm.eps, rotary.inv_freq)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 rows_ = slice(seq.offset, seq.offset + seq.num_new)
@@ -124,7 +122,7 @@ class Attention(nn.Module):
             counts = (dec.positions + 1) // self.ratio
             n = max((batch.starts[b] + 1) // self.ratio for b in dec.seqs)  # known on the host: no sync
             if n:
-                keys = read_entries_batched(index_keys, batch.tables[batch.row_seq[dec.rows]], n)
+                keys = read_entries_batched(index_keys, dec.tables, n)
                 visible = torch.arange(n, device=iq.device)[None, :] < counts[:, None]
                 top, valid = self.indexer.select(iq[dec.rows][:, None], iw[dec.rows][:, None], keys, visible[:, None])
                 topk[dec.rows, :top.shape[-1]] = top[:, 0].masked_fill(~valid[:, 0], -1)

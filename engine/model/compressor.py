@@ -20,8 +20,9 @@ from torch import nn
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import SeqChunk
+from v4serve.kernels.compressor import pool
 from v4serve.kernels.norm_rope import rope
-from v4serve.kernels.paged import ring_read, ring_read_batched, ring_write, ring_write_batched
+from v4serve.kernels.paged import ring_read, ring_write
 
 
 class Compressor(nn.Module):
@@ -81,44 +82,9 @@ class Compressor(nn.Module):
 
     def _pool(self, win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor,
               rotary: Rotary) -> torch.Tensor:
-        """win_* [B, w, m, c·d]: consecutive windows, starting one window before the first entry
-        when entries overlap → entries [B, E, d] at entry indices `index` [E] or [B, E]."""
-        d = self.head_dim
-        if self.overlap:
-            # Entry i pools window i−1 through channels [:d] and window i through [d:].
-            kv = torch.cat([win_kv[:, :-1, :, :d], win_kv[:, 1:, :, d:]], dim=2)
-            score = torch.cat([win_score[:, :-1, :, :d], win_score[:, 1:, :, d:]], dim=2)
-        else:
-            kv, score = win_kv, win_score
-        pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, E, d]
-        cos, sin = rotary.cos_sin((index * self.ratio).reshape(-1))
-        return rope(pooled.reshape(-1, d), cos, sin).view(pooled.shape)
-
-    def decode_update(self, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, t: torch.Tensor,
-                      frozen: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
-                      rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new row for each of D decoding sequences (rows at positions t [D]) → (entries
-        [Dc, d] finished by them, the indices into D of those Dc sequences)."""
-        m = self.ratio
-        ring_write_batched(ring_kv, slots, t, kv)
-        ring_write_batched(ring_score, slots, t, score)
-        entry = (t + 1) // m - 1
-        done = (((t + 1) % m) == 0) & (entry >= frozen // m)
-        which = done.nonzero().flatten()
-        if not len(which):
-            return kv.new_zeros(0, self.head_dim), which
-        entry, slot = entry[which], slots[which]
-        span = 2 * m if self.overlap else m
-        pos = (entry + 1)[:, None] * m - span + torch.arange(span, device=kv.device)[None, :]  # [Dc, span]
-        win_kv = ring_read_batched(ring_kv, slot, pos).float()
-        win_score = ring_read_batched(ring_score, slot, pos).float()
-        empty = (pos < 0)[..., None]
-        win_kv = win_kv.masked_fill(empty, 0.0)
-        win_score = win_score.masked_fill(empty, float("-inf"))
-        n = len(which)
-        entries = self._pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1),
-                             entry[:, None], rotary)
-        return entries[:, 0], which
+        """win_* [B, w, m, c·d]: consecutive windows → entries [B, E, d] (kernels/compressor.py)."""
+        return pool(win_kv, win_score, index, self.ratio, self.overlap, self.norm.weight, self.norm.eps,
+                    rotary.inv_freq)
 
 
 class Indexer(nn.Module):

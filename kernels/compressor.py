@@ -1,0 +1,60 @@
+"""The compressors' pooling (plain torch): every m tokens become one entry — a softmax over the m
+token slots per channel (CSA overlaps: entry i also pools window i−1 through the first half of a
+2d-wide projection), then RMSNorm and RoPE at position i·m.
+
+`compress_decodes` is the twin of `compressor_triton.compress_decodes` (same signature): the whole
+decode-step update of one compressor — store each sequence's new row in its pending ring and, where
+that row completes an entry, pool it and write the entry to the Block Cache.
+
+Shapes: D = decoding sequences, m = ratio, c·d = projection width (c = 2 with overlap), R = pending
+ring rows (2m with overlap, else m), r = rotary dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v4serve.kernels.norm_rope import rms_norm, rope
+from v4serve.kernels.paged import ring_read_batched, ring_write_batched, write_entries_batched
+
+
+def pool(win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor, ratio: int, overlap: bool,
+         norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> torch.Tensor:
+    """win_* [B, w, m, c·d]: consecutive windows, starting one window before the first entry when
+    entries overlap → entries [B, E, d] at entry indices `index` [E] or [B, E]."""
+    d = norm_weight.shape[0]
+    if overlap:
+        # Entry i pools window i−1 through channels [:d] and window i through [d:].
+        kv = torch.cat([win_kv[:, :-1, :, :d], win_kv[:, 1:, :, d:]], dim=2)
+        score = torch.cat([win_score[:, :-1, :, :d], win_score[:, 1:, :, d:]], dim=2)
+    else:
+        kv, score = win_kv, win_score
+    pooled = rms_norm((kv * score.softmax(dim=2)).sum(dim=2), norm_weight, eps)  # [B, E, d]
+    angles = (index * ratio).reshape(-1).float()[:, None] * inv_freq.to(index.device)[None, :]
+    return rope(pooled.reshape(-1, d), angles.cos(), angles.sin()).view(pooled.shape)
+
+
+def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
+                     dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
+                     inv_freq: torch.Tensor) -> None:
+    """kv, score [D, c·d] (the new rows, at `positions` [D]); rings [S, R, c·d]; tables [D, nb] the
+    sequences' block tables; dest [NB, P, d] entries (or indexer keys). Entries below a sequence's
+    `frozen_until` [D] are already cached and not written again."""
+    m = ratio
+    ring_write_batched(ring_kv, slots, positions, kv)
+    ring_write_batched(ring_score, slots, positions, score)
+    entry = (positions + 1) // m - 1
+    which = ((((positions + 1) % m) == 0) & (entry >= frozen_until // m)).nonzero().flatten()
+    if not len(which):
+        return
+    entry, slot = entry[which], slots[which]
+    span = 2 * m if overlap else m
+    pos = (entry + 1)[:, None] * m - span + torch.arange(span, device=kv.device)[None, :]  # [Dc, span]
+    empty = (pos < 0)[..., None]
+    win_kv = ring_read_batched(ring_kv, slot, pos).float().masked_fill(empty, 0.0)
+    win_score = ring_read_batched(ring_score, slot, pos).float().masked_fill(empty, float("-inf"))
+    n = len(which)
+    entries = pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1), entry[:, None], m,
+                   overlap, norm_weight, eps, inv_freq)[:, 0]
+    write_entries_batched(dest, tables[which], entry, entries)
