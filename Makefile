@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_structured.py
 	$(PY) bench/bench_load.py
 	$(PY) bench/bench_conversations.py
+	$(PY) bench/bench_launches.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

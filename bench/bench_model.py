@@ -1,6 +1,10 @@
 """Prefill and decode tokens/s of the tiny model: v4serve vs transformers on the same weights.
 
-    python bench/bench_model.py [--prompt 1024,4096] [--decode 64] [--repeats 3]
+    python bench/bench_model.py [--prompt 1024,4096] [--decode 64] [--repeats 3] [--set KEY=VALUE ...]
+
+`--set` sizes the model as `v4serve make-checkpoint --set` does, e.g. the 30M-parameter config:
+--set hidden_size=256 --set num_heads=8 --set 'compress_ratios=[0,0,4,128,4,128,4,128]'
+--set n_routed_experts=16 --set moe_intermediate_size=256 --set q_lora_rank=128 --set o_lora_rank=128
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
 from v4serve.engine.model.single import SingleSequence  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.server.cli import _parse_override  # noqa: E402
 
 
 def main() -> None:
@@ -25,11 +30,18 @@ def main() -> None:
     parser.add_argument("--prompt", default="1024,4096", help="prompt lengths for prefill")
     parser.add_argument("--decode", type=int, default=64, help="decode steps after a 512-token prompt")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--set", type=_parse_override, action="append", metavar="KEY=VALUE", default=[])
     args = parser.parse_args()
 
     import transformers
 
-    folder = write_checkpoint(build_tiny(), Path(tempfile.mkdtemp(prefix="bench-tiny-")))
+    overrides = dict(args.set)
+    if "compress_ratios" in overrides:
+        overrides["compress_ratios"] = tuple(overrides["compress_ratios"])
+        overrides.setdefault("num_layers", len(overrides["compress_ratios"]))
+    model = build_tiny(tiny_config(**overrides))
+    params = sum(p.numel() for p in model.parameters())
+    folder = write_checkpoint(model, Path(tempfile.mkdtemp(prefix="bench-tiny-")))
     ours = load_model(folder, progress=False)
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     vocab = ours.cfg.vocab_size
@@ -78,7 +90,8 @@ def main() -> None:
     results["decode"] = {"steps": len(steps), "context": 512, "v4serve_tok_s": ours_tps,
                          "transformers_tok_s": hf_tps}
 
-    print_table("tiny model, batch 1, fp32 CPU (tokens/s; ratio = v4serve / transformers)",
+    results["parameters"] = params
+    print_table(f"{params / 1e6:.1f}M-parameter model, batch 1, fp32 CPU (tokens/s; ratio = v4serve / transformers)",
                 ["workload", "v4serve", "transformers", "ratio"], rows)
     write_results("bench_model", results)
 

@@ -21,12 +21,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing r dims of x [n, ..., D] pairwise by cos/sin [n, r/2] (−sin rotates back)."""
     r = cos.shape[-1] * 2
-    extra = x.dim() - 2
-    cos = cos.view(cos.shape[0], *([1] * extra), -1)
-    sin = sin.view(sin.shape[0], *([1] * extra), -1)
-    pairs = x[..., -r:].float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    # A pair (x0, x1) times cos + i·sin as complex numbers is (x0·cos − x1·sin, x1·cos + x0·sin):
+    # the same arithmetic as written out, in four ops instead of ten.
+    turn = torch.complex(cos.float(), sin.float()).view(cos.shape[0], *([1] * (x.dim() - 2)), -1)
+    pairs = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (-1, 2)))
+    rotated = torch.view_as_real(pairs * turn).flatten(-2)
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
 
 
