@@ -114,6 +114,23 @@ def test_compress_decodes_equals_its_twin(triton_kernels, overlap: bool, ratio: 
     close(got, want)
 
 
+# ---- indexer scores ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("heads", "dim"), [(8, 32), (16, 16), (5, 24)])
+def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> None:
+    """Head counts below tl.dot's tile (padded), widths that are not a power of two, sequences with
+    no, few and many visible entries across block edges."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    counts = torch.tensor([0, 3, 17, 40, 9], device=DEVICE)
+    q, w = rand(5, heads, dim, gen=gen), rand(5, heads, gen=gen)
+    keys = rand(BLOCKS, PER_BLOCK, dim, gen=gen)
+    tables = torch.stack([torch.randperm(BLOCKS, generator=gen)[:12] for _ in range(5)]).to(DEVICE)
+    want = TWIN.index_scores(q, w, keys, tables, counts, 40)
+    got = triton_kernels.index_scores(q, w, keys, tables, counts, 40)
+    hidden = torch.arange(40, device=DEVICE)[None, :] >= counts[:, None]
+    assert torch.equal(torch.isinf(got), hidden) and torch.equal(torch.isinf(want), hidden)
+    close(got.masked_fill(hidden, 0.0), want.masked_fill(hidden, 0.0), tol=1e-5)
+
+
 # ---- sparse attention ------------------------------------------------------------------------------------
 H, D, W, SLOTS, BLOCKS, PER_BLOCK, RATIO = 4, 32, 16, 5, 48, 4, 4
 # (slot, start, new tokens, window_from): decodes, chunks crossing the window and block edges, a

@@ -24,7 +24,6 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
 from v4serve.kernels.paged import (
     read_entries,
-    read_entries_batched,
     ring_write,
     ring_write_batched,
     write_entries,
@@ -118,14 +117,12 @@ class Attention(nn.Module):
         iq, iw = index_q
         topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         dec = batch.decodes
-        if dec.seqs:
+        n = max([(batch.starts[b] + 1) // self.ratio for b in dec.seqs] + [0])  # known on the host: no sync
+        if n:
             counts = (dec.positions + 1) // self.ratio
-            n = max((batch.starts[b] + 1) // self.ratio for b in dec.seqs)  # known on the host: no sync
-            if n:
-                keys = read_entries_batched(index_keys, dec.tables, n)
-                visible = torch.arange(n, device=iq.device)[None, :] < counts[:, None]
-                top, valid = self.indexer.select(iq[dec.rows][:, None], iw[dec.rows][:, None], keys, visible[:, None])
-                topk[dec.rows, :top.shape[-1]] = top[:, 0].masked_fill(~valid[:, 0], -1)
+            scores = self.kernels.index_scores(iq[dec.rows], iw[dec.rows], index_keys, dec.tables, counts, n)
+            top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
+            topk[dec.rows, :top.shape[-1]] = top.masked_fill(top >= counts[:, None], -1)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 self._select_chunk(iq, iw, seq, index_keys, topk)
