@@ -52,7 +52,7 @@ class RaggedBatch:
     tables: torch.Tensor  # [B, nb] block tables, padded with block 0
     row_seq: torch.Tensor  # [T] sequence of each row
     row_pos: torch.Tensor  # [T] position of each row
-    seq_info: torch.Tensor  # [B, 4]: slot, start, offset, window_from (int64, for kernels)
+    seq_info: torch.Tensor  # [B, 5]: slot, start, offset, window_from, num_new (int64, for kernels)
     decodes: DecodeRows
 
     @classmethod
@@ -69,7 +69,7 @@ class RaggedBatch:
         row_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
                             or [torch.zeros(0, dtype=torch.long)])
         floor = [max(w, 0) for w in window_from]
-        info = torch.tensor([slots, starts, offsets, floor], dtype=torch.long).T
+        info = torch.tensor([slots, starts, offsets, floor, num_new], dtype=torch.long).T
         frozen = frozen_until or [0] * len(slots)
         d = [b for b, n in enumerate(num_new) if n == 1]
         # One host→device copy for every per-decode vector.

@@ -47,10 +47,10 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, entries_ptr, topk_ptr, tab
     head_ok, dim_ok = heads < H, dims < D
     b = tl.load(row_seq_ptr + r)
     p = tl.load(row_pos_ptr + r)
-    slot = tl.load(info_ptr + b * 4)
-    start = tl.load(info_ptr + b * 4 + 1)
-    offset = tl.load(info_ptr + b * 4 + 2)
-    window_from = tl.load(info_ptr + b * 4 + 3)
+    slot = tl.load(info_ptr + b * 5)
+    start = tl.load(info_ptr + b * 5 + 1)
+    offset = tl.load(info_ptr + b * 5 + 2)
+    window_from = tl.load(info_ptr + b * 5 + 3)
     q = tl.load(q_ptr + (r * H + heads[:, None]) * D + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
                 other=0.0)
     m_i = tl.full([BLOCK_H], NEG, tl.float32)

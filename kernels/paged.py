@@ -11,8 +11,12 @@ Plain torch; a fused GPU kernel can replace any of these behind the same signatu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from v4serve.kernels.attention import RaggedBatch
 
 
 # ---- State Cache rings -------------------------------------------------------------------------------
@@ -28,6 +32,18 @@ def ring_write(ring: torch.Tensor, end: int, rows: torch.Tensor) -> None:
 def ring_read(ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows of `positions` [n] (all within the last R positions written) from ring [R, ...]."""
     return ring[positions % ring.shape[0]]
+
+
+def write_window(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch) -> None:
+    """A whole ragged batch's new window keys kv [T, d] into the rings [S, W, d]: sequence b's rows
+    are positions starts[b].. of slot slots[b]. The twin of `paged_triton.write_window`, which does
+    it in one launch."""
+    dec = batch.decodes
+    if dec.seqs:
+        ring_write_batched(ring, dec.slots, dec.positions, kv[dec.rows])
+    for slot, start, n, offset in zip(batch.slots, batch.starts, batch.num_new, batch.offsets, strict=True):
+        if n > 1:
+            ring_write(ring[slot], start + n, kv[offset:offset + n])
 
 
 def ring_write_batched(rings: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

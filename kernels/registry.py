@@ -26,6 +26,7 @@ class Kernels:
     rms_norm_rope: Callable[..., Any]
     compress_decodes: Callable[..., Any]
     index_scores: Callable[..., Any]
+    write_window: Callable[..., Any]
 
 
 def triton_available() -> bool:
@@ -46,10 +47,11 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
 
 def load_kernels(backend: str, device: torch.device | str = "cpu") -> Kernels:
     if backend == "torch":
-        from v4serve.kernels import attention, compressor, indexer, mhc, norm_rope
+        from v4serve.kernels import attention, compressor, indexer, mhc, norm_rope, paged
 
         return Kernels("torch", mhc.mhc_pre, mhc.mhc_post, attention.sparse_attention, norm_rope.rms_norm,
-                       norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, indexer.index_scores)
+                       norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, indexer.index_scores,
+                       paged.write_window)
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -57,8 +59,15 @@ def load_kernels(backend: str, device: torch.device | str = "cpu") -> Kernels:
         # (v4serve.kernels sets this first on machines without CUDA).
         raise ValueError("Triton kernels on a CPU need Triton's interpreter: set TRITON_INTERPRET=1 before "
                          "triton is imported")
-    from v4serve.kernels import attention_triton, compressor_triton, indexer_triton, mhc_triton, norm_rope_triton
+    from v4serve.kernels import (
+        attention_triton,
+        compressor_triton,
+        indexer_triton,
+        mhc_triton,
+        norm_rope_triton,
+        paged_triton,
+    )
 
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
-                   compressor_triton.compress_decodes, indexer_triton.index_scores)
+                   compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window)

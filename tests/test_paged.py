@@ -3,11 +3,13 @@ layout's byte arithmetic."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.tiny import TINY_CONFIG
+from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.paged import (
     padded_tables,
     read_entries,
@@ -19,6 +21,7 @@ from v4serve.kernels.paged import (
     write_entries,
     write_entries_batched,
 )
+from v4serve.kernels.registry import load_kernels, triton_available
 
 
 def test_ring_keeps_the_last_rows_at_position_mod_length() -> None:
@@ -54,6 +57,25 @@ def test_entries_through_block_tables_equal_the_flat_sequence() -> None:
         assert torch.equal(read_entries(cache, table, len(entries)), entries)
     batched = read_entries_batched(cache, padded_tables(tables, 3, cache.device), 6)
     assert torch.equal(batched[0], flat[0][:6]) and torch.equal(batched[1], flat[1][:6])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_writes_of_a_ragged_batch_match_one_by_one(backend: str) -> None:
+    """Decodes and chunks (one longer than the window) in one call, against ring_write per sequence."""
+    if backend == "triton" and not triton_available():
+        pytest.skip("the triton package is not installed")
+    write = load_kernels(backend).write_window
+    gen = torch.Generator().manual_seed(4)
+    seqs = [(2, 5, 1), (0, 0, 11), (3, 9, 3), (1, 20, 1)]  # (slot, start, new tokens); window 4
+    batch = RaggedBatch.build([s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs], [0] * 4,
+                              [[0]] * 4, "cpu")
+    kv = torch.randn(batch.num_rows, 3, generator=gen)
+    ring = torch.randn(4, 4, 3, generator=gen)
+    want = ring.clone()
+    for (slot, start, n), offset in zip(seqs, batch.offsets, strict=True):
+        ring_write(want[slot], start + n, kv[offset:offset + n])
+    write(ring, kv, batch)
+    assert torch.equal(ring, want)
 
 
 def test_one_entry_per_sequence_lands_where_the_block_table_says() -> None:

@@ -22,12 +22,7 @@ from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
-from v4serve.kernels.paged import (
-    read_entries,
-    ring_write,
-    ring_write_batched,
-    write_entries,
-)
+from v4serve.kernels.paged import read_entries, write_entries
 from v4serve.kernels.registry import load_kernels
 
 
@@ -74,21 +69,11 @@ class Attention(nn.Module):
             topk = self._select(self.indexer.queries(x, qr, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                             self.attn_sink, self.head_dim**-0.5)
-        self._write_window(kv, meta, batch, layer_kv.window)
+        k.write_window(layer_kv.window, kv, batch)  # after attention has read the ring
         out = k.rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return self.wo_b(torch.einsum("tgi,goi->tgo", groups, wo_a).flatten(1))
-
-    def _write_window(self, kv: torch.Tensor, meta: AttentionMetadata, batch: RaggedBatch,
-                      window: torch.Tensor) -> None:
-        """Store this step's window keys in each sequence's ring, after attention has read it."""
-        dec = batch.decodes
-        if dec.seqs:
-            ring_write_batched(window, dec.slots, dec.positions, kv[dec.rows])
-        for seq in meta.seqs:
-            if seq.num_new > 1:
-                ring_write(window[seq.slot], seq.end, kv[seq.offset:seq.offset + seq.num_new])
 
     # ---- compressed entries ----------------------------------------------------------------------------
     def _compress(self, compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
