@@ -90,32 +90,38 @@ class ToolCallParser:
         text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return text
 
-    def _block(self, final: bool) -> str | None:
+    def _next_tag(self, close: str, opener: re.Pattern[str]) -> bool | re.Match[str] | None:
+        """Inside a block or an invoke, after whitespace: True when `close` follows (consumed), the
+        opener's match when it follows (consumed), None otherwise (too early to tell, or malformed)."""
         self._buf = self._buf.lstrip()
-        if self._buf.startswith(BLOCK_CLOSE):
-            self._buf = self._buf[len(BLOCK_CLOSE):]
+        if self._buf.startswith(close):
+            self._buf = self._buf[len(close):]
+            return True
+        match = opener.match(self._buf)
+        if match is not None:
+            self._buf = self._buf[match.end():]
+        return match
+
+    def _block(self, final: bool) -> str | None:
+        match = self._next_tag(BLOCK_CLOSE, _INVOKE)
+        if match is True:
             self._state = "after"
             return ""
-        match = _INVOKE.match(self._buf)
         if match is None:
             return None if _may_start(self._buf, (BLOCK_CLOSE, f'<{DSML}invoke name="')) else self._malformed()
-        self._buf = self._buf[match.end():]
         self._emit(ToolCallDelta(self.calls, id=f"call_{uuid.uuid4().hex[:24]}", name=match.group(1)))
         self._state, self._first_param = "invoke", True
         return ""
 
     def _invoke(self, final: bool) -> str | None:
-        self._buf = self._buf.lstrip()
-        if self._buf.startswith(INVOKE_CLOSE):
-            self._buf = self._buf[len(INVOKE_CLOSE):]
+        match = self._next_tag(INVOKE_CLOSE, _PARAM)
+        if match is True:
             self._emit(ToolCallDelta(self.calls, arguments="{}" if self._first_param else "}"))
             self.calls += 1
             self._state = "block"
             return ""
-        match = _PARAM.match(self._buf)
         if match is None:
             return None if _may_start(self._buf, (INVOKE_CLOSE, f'<{DSML}parameter name="')) else self._malformed()
-        self._buf = self._buf[match.end():]
         self._quoted = match.group(2) == "true"
         lead = "{" if self._first_param else ", "
         self._emit(ToolCallDelta(self.calls, arguments=lead + json.dumps(match.group(1)) + ": " + '"' * self._quoted))
