@@ -10,16 +10,16 @@ on its own position and keys, never on its batch-mates or on how its prompt was 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from v4serve.kernels.attention import RaggedBatch
-from v4serve.kernels.launches import triton_launch
+from v4serve.kernels.launches import interpreting, triton_launch
 
-NEG = -1.0e30  # a finite "−inf": a fully masked tile must not turn the running max into NaN
+# A finite "−inf": a fully masked tile must not turn the running max into NaN. Globals read inside
+# a compiled kernel must be constexpr.
+NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -115,13 +115,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     has_entries, has_topk = entries is not None, topk is not None
     entries_t = entries if entries is not None else ring  # any tensor: never read without entries
     topk_t = topk.contiguous() if topk is not None else batch.row_seq
-    # Interpreted, each op costs the same whatever its size: fewer, larger key tiles run faster.
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     with triton_launch():
         _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
             q.contiguous(), kv.contiguous(), ring, entries_t, topk_t, batch.tables, batch.row_seq, batch.row_pos,
             batch.seq_info, sink, out, h, d, ring.shape[1], max(ratio, 1), batch.tables.shape[1], scale,
             TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1], HAS_ENTRIES=has_entries,
-            HAS_TOPK=has_topk, BLOCK_H=block_h, BLOCK_N=128 if interpreting else 32,
+            HAS_TOPK=has_topk, BLOCK_H=block_h, BLOCK_N=128 if interpreting() else 32,
             BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out

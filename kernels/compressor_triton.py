@@ -8,15 +8,12 @@ entry through the block table. A sequence's result does not depend on its batch-
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import triton_launch
-
-NEG = -1.0e30
+from v4serve.kernels.attention_triton import NEG
+from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
@@ -97,7 +94,7 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
         return
     d, cd, rows = norm_weight.shape[0], kv.shape[1], ring_kv.shape[1]
     span = 2 * ratio if overlap else ratio
-    block_m = min(triton.next_power_of_2(span), 128 if os.environ.get("TRITON_INTERPRET") == "1" else 16)
+    block_m = min(triton.next_power_of_2(span), 128 if interpreting() else 16)
     with triton_launch():
         _compress_decodes_kernel[(n,)](
             kv.contiguous(), score.contiguous(), ring_kv, ring_score, slots, positions, frozen_until,

@@ -7,13 +7,11 @@ reduced on its own (fixed order), whatever the batch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import triton_launch
+from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
@@ -44,7 +42,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     out = torch.empty(rows, n, dtype=torch.float32, device=q.device)
     if rows == 0 or n == 0:
         return out
-    block_n = 128 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+    block_n = 128 if interpreting() else 32
     with triton_launch():
         _index_scores_kernel[(rows, triton.cdiv(n, block_n))](
             q.contiguous(), w.contiguous(), keys, tables.contiguous(), counts.contiguous(), out, hi, di, n,

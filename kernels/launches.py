@@ -5,6 +5,7 @@ the launcher. Used by `bench/bench_launches.py` and the launch-budget tests."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -13,6 +14,12 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _local = threading.local()
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under Triton's interpreter (a CPU). There every op costs about
+    the same whatever its size, so kernels pick fewer, larger tiles than on a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @contextlib.contextmanager

@@ -5,13 +5,11 @@ row on its own, in a fixed order, so a token's result does not depend on its bat
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import triton_launch
+from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
@@ -86,10 +84,6 @@ def _mhc_post_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, D, HC: tl.con
     tl.store(out_ptr + at, mixed.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_streams(hc: int) -> None:
     if hc & (hc - 1):
         raise ValueError(f"the Triton mHC kernels need a power-of-two stream count, got hc_mult={hc}")
@@ -104,7 +98,7 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     comb = h.new_empty(t, hc, hc, dtype=torch.float32)
     if t:
         # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
-        block_t, block = (16, 128) if _interpreting() else (4, 32)
+        block_t, block = (16, 128) if interpreting() else (4, 32)
         with triton_launch():
             _mhc_pre_kernel[(triton.cdiv(t, block_t),)](
                 h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), x, post, comb,
@@ -117,7 +111,7 @@ def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.T
     _check_streams(hc)
     out = torch.empty_like(h)
     if t:
-        block_t, block = (16, 256) if _interpreting() else (4, 128)
+        block_t, block = (16, 256) if interpreting() else (4, 128)
         with triton_launch():
             _mhc_post_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block))](
                 h.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous(), out, t, d, HC=hc,

@@ -7,13 +7,11 @@ shuffling registers.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import triton_launch
+from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
@@ -61,7 +59,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
     heads = n // x.shape[0] if cos is not None else 1  # rows sharing one position's angles
     half = cos.shape[-1] if cos is not None else 0
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, min(64 if os.environ.get("TRITON_INTERPRET") == "1" else 16, 4096 // block_d))
+    block_r = max(1, min(64 if interpreting() else 16, 4096 // block_d))
     dummy = x
     with triton_launch():
         _norm_rope_kernel[(triton.cdiv(n, block_r),)](

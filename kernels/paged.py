@@ -84,13 +84,6 @@ def read_entries(cache: torch.Tensor, block_table: Sequence[int], count: int) ->
     return cache[blocks].flatten(0, 1)[:count].float()
 
 
-def padded_tables(block_tables: Sequence[Sequence[int]], num_blocks: int, device: torch.device) -> torch.Tensor:
-    """The first `num_blocks` ids of each table as one tensor [D, num_blocks], short tables padded with
-    block 0 (whatever the padding reads is masked out by the caller)."""
-    rows = [(list(t) + [0] * num_blocks)[:num_blocks] for t in block_tables]
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
 def read_entries_batched(cache: torch.Tensor, tables: torch.Tensor, count: int) -> torch.Tensor:
     """Entries 0..count−1 of several sequences through padded block tables [D, nb] → [D, count, d] (fp32)."""
     nblocks = -(-count // cache.shape[1])

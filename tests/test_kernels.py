@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import requires_triton
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.launches import LaunchCounter
-from v4serve.kernels.registry import load_kernels, resolve_backend, triton_available
+from v4serve.kernels.registry import load_kernels, resolve_backend
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="the triton package is not installed")
+pytestmark = requires_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TWIN = load_kernels("torch")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import requires_triton
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.tiny import TINY_CONFIG
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.paged import (
-    padded_tables,
     read_entries,
     read_entries_batched,
     ring_read,
@@ -21,7 +21,7 @@ from v4serve.kernels.paged import (
     write_entries,
     write_entries_batched,
 )
-from v4serve.kernels.registry import load_kernels, triton_available
+from v4serve.kernels.registry import load_kernels
 
 
 def test_ring_keeps_the_last_rows_at_position_mod_length() -> None:
@@ -55,15 +55,13 @@ def test_entries_through_block_tables_equal_the_flat_sequence() -> None:
         write_entries(cache, table, 5, entries[5:])  # a second write crossing a block edge
     for table, entries in zip(tables, flat, strict=True):
         assert torch.equal(read_entries(cache, table, len(entries)), entries)
-    batched = read_entries_batched(cache, padded_tables(tables, 3, cache.device), 6)
+    batched = read_entries_batched(cache, torch.tensor([[7, 2, 5], [0, 9, 0]]), 6)  # padded block tables
     assert torch.equal(batched[0], flat[0][:6]) and torch.equal(batched[1], flat[1][:6])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
 def test_window_writes_of_a_ragged_batch_match_one_by_one(backend: str) -> None:
     """Decodes and chunks (one longer than the window) in one call, against ring_write per sequence."""
-    if backend == "triton" and not triton_available():
-        pytest.skip("the triton package is not installed")
     write = load_kernels(backend).write_window
     gen = torch.Generator().manual_seed(4)
     seqs = [(2, 5, 1), (0, 0, 11), (3, 9, 3), (1, 20, 1)]  # (slot, start, new tokens); window 4
@@ -80,7 +78,7 @@ def test_window_writes_of_a_ragged_batch_match_one_by_one(backend: str) -> None:
 
 def test_one_entry_per_sequence_lands_where_the_block_table_says() -> None:
     cache = torch.zeros(10, 4, 3)
-    tables = padded_tables([[7, 2, 5], [0, 9]], 3, cache.device)
+    tables = torch.tensor([[7, 2, 5], [0, 9, 0]])  # padded block tables
     rows = torch.randn(2, 3)
     write_entries_batched(cache, tables, torch.tensor([9, 4]), rows)  # entry 9 → block 5 row 1; 4 → block 9 row 0
     assert torch.equal(cache[5, 1], rows[0]) and torch.equal(cache[9, 0], rows[1])

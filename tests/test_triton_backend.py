@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.daemon import daemon
-from tests.helpers import SMALL, engine_for, greedy, rel_err, tokens
+from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, tokens
 from v4serve.engine.model.tiny import build_tiny, tiny_config
-from v4serve.kernels.registry import load_kernels, triton_available
+from v4serve.kernels.registry import load_kernels
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="the triton package is not installed")
+pytestmark = requires_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
