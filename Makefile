@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_load.py
 	$(PY) bench/bench_conversations.py
 	$(PY) bench/bench_launches.py
+	$(PY) bench/bench_kv_fp8.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

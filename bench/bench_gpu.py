@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_results  # noqa: E402
 from v4serve.cache.device_kv import DeviceKV  # noqa: E402
-from v4serve.cache.layout import KVLayout  # noqa: E402
+from v4serve.cache.layout import KVLayout, KVRecord  # noqa: E402
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk  # noqa: E402
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.kernels.attention import RaggedBatch  # noqa: E402
+from v4serve.kernels.kv_fp8 import encode  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 
 REAL = dict(hidden_size=4096, num_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024, o_groups=8,
@@ -76,7 +77,12 @@ def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeat
     h = rand(batch, 4, hidden)
     fn, base, scale = rand(24, 4 * hidden) * 0.01, rand(24).float(), torch.ones(3, device=device)
     x, cos, sin = rand(batch, h_, d), rand(batch, 32 if not smoke else 4).float(), rand(batch, 32 if not smoke else 4)
+    record = KVRecord(head_dim=d, rope_dim=8 if smoke else 64, rope_dtype=str(dtype).removeprefix("torch."),
+                      rope_itemsize=torch.empty((), dtype=dtype).element_size())
+    ring8, entries8 = encode(ring, record), encode(entries, record)
     cases = {
+        "sparse_attention (CSA top-k, FP8 keys)": lambda k: k.sparse_attention(q, kv, ring8, entries8, picks, ragged,
+                                                                               4, sink, d**-0.5, record),
         "sparse_attention (CSA top-k)": lambda k: k.sparse_attention(q, kv, ring, entries, picks, ragged, 4, sink,
                                                                      d**-0.5),
         "sparse_attention (HCA)": lambda k: k.sparse_attention(q, kv, ring, entries, None, ragged, 4, sink, d**-0.5),

@@ -18,12 +18,12 @@ class LayerKV:
     tensors with the block axis. Absent parts are None (a window-only layer has no compressor)."""
 
     layout: LayerLayout
-    window: torch.Tensor  # [S, window, d]
+    window: torch.Tensor  # [S, window, d], or FP8 key records [S, window, bytes] (layout.KVRecord)
     pending_kv: torch.Tensor | None = None  # [S, rows, c·d]
     pending_score: torch.Tensor | None = None  # [S, rows, c·d]
     index_pending_kv: torch.Tensor | None = None  # [S, 2m, 2·dI]
     index_pending_score: torch.Tensor | None = None  # [S, 2m, 2·dI]
-    entries: torch.Tensor | None = None  # [NB, B/m, d]
+    entries: torch.Tensor | None = None  # [NB, B/m, d], or FP8 key records [NB, B/m, bytes]
     index_keys: torch.Tensor | None = None  # [NB, B/m, dI]
 
     def slot_tensors(self) -> list[torch.Tensor]:
@@ -49,11 +49,12 @@ class DeviceKV:
         self.layers = [self._alloc(layer) for layer in layout.layers]
 
     def _alloc(self, layer: LayerLayout) -> LayerKV:
-        def zeros(lead: int, shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.zeros(lead, *shape, dtype=self.dtype, device=self.device)
+        def zeros(name: str, lead: int, shape: tuple[int, ...]) -> torch.Tensor:
+            dtype = torch.uint8 if layer.packed(name) else self.dtype  # FP8 records are bytes
+            return torch.zeros(lead, *shape, dtype=dtype, device=self.device)
 
-        tensors = {name: zeros(self.num_slots, shape) for name, shape in layer.slot_shapes().items()}
-        tensors |= {name: zeros(self.num_blocks, shape) for name, shape in layer.block_shapes().items()}
+        tensors = {name: zeros(name, self.num_slots, shape) for name, shape in layer.slot_shapes().items()}
+        tensors |= {name: zeros(name, self.num_blocks, shape) for name, shape in layer.block_shapes().items()}
         return LayerKV(layout=layer, **tensors)
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:

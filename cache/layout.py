@@ -9,9 +9,18 @@ layer at the same block id: `block_size / m` entries (and, for CSA, as many inde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol
+
+FP8_GROUP = 64  # channels per e8m0 scale, as the official model quantizes its KV
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def check_kv_cache_dtype(value: str) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
 
 
 class ModelShape(Protocol):
@@ -28,6 +37,37 @@ class ModelShape(Protocol):
 
 
 @dataclass(frozen=True)
+class KVRecord:
+    """Bytes of one key stored in FP8 (`--kv-cache-dtype fp8`), as DeepSeek-V4 keeps its KV: the
+    non-rope channels as e4m3 codes with one power-of-two (e8m0) scale per 64 channels, the rope
+    channels unquantized (positions need the precision) in the compute dtype.
+
+    Layout: [codes: nope bytes][scales: one byte per group][padding][rope: rope_dim values]."""
+
+    head_dim: int
+    rope_dim: int
+    rope_dtype: str  # torch dtype name of the rope part: the model's compute dtype
+    rope_itemsize: int
+
+    @property
+    def nope(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def groups(self) -> int:
+        return -(-self.nope // FP8_GROUP)
+
+    @property
+    def rope_offset(self) -> int:
+        """Aligned so the rope part can be viewed in its own dtype."""
+        return -(-(self.nope + self.groups) // self.rope_itemsize) * self.rope_itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.rope_offset + self.rope_dim * self.rope_itemsize
+
+
+@dataclass(frozen=True)
 class LayerLayout:
     kind: str  # "swa", "csa" or "hca"
     ratio: int  # 0 for swa
@@ -35,6 +75,7 @@ class LayerLayout:
     index_head_dim: int
     window: int
     block_size: int
+    record: KVRecord | None = None  # FP8 window rows and entries; None: one compute-dtype value per channel
 
     @property
     def overlap(self) -> bool:
@@ -58,7 +99,7 @@ class LayerLayout:
     def slot_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of each State Cache tensor of one slot, in storage order (the one definition that
         the device tensors are allocated from)."""
-        shapes = {"window": (self.window, self.head_dim)}
+        shapes = {"window": (self.window, self.key_width)}
         if self.ratio:
             shapes["pending_kv"] = shapes["pending_score"] = (self.pending_rows, self.pending_width)
         if self.overlap:  # the indexer's own compressor: overlapping, 2·dI wide
@@ -69,18 +110,30 @@ class LayerLayout:
         """Shape of each Block Cache tensor of one block, in storage order."""
         shapes: dict[str, tuple[int, ...]] = {}
         if self.ratio:
-            shapes["entries"] = (self.entries_per_block, self.head_dim)
+            shapes["entries"] = (self.entries_per_block, self.key_width)
         if self.overlap:
             shapes["index_keys"] = (self.entries_per_block, self.index_head_dim)
         return shapes
 
-    def state_elements(self) -> int:
-        """Elements per State Cache slot for this layer (fixed, whatever the context length)."""
-        return sum(math.prod(shape) for shape in self.slot_shapes().values())
+    @property
+    def key_width(self) -> int:
+        """Last dim of the window and entry tensors: channels, or bytes of an FP8 record."""
+        return self.record.nbytes if self.record else self.head_dim
 
-    def block_elements(self) -> int:
-        """Elements per Block Cache block for this layer."""
-        return sum(math.prod(shape) for shape in self.block_shapes().values())
+    def packed(self, name: str) -> bool:
+        """Whether a tensor holds FP8 records (bytes) rather than compute-dtype values."""
+        return self.record is not None and name in ("window", "entries")
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes per State Cache slot for this layer (fixed, whatever the context length)."""
+        return self._bytes(self.slot_shapes(), itemsize)
+
+    def block_bytes(self, itemsize: int) -> int:
+        """Bytes per Block Cache block for this layer."""
+        return self._bytes(self.block_shapes(), itemsize)
+
+    def _bytes(self, shapes: dict[str, tuple[int, ...]], itemsize: int) -> int:
+        return sum(math.prod(shape) * (1 if self.packed(name) else itemsize) for name, shape in shapes.items())
 
 
 @dataclass(frozen=True)
@@ -90,7 +143,7 @@ class KVLayout:
     window: int
 
     @classmethod
-    def from_config(cls, cfg: ModelShape) -> KVLayout:
+    def from_config(cls, cfg: ModelShape, record: KVRecord | None = None) -> KVLayout:
         block = cfg.block_size
         layers = tuple(
             LayerLayout(
@@ -100,16 +153,22 @@ class KVLayout:
                 index_head_dim=cfg.index_head_dim,
                 window=cfg.window,
                 block_size=block,
+                record=record,
             )
             for i in range(cfg.num_layers)
         )
         return cls(layers=layers, block_size=block, window=cfg.window)
 
+    def with_record(self, record: KVRecord | None) -> KVLayout:
+        """The same model with keys stored another way (for the startup table's comparison)."""
+        return dataclasses.replace(self, layers=tuple(dataclasses.replace(layer, record=record)
+                                                      for layer in self.layers))
+
     def state_bytes_per_slot(self, itemsize: int) -> int:
-        return sum(layer.state_elements() for layer in self.layers) * itemsize
+        return sum(layer.state_bytes(itemsize) for layer in self.layers)
 
     def block_bytes(self, itemsize: int) -> int:
-        return sum(layer.block_elements() for layer in self.layers) * itemsize
+        return sum(layer.block_bytes(itemsize) for layer in self.layers)
 
     def paged_bytes_per_token(self, itemsize: int) -> int:
         """What a uniform paged layout would keep: one uncompressed KV entry per token per layer."""
@@ -122,8 +181,8 @@ class KVLayout:
             group = [layer for layer in self.layers if layer.kind == kind]
             if not group:
                 continue
-            per_token = sum(layer.block_elements() for layer in group) * itemsize / self.block_size
-            state = sum(layer.state_elements() for layer in group) * itemsize
+            per_token = sum(layer.block_bytes(itemsize) for layer in group) / self.block_size
+            state = sum(layer.state_bytes(itemsize) for layer in group)
             rows.append((kind, len(group), per_token, state))
         return rows
 
@@ -136,9 +195,13 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def cache_table(layout: KVLayout, itemsize: int, num_slots: int, num_blocks: int) -> str:
-    """The startup table: bytes per token per layer kind, per slot, and the totals."""
-    lines = [f"KV cache: {layout.block_size}-token blocks, window {layout.window}, {itemsize}-byte elements",
+def cache_table(layout: KVLayout, itemsize: int, num_slots: int, num_blocks: int,
+                record: KVRecord | None = None) -> str:
+    """The startup table: bytes per token per layer kind, per slot, and the totals; `record` is the
+    FP8 key layout, shown either way so the two choices of --kv-cache-dtype can be compared."""
+    keys = layout.layers[0].record if layout.layers else None
+    stored = f"FP8 keys ({keys.nbytes}-byte records)" if keys else f"{itemsize}-byte elements"
+    lines = [f"KV cache: {layout.block_size}-token blocks, window {layout.window}, {stored}",
              f"{'layer kind':<11}{'layers':>7}{'Block Cache B/token':>21}{'State Cache per slot':>22}"]
     for kind, count, per_token, state in layout.table(itemsize):
         lines.append(f"{kind:<11}{count:>7}{per_token:>21.1f}{_human(state):>22}")
@@ -149,4 +212,14 @@ def cache_table(layout: KVLayout, itemsize: int, num_slots: int, num_blocks: int
     lines.append(f"State Cache: {num_slots} slots = {_human(num_slots * slot)}; Block Cache: {num_blocks} blocks "
                  f"({num_blocks * layout.block_size} tokens) = {_human(num_blocks * layout.block_bytes(itemsize))}; "
                  f"a uniform paged layout would need {paged} B/token ({paged / per_token:.1f}x)")
+    if record is not None:
+        other = layout.with_record(None if keys else record)
+        fp8, full = (layout, other) if keys else (other, layout)
+        lines.append(f"Keys: FP8 (--kv-cache-dtype fp8) {_per_token(fp8, itemsize):.1f} B/token and "
+                     f"{_human(fp8.state_bytes_per_slot(itemsize))}/slot; {itemsize}-byte (auto) "
+                     f"{_per_token(full, itemsize):.1f} B/token and {_human(full.state_bytes_per_slot(itemsize))}/slot")
     return "\n".join(lines)
+
+
+def _per_token(layout: KVLayout, itemsize: int) -> float:
+    return layout.block_bytes(itemsize) / layout.block_size

@@ -14,9 +14,10 @@ import torch
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.kv_manager import KVCacheManager
-from v4serve.cache.layout import KVLayout, cache_table
+from v4serve.cache.layout import KVLayout, KVRecord, cache_table, check_kv_cache_dtype
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
+from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
@@ -55,7 +56,8 @@ class EngineConfig:
     swa_cache_mode: str = "periodic"
     swa_checkpoint_interval: int = 4096
     snapshot_bytes: int = 1 << 30
-    kv_dtype: torch.dtype = torch.float32
+    kv_dtype: torch.dtype = torch.float32  # the compute dtype, and that of every KV tensor but FP8 keys
+    kv_cache_dtype: str = "auto"  # "fp8": window rows and entries stored as FP8 records (cache/layout.KVRecord)
     seed: int = 0
     kv_store_dir: str | None = None  # the SSD prefix store; None = off
     kv_store_max_bytes: int | None = None
@@ -75,14 +77,24 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
 
 
-def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes) -> bytes:
+def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes,
+                 kv_cache_dtype: str = "auto") -> bytes:
     """Changes whenever the weights, the KV dtype or the KV layout change: cached KV from a
     different namespace must never be served."""
     h = hashlib.sha256()
     h.update(json.dumps(model.cfg.to_official_dict(), sort_keys=True).encode())
     h.update(weights_digest)
-    h.update(f"{kv_dtype}|format={KV_FORMAT_VERSION}".encode())
+    h.update(f"{kv_dtype}|keys={kv_cache_dtype}|format={KV_FORMAT_VERSION}".encode())
     return h.digest()
+
+
+def key_record(cfg: ModelConfig, kv_dtype: torch.dtype, kv_cache_dtype: str) -> KVRecord | None:
+    """The FP8 record layout of stored keys under `--kv-cache-dtype fp8`; None keeps them in `kv_dtype`."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "fp8":
+        return None
+    return KVRecord(head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, rope_dtype=str(kv_dtype).removeprefix("torch."),
+                    rope_itemsize=torch.empty((), dtype=kv_dtype).element_size())
 
 
 class LLMEngine:
@@ -91,7 +103,7 @@ class LLMEngine:
         self.config = config
         cfg = model.cfg
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
-        self.layout = KVLayout.from_config(cfg)
+        self.layout = KVLayout.from_config(cfg, key_record(cfg, config.kv_dtype, config.kv_cache_dtype))
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
@@ -107,7 +119,7 @@ class LLMEngine:
         # KV that outlives the process is keyed by every byte of the weights; within one process the
         # weights cannot change, so the (costly on a large model) digest is only taken for the store.
         digest = config.weights_digest or (tensors_digest(model.state_dict().items()) if persistent else b"")
-        namespace = kv_namespace(model, config.kv_dtype, digest)
+        namespace = kv_namespace(model, config.kv_dtype, digest, config.kv_cache_dtype)
         if persistent:
             store = SSDStore(config.kv_store_dir, namespace, self.device_kv.layout_descriptor(),
                              {KIND_BLOCK: self.device_kv.block_nbytes(), KIND_SNAPSHOT: self.device_kv.slot_nbytes(),
@@ -127,7 +139,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
         self._forward_failures = 0
-        log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks))
+        fp8 = key_record(cfg, config.kv_dtype, "fp8")
+        log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from v4serve.kernels.kv_fp8 import Record, loaded
+
 # Queries per tile on long chunks: bounds the window branch to O(n·(tile + W)).
 ATTN_TILE = 256
 
@@ -87,16 +89,17 @@ class RaggedBatch:
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, record: Record | None = None) -> torch.Tensor:
     """q [T, H, d], kv [T, d] (this step's keys), ring [S, W, d], entries [NB, P, d] or None,
-    topk [T, k] or None (CSA), sink [H] → out [T, H, d]."""
+    topk [T, k] or None (CSA), sink [H] → out [T, H, d]. With an FP8 `record` layout the ring and
+    entries hold records [..., bytes] instead (this step's own keys are read unquantized)."""
     out = torch.empty_like(q)
     if batch.decodes.seqs:
-        out[batch.decodes.rows] = _decodes(q, kv, ring, entries, topk, batch, ratio, sink, scale)
+        out[batch.decodes.rows] = _decodes(q, kv, ring, entries, topk, batch, ratio, sink, scale, record)
     for b, n in enumerate(batch.num_new):
         if n > 1:
             lo = batch.offsets[b]
-            out[lo:lo + n] = _chunk(q, kv, ring, entries, topk, batch, b, ratio, sink, scale)
+            out[lo:lo + n] = _chunk(q, kv, ring, entries, topk, batch, b, ratio, sink, scale, record)
     return out
 
 
@@ -130,13 +133,13 @@ def gather_entries(entries: torch.Tensor, tables: torch.Tensor, index: torch.Ten
 
 def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
              topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
-             scale: float) -> torch.Tensor:
+             scale: float, record: Record | None) -> torch.Tensor:
     """Every sequence decoding one token: its whole ring (with its own new key at row p mod W, where
     the ring still holds position p − W) plus its entries, as that query's own keys."""
     dev, w = q.device, ring.shape[1]
     dec = batch.decodes
     rows, t, n = dec.rows, dec.positions, len(dec.seqs)
-    keys = ring[dec.slots].to(q.dtype)  # [D, W, d]
+    keys = loaded(ring[dec.slots], record, q.dtype)  # [D, W, d]
     keys[torch.arange(n, device=dev), t % w] = kv[rows].to(q.dtype)
     ring_row = torch.arange(w, device=dev)
     held = t[:, None] - ((t[:, None] - ring_row[None, :]) % w)  # position held by each ring row
@@ -150,26 +153,27 @@ def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: tor
             count = (t + 1) // ratio
             index = torch.arange(int(count.max()), device=dev)[None, :].expand(n, -1)
             visible = index < count[:, None]
-        keys = torch.cat([keys, gather_entries(entries, tables, index).to(q.dtype)], dim=1)
+        keys = torch.cat([keys, loaded(gather_entries(entries, tables, index), record, q.dtype)], dim=1)
         mask = torch.cat([mask, visible], dim=1)
     return attend(q[rows], q.new_zeros(0, q.shape[-1]), mask.new_zeros(n, 0), keys, mask, sink, scale)
 
 
 def _chunk(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
            topk: torch.Tensor | None, batch: RaggedBatch, b: int, ratio: int, sink: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, record: Record | None) -> torch.Tensor:
     """One sequence's prefill chunk, in tiles of queries sharing their window keys (and, on HCA
     layers, their entries)."""
     dev, w = q.device, ring.shape[1]
     start, n, first = batch.starts[b], batch.num_new[b], batch.offsets[b]
     lo = max(start - w + 1, batch.window_from[b], 0)
     held = torch.arange(lo, start, device=dev)
-    keys = torch.cat([ring[batch.slots[b], held % w].to(q.dtype), kv[first:first + n].to(q.dtype)])
+    keys = torch.cat([loaded(ring[batch.slots[b], held % w], record, q.dtype), kv[first:first + n].to(q.dtype)])
     key_pos = torch.arange(lo, start + n, device=dev)
     all_entries = None
     if entries is not None and topk is None:
         count = (start + n) // ratio
-        all_entries = gather_entries(entries, batch.tables[b:b + 1], torch.arange(count, device=dev)[None])[0]
+        index = torch.arange(count, device=dev)[None]
+        all_entries = loaded(gather_entries(entries, batch.tables[b:b + 1], index)[0], record, q.dtype)
     out = torch.empty_like(q[first:first + n])
     for a in range(0, n, ATTN_TILE):
         z = min(a + ATTN_TILE, n)
@@ -187,6 +191,7 @@ def _chunk(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch
         elif entries is not None and topk is not None:
             index = topk[first + a:first + z]
             picked_mask = index >= 0
-            picked = gather_entries(entries, batch.tables[b:b + 1].expand(len(index), -1), index)
+            picked = loaded(gather_entries(entries, batch.tables[b:b + 1].expand(len(index), -1), index), record,
+                            q.dtype)
         out[a:z] = attend(q[first + a:first + z], shared, mask, picked, picked_mask, sink, scale)
     return out

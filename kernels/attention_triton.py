@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.launches import interpreting, triton_launch
 
 # A finite "−inf": a fully masked tile must not turn the running max into NaN. Globals read inside
@@ -36,10 +37,29 @@ def _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, entries_ptr, topk_ptr, tables_ptr, row_seq_ptr, row_pos_ptr,
-                             info_ptr, sink_ptr, out_ptr, H, D, W, ratio, n_tables, scale,
+def _load_keys(ptr, rope_ptr, rows, dims, mask, D, FP8: tl.constexpr, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE):
+    """Keys at storage rows `rows` [N] → [N, BLOCK_D] fp32. FP8 records (kv_fp8.py) are decoded here:
+    e4m3 codes times their group's power-of-two scale, then the rope channels read through
+    `rope_ptr`, the same bytes viewed in the rope dtype."""
+    if FP8:
+        nope = dims < NOPE
+        at = rows[:, None] * STRIDE
+        code = tl.load(ptr + at + dims[None, :], mask=mask & nope[None, :], other=0)
+        exponent = tl.load(ptr + at + NOPE + dims[None, :] // 64, mask=mask & nope[None, :], other=127)
+        value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(exponent.to(tl.float32) - 127.0)
+        rope = tl.load(rope_ptr + rows[:, None] * ROPE_STRIDE + ROPE_OFF + (dims[None, :] - NOPE),
+                       mask=mask & (~nope & (dims < D))[None, :], other=0.0)
+        return tl.where(nope[None, :], value, rope.to(tl.float32))
+    else:
+        return tl.load(ptr + rows[:, None] * D + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, ring_rope_ptr, entries_ptr, entries_rope_ptr, topk_ptr,
+                             tables_ptr, row_seq_ptr, row_pos_ptr, info_ptr, sink_ptr, out_ptr, H, D, W, ratio,
+                             n_tables, scale, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE,
                              TOPK: tl.constexpr, PER_BLOCK: tl.constexpr, HAS_ENTRIES: tl.constexpr,
-                             HAS_TOPK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HAS_TOPK: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -65,8 +85,8 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, entries_ptr, topk_ptr, tab
         new = j >= start
         from_kv = tl.load(kv_ptr + (offset + j - start)[:, None] * D + dims[None, :],
                           mask=(valid & new)[:, None] & dim_ok[None, :], other=0.0)
-        from_ring = tl.load(ring_ptr + (slot * W + j % W)[:, None] * D + dims[None, :],
-                            mask=(valid & ~new)[:, None] & dim_ok[None, :], other=0.0)
+        from_ring = _load_keys(ring_ptr, ring_rope_ptr, slot * W + j % W, dims,
+                               (valid & ~new)[:, None] & dim_ok[None, :], D, FP8, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE)
         k = tl.where(new[:, None], from_kv.to(q.dtype), from_ring.to(q.dtype))
         m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION)
 
@@ -79,18 +99,18 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, entries_ptr, topk_ptr, tab
                 valid = e >= 0
                 e = tl.maximum(e, 0)
                 blk = tl.load(tables_ptr + b * n_tables + e // PER_BLOCK, mask=valid, other=0)
-                k = tl.load(entries_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * D + dims[None, :],
-                            mask=valid[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)
-                m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+                k = _load_keys(entries_ptr, entries_rope_ptr, blk * PER_BLOCK + e % PER_BLOCK, dims,
+                               valid[:, None] & dim_ok[None, :], D, FP8, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE)
+                m_i, l_i, acc = _online_update(q, k.to(q.dtype), valid, m_i, l_i, acc, scale, PRECISION)
         else:
             count = (p + 1) // ratio
             for e0 in range(0, count, BLOCK_N):
                 e = e0 + tl.arange(0, BLOCK_N)
                 valid = e < count
                 blk = tl.load(tables_ptr + b * n_tables + e // PER_BLOCK, mask=valid, other=0)
-                k = tl.load(entries_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * D + dims[None, :],
-                            mask=valid[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)
-                m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION)
+                k = _load_keys(entries_ptr, entries_rope_ptr, blk * PER_BLOCK + e % PER_BLOCK, dims,
+                               valid[:, None] & dim_ok[None, :], D, FP8, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE)
+                m_i, l_i, acc = _online_update(q, k.to(q.dtype), valid, m_i, l_i, acc, scale, PRECISION)
 
     # The sink: one more logit per head in the denominator, nothing in the numerator.
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
@@ -104,9 +124,9 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, ring_ptr, entries_ptr, topk_ptr, tab
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, record: Record | None = None) -> torch.Tensor:
     """q [T, H, d], kv [T, d], ring [S, W, d], entries [NB, P, d] or None, topk [T, k] or None,
-    sink [H] → out [T, H, d]."""
+    sink [H] → out [T, H, d]. Under an FP8 `record` layout ring and entries hold records [..., bytes]."""
     t, h, d = q.shape
     out = torch.empty_like(q)
     if t == 0:
@@ -115,11 +135,25 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     has_entries, has_topk = entries is not None, topk is not None
     entries_t = entries if entries is not None else ring  # any tensor: never read without entries
     topk_t = topk.contiguous() if topk is not None else batch.row_seq
+    fp8 = _fp8_args(record, ring, entries_t)
     with triton_launch():
         _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
-            q.contiguous(), kv.contiguous(), ring, entries_t, topk_t, batch.tables, batch.row_seq, batch.row_pos,
-            batch.seq_info, sink, out, h, d, ring.shape[1], max(ratio, 1), batch.tables.shape[1], scale,
-            TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1], HAS_ENTRIES=has_entries,
-            HAS_TOPK=has_topk, BLOCK_H=block_h, BLOCK_N=128 if interpreting() else 32,
+            q.contiguous(), kv.contiguous(), ring, fp8["ring_rope"], entries_t, fp8["entries_rope"], topk_t,
+            batch.tables, batch.row_seq, batch.row_pos, batch.seq_info, sink, out, h, d, ring.shape[1],
+            max(ratio, 1), batch.tables.shape[1], scale, fp8["stride"], fp8["nope"], fp8["rope_off"],
+            fp8["rope_stride"], TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1],
+            HAS_ENTRIES=has_entries, HAS_TOPK=has_topk, FP8=record is not None, BLOCK_H=block_h,
+            BLOCK_N=128 if interpreting() else 32,
             BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
+
+
+def _fp8_args(record: Record | None, ring: torch.Tensor, entries: torch.Tensor) -> dict:
+    """Where the kernel finds an FP8 record's parts: the rope channels through the same bytes
+    viewed in the rope dtype (record sizes keep those views aligned), in rope-dtype units."""
+    if record is None:
+        return {"ring_rope": ring, "entries_rope": entries, "stride": 0, "nope": 0, "rope_off": 0, "rope_stride": 0}
+    rope_dtype = getattr(torch, record.rope_dtype)
+    item = torch.empty((), dtype=rope_dtype).element_size()
+    return {"ring_rope": ring.view(rope_dtype), "entries_rope": entries.view(rope_dtype), "stride": record.nbytes,
+            "nope": record.nope, "rope_off": record.rope_offset // item, "rope_stride": record.nbytes // item}

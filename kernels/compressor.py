@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.norm_rope import rms_norm, rope
 from v4serve.kernels.paged import ring_read_batched, ring_write_batched, write_entries_batched
 
@@ -37,10 +38,10 @@ def pool(win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor, rat
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
-                     inv_freq: torch.Tensor) -> None:
+                     inv_freq: torch.Tensor, record: Record | None = None) -> None:
     """kv, score [D, c·d] (the new rows, at `positions` [D]); rings [S, R, c·d]; tables [D, nb] the
-    sequences' block tables; dest [NB, P, d] entries (or indexer keys). Entries below a sequence's
-    `frozen_until` [D] are already cached and not written again."""
+    sequences' block tables; dest [NB, P, d] entries (FP8 records under `record`) or indexer keys.
+    Entries below a sequence's `frozen_until` [D] are already cached and not written again."""
     m = ratio
     ring_write_batched(ring_kv, slots, positions, kv)
     ring_write_batched(ring_score, slots, positions, score)
@@ -57,4 +58,4 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     n = len(which)
     entries = pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1), entry[:, None], m,
                    overlap, norm_weight, eps, inv_freq)[:, 0]
-    write_entries_batched(dest, tables[which], entry, entries)
+    write_entries_batched(dest, tables[which], entry, entries, record)

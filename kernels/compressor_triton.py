@@ -4,6 +4,7 @@ One program per decoding sequence: store its new kv/score row in the pending rin
 completes an entry, pool the entry's rows with an online softmax per channel (the new row is taken
 from the input, not read back), RMSNorm, rotate the trailing r dims at position i·m, and write the
 entry through the block table. A sequence's result does not depend on its batch-mates.
+FP8 entries are pooled and encoded by the torch twin (see `paged_triton` for why).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from v4serve.kernels import compressor
 from v4serve.kernels.attention_triton import NEG
+from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.launches import interpreting, triton_launch
 
 
@@ -88,7 +91,11 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, slo
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
-                     inv_freq: torch.Tensor) -> None:
+                     inv_freq: torch.Tensor, record: Record | None = None) -> None:
+    if record is not None:
+        compressor.compress_decodes(kv, score, ring_kv, ring_score, slots, positions, frozen_until, tables, dest,
+                                    ratio, overlap, norm_weight, eps, inv_freq, record)
+        return
     n = kv.shape[0]
     if n == 0:
         return

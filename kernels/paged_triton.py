@@ -1,4 +1,7 @@
-"""Triton paged writes: the twin of `paged.write_window` (same signature)."""
+"""Triton paged writes: the twin of `paged.write_window` (same signature).
+
+FP8 windows are written by the torch twin: the interpreter rounds float→e4m3 differently from
+torch and the GPU, so an encoding kernel could not be checked against its twin on a CPU."""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from v4serve.kernels import paged
 from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.launches import triton_launch
 
 
@@ -23,9 +28,12 @@ def _write_window_kernel(kv_ptr, ring_ptr, row_seq_ptr, row_pos_ptr, info_ptr, D
         tl.store(ring_ptr + (slot * W + p % W) * D + dims, row.to(ring_ptr.dtype.element_ty), mask=dims < D)
 
 
-def write_window(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch) -> None:
+def write_window(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, record: Record | None = None) -> None:
     """ring [S, W, d] ← kv [T, d] at (slot, position mod W) of each row."""
     t, d = kv.shape
+    if record is not None:
+        paged.write_window(ring, kv, batch, record)
+        return
     if t == 0:
         return
     with triton_launch():

@@ -11,6 +11,7 @@ from types import FrameType
 import torch
 import uvicorn
 
+from v4serve.cache.layout import check_kv_cache_dtype
 from v4serve.engine.async_engine import AsyncEngine
 from v4serve.engine.engine import EngineConfig, LLMEngine
 from v4serve.engine.model.checkpoint import load_model
@@ -38,6 +39,7 @@ class ServeConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -89,6 +91,7 @@ def default_store_dir() -> str:
 def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     device = cfg.resolved_device()
     dtype = cfg.resolved_dtype(device)
+    check_kv_cache_dtype(cfg.kv_cache_dtype)  # before minutes of loading
     kernels = load_kernels(resolve_backend(cfg.attention_backend, device), device)  # checked before loading
     if cfg.model == "tiny":
         model, tokenizer = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype), ByteTokenizer()
@@ -103,9 +106,9 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
 
 def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str]:
     param = next(model.parameters())
+    kv_cache_dtype = "fp8_e4m3" if econf.kv_cache_dtype == "fp8" else str(econf.kv_dtype).removeprefix("torch.")
     return {"version": VERSION, "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-            "attention_backend": model.kernels.backend,
-            "kv_cache_dtype": str(econf.kv_dtype).removeprefix("torch.")}
+            "attention_backend": model.kernels.backend, "kv_cache_dtype": kv_cache_dtype}
 
 
 def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer: Tokenizer) -> EngineConfig:
@@ -121,7 +124,8 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer: Tokenizer) -> 
                         max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
-                        swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype, seed=cfg.seed)
+                        swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype,
+                        kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed)
 
 
 def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)

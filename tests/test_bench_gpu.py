@@ -20,8 +20,8 @@ def test_gpu_bench_runs_at_smoke_sizes() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((ROOT / "bench" / "results" / "bench_gpu_smoke.json").read_text())
     kernels = {k["kernel"]: k for k in results["kernels"]}
-    assert set(kernels) == {"sparse_attention (CSA top-k)", "sparse_attention (HCA)", "mhc_pre",
-                            "rms_norm_rope (queries)"}
+    assert set(kernels) == {"sparse_attention (CSA top-k)", "sparse_attention (CSA top-k, FP8 keys)",
+                            "sparse_attention (HCA)", "mhc_pre", "rms_norm_rope (queries)"}
     assert all(k["torch_s"] > 0 and k["triton_s"] > 0 for k in kernels.values())
     rows = {(r["backend"], r["context"]): r for r in results["model"]}
     assert set(rows) == {(b, c) for b in ("torch", "triton") for c in (64, 256)}

@@ -22,6 +22,7 @@ from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
+from v4serve.kernels.kv_fp8 import Record, decode, encode
 from v4serve.kernels.paged import read_entries, write_entries
 from v4serve.kernels.registry import load_kernels
 
@@ -57,19 +58,24 @@ class Attention(nn.Module):
         qr = k.rms_norm(self.wq_a(x), self.q_norm.weight, eps)  # [T, q_lora]
         q = k.rms_norm_rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), None, eps, cos, sin)  # [T, H, d]
         kv = k.rms_norm_rope(self.wkv(x), self.kv_norm.weight, eps, cos, sin)  # [T, d]
+        record = layer_kv.layout.record
+        if record is not None:
+            # FP8 keys: this step's keys are rounded as they will be stored, so a key read back from
+            # the cache later (a prefix hit, the next chunk) equals the one used now.
+            kv = decode(encode(kv, record), record, kv.dtype)
         topk = None
         if self.compressor is not None:
             assert layer_kv.entries is not None and layer_kv.pending_kv is not None
             self._compress(self.compressor, x, positions, meta, batch, layer_kv.pending_kv,
-                           layer_kv.pending_score, layer_kv.entries, rotary)
+                           layer_kv.pending_score, layer_kv.entries, rotary, record)
         if self.indexer is not None:
             assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
             self._compress(self.indexer.compressor, x, positions, meta, batch, layer_kv.index_pending_kv,
-                           layer_kv.index_pending_score, layer_kv.index_keys, rotary)
+                           layer_kv.index_pending_score, layer_kv.index_keys, rotary, None)
             topk = self._select(self.indexer.queries(x, qr, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
-                                            self.attn_sink, self.head_dim**-0.5)
-        k.write_window(layer_kv.window, kv, batch)  # after attention has read the ring
+                                 self.attn_sink, self.head_dim**-0.5, record)
+        k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
         out = k.rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
@@ -78,22 +84,22 @@ class Attention(nn.Module):
     # ---- compressed entries ----------------------------------------------------------------------------
     def _compress(self, compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor, dest: torch.Tensor,
-                  rotary: Rotary) -> None:
+                  rotary: Rotary, record: Record | None) -> None:
         """Feed this step's rows to a compressor and write the entries they finish to the Block Cache
-        (`dest`: CSA/HCA entries or indexer keys) before attention reads them."""
+        (`dest`: CSA/HCA entries, FP8 records under `record`, or indexer keys) before attention reads them."""
         comp_kv, comp_score = compressor.project(x, positions)
         dec = batch.decodes
         if dec.seqs:
             self.kernels.compress_decodes(comp_kv[dec.rows], comp_score[dec.rows], pending_kv, pending_score,
                                           dec.slots, dec.positions, dec.frozen_until, dec.tables, dest,
                                           compressor.ratio, compressor.overlap, compressor.norm.weight,
-                                          compressor.norm.eps, rotary.inv_freq)
+                                          compressor.norm.eps, rotary.inv_freq, record)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 rows_ = slice(seq.offset, seq.offset + seq.num_new)
                 new, first = compressor.update(comp_kv[rows_], comp_score[rows_], seq, pending_kv[seq.slot],
                                                pending_score[seq.slot], rotary)
-                write_entries(dest, seq.block_table, first, new)
+                write_entries(dest, seq.block_table, first, new, record)
 
     def _select(self, index_q: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, batch: RaggedBatch,
                 index_keys: torch.Tensor) -> torch.Tensor:

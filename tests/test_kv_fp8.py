@@ -1,0 +1,195 @@
+"""FP8 keys (`--kv-cache-dtype fp8`): the record format against independent arithmetic, the Triton
+attention reading records against its torch twin, and through the engine: FP8 prefix hits (device
+and disk, every SWA mode) give the FP8 cold run's tokens, a store of one key dtype is never read as
+the other, and the daemon reports and refuses the setting as it should."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from tests.daemon import daemon
+from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, small_model, tiny_model, tokens
+from v4serve.cache.layout import KVLayout, KVRecord, cache_table
+from v4serve.engine.engine import key_record
+from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.kv_fp8 import decode, encode
+from v4serve.kernels.registry import load_kernels
+
+REAL = KVRecord(head_dim=512, rope_dim=64, rope_dtype="bfloat16", rope_itemsize=2)
+TINY = KVRecord(head_dim=64, rope_dim=16, rope_dtype="float32", rope_itemsize=4)
+
+
+def wide_range_rows(n: int, d: int, seed: int) -> torch.Tensor:
+    """Rows whose channels span eight orders of magnitude, so groups use many scales."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=gen) * torch.exp2(torch.randint(-14, 14, (n, d), generator=gen).float())
+
+
+# ---- the record format ----------------------------------------------------------------------------------
+def test_record_sizes_match_deepseek_v4s_fp8_kv() -> None:
+    # 448 e4m3 codes + 7 scale bytes + 1 pad + 64 bf16 rope values = 584 bytes, vs 1024 in bf16.
+    assert (REAL.nope, REAL.groups, REAL.rope_offset, REAL.nbytes) == (448, 7, 456, 584)
+    assert (TINY.nope, TINY.groups, TINY.rope_offset, TINY.nbytes) == (48, 1, 52, 116)
+
+
+@pytest.mark.parametrize("record", [REAL, TINY], ids=["real", "tiny"])
+def test_round_trip_error_is_within_e4m3_precision(record: KVRecord) -> None:
+    rows = wide_range_rows(64, record.head_dim, 0)
+    rope_dtype = getattr(torch, record.rope_dtype)
+    back = decode(encode(rows, record), record)
+    nope, got = rows[:, :record.nope], back[:, :record.nope]
+    for g in range(record.groups):
+        cols = slice(64 * g, min(64 * g + 64, record.nope))
+        amax = nope[:, cols].abs().amax(-1, keepdim=True)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        # e4m3: 3 mantissa bits → relative error ≤ 2⁻⁴ on normals; subnormal spacing 2⁻⁹ · scale.
+        bound = torch.maximum(nope[:, cols].abs() * 2**-4, scale * 2**-10)
+        assert ((got[:, cols] - nope[:, cols]).abs() <= bound).all()
+    assert torch.equal(back[:, record.nope:], rows[:, record.nope:].to(rope_dtype).float())
+
+
+def test_scale_bytes_are_the_power_of_two_exponents() -> None:
+    rows = torch.zeros(4, TINY.head_dim)
+    for i, amax in enumerate([448.0, 449.0, 1.0, 0.0]):
+        rows[i, 5] = -amax
+    exponents = encode(rows, TINY)[:, TINY.nope].tolist()
+    want = [127 + math.ceil(math.log2(max(a, 1e-4) / 448)) for a in (448.0, 449.0, 1.0, 0.0)]
+    assert exponents == want
+    # 449 / 2 = 224.5 lies between the e4m3 values 224 and 240: it rounds to 224, i.e. 448.
+    assert decode(encode(rows, TINY), TINY)[:, 5].tolist() == [-448.0, -448.0, -1.0, 0.0]
+
+
+def test_rounding_twice_changes_nothing() -> None:
+    """A key rounded once (what attention uses) is stored and read back unchanged, so a cache read
+    gives exactly the key the cold run used."""
+    rows = wide_range_rows(256, REAL.head_dim, 1).to(torch.bfloat16)
+    once = decode(encode(rows, REAL), REAL, torch.bfloat16)
+    assert torch.equal(decode(encode(once, REAL), REAL, torch.bfloat16), once)
+
+
+def test_layout_bytes_match_the_records() -> None:
+    cfg = tiny_model().cfg
+    full, fp8 = KVLayout.from_config(cfg), KVLayout.from_config(cfg, key_record(cfg, torch.float32, "fp8"))
+    for plain, packed in zip(full.layers, fp8.layers, strict=True):
+        window_delta = plain.window * (plain.head_dim * 4 - TINY.nbytes)
+        entry_delta = plain.entries_per_block * (plain.head_dim * 4 - TINY.nbytes)
+        assert plain.state_bytes(4) - packed.state_bytes(4) == window_delta
+        assert plain.block_bytes(4) - packed.block_bytes(4) == entry_delta
+    table = cache_table(fp8, 4, 2, 8, key_record(cfg, torch.float32, "fp8"))
+    assert "FP8 keys (116-byte records)" in table
+    assert f"FP8 (--kv-cache-dtype fp8) {fp8.block_bytes(4) / 128:.1f} B/token" in table
+    assert f"4-byte (auto) {full.block_bytes(4) / 128:.1f} B/token" in table
+
+
+# ---- the Triton attention reads records ------------------------------------------------------------------
+@requires_triton
+@pytest.mark.parametrize("topk", [False, True], ids=["hca", "csa"])
+def test_triton_attention_on_fp8_records_equals_its_twin(topk: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    h, d, w, ratio, per_block = 4, TINY.head_dim, 16, 4, 8
+    # A long prefill chunk, one starting mid-window, and two decodes.
+    batch = RaggedBatch.build([0, 1, 2, 3], [0, 20, 37, 9], [40, 6, 1, 1], [0, 0, 30, 0],
+                              [[0, 1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13]], "cpu")
+    t = batch.num_rows
+    q, kv = torch.randn(t, h, d, generator=gen), torch.randn(t, d, generator=gen)
+    ring = encode(torch.randn(4, w, d, generator=gen), TINY)
+    entries = encode(torch.randn(14, per_block, d, generator=gen), TINY)
+    picks = None
+    if topk:
+        visible = ((batch.row_pos + 1) // ratio).clamp(min=1)
+        picks = (torch.rand(t, 5, generator=gen) * visible[:, None]).long()
+        picks[(batch.row_pos + 1) // ratio == 0] = -1
+    sink = torch.randn(h, generator=gen)
+    kv = decode(encode(kv, TINY), TINY)
+    want = load_kernels("torch").sparse_attention(q, kv, ring, entries, picks, batch, ratio, sink, d**-0.5, TINY)
+    got = load_kernels("triton").sparse_attention(q, kv, ring, entries, picks, batch, ratio, sink, d**-0.5, TINY)
+    assert rel_err(got, want) <= 1e-5
+
+
+@requires_triton
+def test_small_model_on_triton_with_fp8_keys_gives_the_torch_tokens() -> None:
+    """Two requests sharing steps (16-token budget): chunks and decodes read records in one batch."""
+    torch_model = build_tiny(tiny_config(**SMALL), seed=11)
+    triton_model = build_tiny(tiny_config(**SMALL), seed=11)
+    triton_model.use_kernels(load_kernels("triton"))
+    prompts = {"a": tokens(37, 8), "b": tokens(21, 9)}
+    runs = []
+    for model in (torch_model, triton_model):
+        engine = engine_for(model, kv_cache_dtype="fp8", max_num_batched_tokens=16)
+        runs.append((engine.generate([greedy(rid, p, n=4) for rid, p in prompts.items()]), engine.logits))
+    (want, want_logits), (got, got_logits) = runs
+    assert got == want
+    for rid in prompts:
+        assert rel_err(torch.stack(got_logits[rid]), torch.stack(want_logits[rid])) <= 1e-4
+
+
+# ---- through the engine -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
+@pytest.mark.parametrize("shared", [15, 16, 17, 33])
+def test_fp8_prefix_hits_give_the_fp8_cold_run(mode: str, shared: int) -> None:
+    """Small model (window 8, blocks of 16): hits at and off by one around block edges."""
+    model = small_model()
+    base = tokens(shared, 4)
+    first, second = base + tokens(9, 5), base + tokens(9, 6)
+    engine = engine_for(model, swa_cache_mode=mode, kv_cache_dtype="fp8")
+    engine.generate([greedy("first", first)])
+    hit = greedy("second", second)
+    out = engine.generate([hit])["second"]
+    engine.check()
+    cold = engine_for(model, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    assert out == cold.generate([greedy("cold", second)])["cold"]
+    assert hit.num_hit_tokens == min(shared, len(second) - 1) // 16 * 16
+    # Snapshots restore the stored key bytes: fp32 noise only. Zero mode recomputes the window, and
+    # a recomputed key's fp32 noise can move one e4m3 code by a step.
+    tolerance = 1e-4 if mode != "zero" else 1e-2
+    assert rel_err(torch.stack(engine.logits["second"]), torch.stack(cold.logits["cold"])) <= tolerance
+
+
+def test_fp8_keys_stay_close_to_full_precision_keys() -> None:
+    """Not equality (rounding keys to 3 mantissa bits moves logits); a broken encoding would move
+    them by far more than the few percent measured in bench/bench_kv_fp8.py."""
+    model, prompt = tiny_model(), tokens(300, 1)
+    full = engine_for(model, enable_prefix_caching=False)
+    fp8 = engine_for(model, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    full.generate([greedy("x", prompt, n=1)])
+    fp8.generate([greedy("x", prompt, n=1)])
+    assert 0 < rel_err(fp8.logits["x"][0], full.logits["x"][0]) <= 0.1
+
+
+def test_disk_store_is_keyed_by_the_key_dtype(tmp_path) -> None:
+    model, prompt = tiny_model(), tokens(300, 2)
+    store = dict(swa_cache_mode="full", kv_store_dir=str(tmp_path))
+    first = engine_for(model, **store)
+    first.generate([greedy("a", prompt)])
+    first.close()
+    fp8 = engine_for(model, kv_cache_dtype="fp8", **store)
+    miss = greedy("b", prompt)
+    fp8.generate([miss])
+    fp8.close()
+    assert miss.num_hit_tokens == 0  # full-precision blocks on disk are not FP8 records
+    again = engine_for(model, kv_cache_dtype="fp8", **store)
+    hit = greedy("c", prompt)
+    out = again.generate([hit])["c"]
+    again.close()
+    cold = engine_for(model, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    assert hit.num_hit_tokens == 256
+    assert out == cold.generate([greedy("cold", prompt)])["cold"]
+    assert rel_err(torch.stack(again.logits["c"]), torch.stack(cold.logits["cold"])) <= 1e-4
+
+
+def test_daemon_reports_fp8_keys_and_refuses_unknown_dtypes() -> None:
+    with daemon("--kv-cache-dtype", "fp8") as url:
+        assert httpx.get(url + "/version").json()["kv_cache_dtype"] == "fp8_e4m3"
+        body = {"model": "v4serve-tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]["completion_tokens"] == 3
+    done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--kv-cache-dtype", "int4",
+                           "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--kv-cache-dtype must be one of auto, fp8, got 'int4'" in done.stderr
