@@ -1,0 +1,60 @@
+"""DeepSeek-V4's mixture of experts as two kernels: `route` (gate scores → each token's experts and
+weights) and `experts` (the SwiGLU experts over the whole batch). Plain torch, the twin of
+`moe_triton.py` (same signatures).
+
+The shared expert rides along as expert E (E+S−1 when it is S experts wide) with weight 1: the
+weights of routed and shared experts live in one stack, so one launch of `experts` runs them all.
+Choices are [T, k + S]: the k routed experts in the gate's order, then the S shared ones.
+
+Shapes: T = tokens, D = hidden size, E = routed experts, S = shared experts, I = expert width,
+k = routed experts per token, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def scores_of(logits: torch.Tensor, func: str) -> torch.Tensor:
+    if func == "softmax":
+        return logits.softmax(dim=-1)
+    if func == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None, func: str, topk: int,
+          scale: float, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (fp32) → (weights [T, k + S] fp32, experts [T, k + S] int64). The routed experts
+    are the top-k of scores + bias, or on hash layers the given `hashed` [T, k]; their weights are
+    their scores renormalised and scaled; the shared experts get weight 1."""
+    scores = scores_of(logits, func)
+    chosen = hashed if hashed is not None else (scores + bias).topk(topk, dim=-1).indices  # best first
+    weights = scores.gather(1, chosen)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale
+    n, e = logits.shape
+    shared = torch.arange(e, e + num_shared, device=logits.device).expand(n, num_shared)
+    return torch.cat([weights, weights.new_ones(n, num_shared)], 1), torch.cat([chosen, shared], 1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+            w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """x [T, D], weights/chosen [T, k + S], w1/w3 [E+S, I, D], w2 [E+S, D, I] → Σ_j weight_j · expert_j(x) [T, D].
+    Tokens are grouped by expert (one matmul per expert in use); each token's terms are added in
+    expert order."""
+    out = torch.zeros_like(x)
+    for e in chosen.unique().tolist():
+        token, which = torch.where(chosen == e)
+        rows = x[token]
+        y = F.linear(swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), limit), w2[e])
+        out.index_add_(0, token, y * weights[token, which, None].to(x.dtype))
+    return out

@@ -1,0 +1,166 @@
+"""Triton kernels for the mixture of experts: the twins of `moe.route` and `moe.experts` (same
+signatures; see `moe.py` for the semantics).
+
+`route` is one program per token: scores, the top-k by repeated max (ties go to the lower expert),
+weights renormalised and scaled, shared experts appended. `experts` sorts the (token, expert)
+pairs by expert and runs two grouped GEMM launches — gate/up projections with the SwiGLU, then the
+down projection times the pair's weight — one program per (expert, output tile), each walking its
+expert's pairs in tiles, so every expert's weights are read once per tile of its tokens. Each
+pair's result lands in its own row; a token's terms are then summed in choice order, never with
+atomics, so a token's output does not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.moe import SCORE_FUNCS
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, hashed_ptr, weights_ptr, chosen_ptr, E, scale, K: tl.constexpr,
+                  S: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    live = e < E
+    logit = tl.load(logits_ptr + t * E + e, mask=live, other=NEG_INF).to(tl.float32)
+    if FUNC == 0:  # softmax
+        z = tl.exp(logit - tl.max(logit, axis=0))
+        scores = z / tl.sum(z, axis=0)
+    elif FUNC == 1:  # sigmoid
+        scores = tl.sigmoid(logit)
+    else:  # sqrt(softplus), softplus linear above 20 as torch's
+        scores = tl.sqrt(tl.where(logit > 20.0, logit, tl.log(1.0 + tl.exp(logit))))
+    scores = tl.where(live, scores, 0.0)
+    j = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_K], tl.int64)
+    picked_w = tl.zeros([BLOCK_K], tl.float32)
+    if HASHED:
+        picked = tl.load(hashed_ptr + t * K + j, mask=j < K, other=0).to(tl.int64)
+        for n in tl.static_range(K):
+            idx = tl.sum(tl.where(j == n, picked, 0), axis=0)
+            picked_w = tl.where(j == n, tl.sum(tl.where(e == idx, scores, 0.0), axis=0), picked_w)
+    else:
+        sel = tl.where(live, scores + tl.load(bias_ptr + e, mask=live, other=0.0).to(tl.float32), NEG_INF)
+        for n in tl.static_range(K):
+            best = tl.max(sel, axis=0)
+            idx = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
+            picked = tl.where(j == n, idx.to(tl.int64), picked)
+            picked_w = tl.where(j == n, tl.sum(tl.where(e == idx, scores, 0.0), axis=0), picked_w)
+            sel = tl.where(e == idx, NEG_INF, sel)
+    picked_w = picked_w / (tl.sum(tl.where(j < K, picked_w, 0.0), axis=0) + 1e-20) * scale
+    tl.store(weights_ptr + t * (K + S) + j, picked_w, mask=j < K)
+    tl.store(chosen_ptr + t * (K + S) + j, picked, mask=j < K)
+    s = tl.arange(0, BLOCK_K)
+    tl.store(weights_ptr + t * (K + S) + K + s, tl.full([BLOCK_K], 1.0, tl.float32), mask=s < S)
+    tl.store(chosen_ptr + t * (K + S) + K + s, E + s.to(tl.int64), mask=s < S)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None, func: str, topk: int,
+          scale: float, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, e = logits.shape
+    weights = torch.empty(n, topk + num_shared, dtype=torch.float32, device=logits.device)
+    chosen = torch.empty(n, topk + num_shared, dtype=torch.long, device=logits.device)
+    if n == 0:
+        return weights, chosen
+    with triton_launch():
+        _route_kernel[(n,)](logits.contiguous(), bias if bias is not None else logits,
+                            hashed.contiguous() if hashed is not None else chosen, weights, chosen, e, scale,
+                            K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None,
+                            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
+    return weights, chosen
+
+
+@triton.jit
+def _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M: tl.constexpr):
+    """Tile m0.. of expert e's pairs (sorted by expert): their pair ids and which are real."""
+    idx = m0 + tl.arange(0, BLOCK_M)
+    ok = idx < end
+    return tl.load(order_ptr + idx, mask=ok, other=0), ok
+
+
+@triton.jit
+def _up_kernel(x_ptr, w1_ptr, w3_ptr, order_ptr, ends_ptr, h_ptr, D, INTER, limit, KS: tl.constexpr,
+               HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PRECISION: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    end = tl.load(ends_ptr + e)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    for m0 in range(start, end, BLOCK_M):
+        pair, ok = _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M)
+        tok = pair // KS
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < D
+            xk = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w_at = e * INTER * D + cols[:, None] * D + k[None, :]
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            gate += tl.dot(xk, tl.trans(tl.load(w1_ptr + w_at, mask=w_ok, other=0.0)), input_precision=PRECISION)
+            up += tl.dot(xk, tl.trans(tl.load(w3_ptr + w_at, mask=w_ok, other=0.0)), input_precision=PRECISION)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + pair[:, None] * INTER + cols[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, ends_ptr, y_ptr, D, INTER, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    end = tl.load(ends_ptr + e)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    for m0 in range(start, end, BLOCK_M):
+        pair, ok = _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < INTER
+            hk = tl.load(h_ptr + pair[:, None] * INTER + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w2_ptr + e * D * INTER + cols[:, None] * INTER + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(hk, tl.trans(w), input_precision=PRECISION)
+        acc = acc * tl.load(weights_ptr + pair, mask=ok, other=0.0)[:, None]
+        tl.store(y_ptr + pair[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=ok[:, None] & col_ok[None, :])
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+            w3: torch.Tensor, limit: float) -> torch.Tensor:
+    t, d = x.shape
+    ks, groups, inter = chosen.shape[1], w1.shape[0], w1.shape[1]
+    if t == 0:
+        return torch.zeros_like(x)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
+    ends = torch.cumsum(torch.bincount(flat, minlength=groups), 0)
+    h = torch.empty(t * ks, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(t * ks, d, dtype=x.dtype, device=x.device)
+    big = interpreting()  # the interpreter pays per op, not per element: fewer, larger tiles
+    block_m, block_k = 16, 64 if not big else 256
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    xc = x.contiguous()
+    with triton_launch():
+        block_n = min(triton.next_power_of_2(inter), 64 if not big else 256)
+        _up_kernel[(groups, triton.cdiv(inter, block_n))](
+            xc, w1, w3, order, ends, h, d, inter, float(limit), KS=ks, HAS_LIMIT=bool(limit), BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+    with triton_launch():
+        block_n = min(triton.next_power_of_2(d), 64 if not big else 256)
+        _down_kernel[(groups, triton.cdiv(d, block_n))](
+            h, w2, weights.contiguous().flatten(), order, ends, y, d, inter, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, PRECISION=precision)
+    return y.view(t, ks, d).sum(dim=1)
