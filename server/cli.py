@@ -53,6 +53,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--device", str, "auto, cpu or cuda"),
     ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),
     ("--attention-backend", str, "auto (Triton kernels on CUDA, plain torch elsewhere), torch or triton"),
+    ("--batch-invariant", bool, "a request's logits are bitwise the same alone or in any batch (slower)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),

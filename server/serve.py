@@ -38,6 +38,7 @@ class ServeConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    batch_invariant: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -89,7 +90,8 @@ def default_store_dir() -> str:
 def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     device = cfg.resolved_device()
     dtype = cfg.resolved_dtype(device)
-    kernels = load_kernels(resolve_backend(cfg.attention_backend, device), device)  # checked before loading
+    backend = resolve_backend(cfg.attention_backend, device)
+    kernels = load_kernels(backend, device, batch_invariant=cfg.batch_invariant)  # checked before loading
     if cfg.model == "tiny":
         model, tokenizer = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype), ByteTokenizer()
     else:
@@ -101,10 +103,10 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     return model, tokenizer
 
 
-def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str]:
+def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool]:
     param = next(model.parameters())
     return {"version": VERSION, "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-            "attention_backend": model.kernels.backend,
+            "attention_backend": model.kernels.backend, "batch_invariant": model.kernels.batch_invariant,
             "kv_cache_dtype": str(econf.kv_dtype).removeprefix("torch.")}
 
 
@@ -136,9 +138,10 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     app = build_app(async_engine, tokenizer, server, metrics)
 
     device = next(model.parameters()).device
-    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s, %s kernels", cfg.model_name, cfg.model,
+    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s, %s kernels%s", cfg.model_name, cfg.model,
              model.cfg.num_layers, sum(p.numel() for p in model.parameters()) / 1e6,
-             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend)
+             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
+             " (batch-invariant)" if model.kernels.batch_invariant else "")
     log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
              econf.max_model_len)
