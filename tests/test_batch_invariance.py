@@ -6,10 +6,12 @@ a 16-token budget leaves its last prompt token alone in a chunk, i.e. on the dec
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.daemon import daemon
 from tests.helpers import SMALL, engine_for, greedy, requires_triton, tokens
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny, tiny_config
@@ -118,3 +120,11 @@ def test_serve_config_turns_it_on_and_version_reports_it() -> None:
     assert version_info(model, engine_config(cfg, model, tokenizer))["batch_invariant"] is True
     plain, tokenizer = load(ServeConfig(device="cpu", attention_backend="torch", no_kv_store=True))
     assert version_info(plain, engine_config(cfg, plain, tokenizer))["batch_invariant"] is False
+
+
+def test_daemon_flag_shows_in_version() -> None:
+    with daemon("--attention-backend", "torch", "--batch-invariant") as url:
+        info = httpx.get(url + "/version").json()
+        assert info["batch_invariant"] is True and info["attention_backend"] == "torch"
+        body = {"model": "v4serve-tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]["completion_tokens"] == 2
