@@ -1,6 +1,10 @@
 """Prefill and decode tokens/s of the tiny model: v4serve vs transformers on the same weights.
 
     python bench/bench_model.py [--prompt 1024,4096] [--decode 64] [--repeats 3] [--set KEY=VALUE ...]
+                                [--only-batch-invariant]
+
+Also the cost of --batch-invariant: torch-backend decode tokens/s through the engine at batch 1
+and 16, default kernels vs the batch-invariant set (`--only-batch-invariant` measures only that).
 
 `--set` sizes the model as `v4serve make-checkpoint --set` does, e.g. the 30M-parameter config:
 --set hidden_size=256 --set num_heads=8 --set 'compress_ratios=[0,0,4,128,4,128,4,128]'
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -19,9 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
+from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
+from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.single import SingleSequence  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.request import Request, SamplingParams  # noqa: E402
+from v4serve.kernels.registry import load_kernels  # noqa: E402
 from v4serve.server.cli import _parse_override  # noqa: E402
 
 
@@ -31,9 +40,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64, help="decode steps after a 512-token prompt")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", type=_parse_override, action="append", metavar="KEY=VALUE", default=[])
+    parser.add_argument("--only-batch-invariant", action="store_true", help="only the --batch-invariant cost")
     args = parser.parse_args()
-
-    import transformers
 
     overrides = dict(args.set)
     if "compress_ratios" in overrides:
@@ -41,6 +49,13 @@ def main() -> None:
         overrides.setdefault("num_layers", len(overrides["compress_ratios"]))
     model = build_tiny(tiny_config(**overrides))
     params = sum(p.numel() for p in model.parameters())
+    invariance = batch_invariance_cost(model, args.repeats)
+    if args.only_batch_invariant:
+        write_results("bench_model", {"parameters": params, "batch_invariant": invariance})
+        return
+
+    import transformers
+
     folder = write_checkpoint(model, Path(tempfile.mkdtemp(prefix="bench-tiny-")))
     ours = load_model(folder, progress=False)
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -91,9 +106,51 @@ def main() -> None:
                          "transformers_tok_s": hf_tps}
 
     results["parameters"] = params
+    results["batch_invariant"] = invariance
     print_table(f"{params / 1e6:.1f}M-parameter model, batch 1, fp32 CPU (tokens/s; ratio = v4serve / transformers)",
                 ["workload", "v4serve", "transformers", "ratio"], rows)
     write_results("bench_model", results)
+
+
+# Decode cost of --batch-invariant: a short context keeps the attention share small, so the table
+# shows mostly what per-row projections cost.
+INVARIANCE_CONTEXT, INVARIANCE_STEPS = 128, 16
+
+
+def decode_tok_s(model: DeepseekV4, batch: int) -> float:
+    """Decode tokens/s of `batch` requests through the engine, timed after every prefill is done."""
+    engine = LLMEngine(model, EngineConfig(max_model_len=1024, max_num_seqs=batch, enable_prefix_caching=False))
+    gen = torch.Generator().manual_seed(batch)
+    reqs = [Request(f"r{i}", torch.randint(64, model.cfg.vocab_size, (INVARIANCE_CONTEXT,), generator=gen).tolist(),
+                    SamplingParams(max_tokens=INVARIANCE_STEPS + 1, ignore_eos=True)) for i in range(batch)]
+    for r in reqs:
+        engine.add_request(r)
+    while not all(r.output_token_ids for r in reqs):
+        engine.step()
+    t0 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return batch * INVARIANCE_STEPS / (time.perf_counter() - t0)
+
+
+def batch_invariance_cost(model: DeepseekV4, repeats: int) -> list[dict[str, float]]:
+    """Torch-backend decode tokens/s at batch 1 and 16, default kernels vs --batch-invariant."""
+    kernels = {"default": load_kernels("torch"), "batch_invariant": load_kernels("torch", batch_invariant=True)}
+    rows, results = [], []
+    for batch in (1, 16):
+        def timed(name: str, batch: int = batch) -> float:
+            model.use_kernels(kernels[name])
+            return decode_tok_s(model, batch)
+
+        best = {name: max(timed(name) for _ in range(repeats)) for name in kernels}
+        ratio = best["batch_invariant"] / best["default"]
+        rows.append([f"decode batch {batch}", best["default"], best["batch_invariant"], ratio])
+        results.append({"batch": batch, "context": INVARIANCE_CONTEXT, "default_tok_s": best["default"],
+                        "batch_invariant_tok_s": best["batch_invariant"], "ratio": ratio})
+    model.use_kernels(kernels["default"])
+    print_table("--batch-invariant cost, torch backend, fp32 CPU (tokens/s; ratio = invariant / default)",
+                ["workload", "default", "batch-invariant", "ratio"], rows)
+    return results
 
 
 if __name__ == "__main__":

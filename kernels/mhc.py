@@ -10,19 +10,23 @@ Plain torch, the twin of the Triton kernels in `mhc_triton.py` (same signatures)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            norm_eps: float, iters: int, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, hc, D], fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3] →
-    (x [T, D] in h's dtype, post [T, hc], comb [T, hc, hc]) (fp32 gates)."""
+    (x [T, D] in h's dtype, post [T, hc], comb [T, hc, hc]) (fp32 gates). `linear` computes the
+    mixing projection (a per-row form under --batch-invariant)."""
     hc = h.shape[1]
     flat = h.flatten(1).float()
     # The RMS factor is a per-row scalar, so it is applied after the projection: one op fewer.
     rs = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
-    z = torch.addcmul(base.float(), F.linear(flat, fn.float()) * rs,
+    z = torch.addcmul(base.float(), linear(flat, fn.float()) * rs,
                       scale.float().repeat_interleave(torch.tensor([hc, hc, hc * hc], device=scale.device)))
     pre_z, post_z, comb_z = z.split([hc, hc, hc * hc], dim=-1)
     pre = torch.sigmoid(pre_z) + hc_eps

@@ -1,9 +1,16 @@
 """Which implementation of each kernel the model calls: `torch` (plain torch, any device) or
 `triton` (fused kernels; on a CPU they run under Triton's interpreter, for tests). Each Triton
-kernel has a plain-torch twin with the same signature, so the two sets are interchangeable."""
+kernel has a plain-torch twin with the same signature, so the two sets are interchangeable.
+
+`batch_invariant` swaps in the per-row forms of `kernels/invariant.py` wherever a batched op's
+rounding depends on the batch (dense projections, and on the torch backend attention and indexer
+scores), so that a request's logits are bitwise the same alone, in any batch and under any
+chunking; the default keeps the batched ops and their speed."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -27,6 +34,10 @@ class Kernels:
     compress_decodes: Callable[..., Any]
     index_scores: Callable[..., Any]
     write_window: Callable[..., Any]
+    linear: Callable[..., Any]  # (x [T, I], weight [O, I]) → [T, O]
+    grouped_linear: Callable[..., Any]  # (x [T, G, I], weight [G, O, I]) → [T, G, O]
+    rowwise: Callable[..., Any]  # (elementwise fn, x [T, ...]) → fn(x)
+    batch_invariant: bool = False
 
 
 def triton_available() -> bool:
@@ -45,13 +56,37 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
     return requested
 
 
-def load_kernels(backend: str, device: torch.device | str = "cpu") -> Kernels:
+def load_kernels(backend: str, device: torch.device | str = "cpu", batch_invariant: bool = False) -> Kernels:
+    kernels = _backend_kernels(backend, device)
+    return _batch_invariant(kernels) if batch_invariant else kernels
+
+
+def _batch_invariant(kernels: Kernels) -> Kernels:
+    """Per-row projections and per-row transcendental functions (MoE gate, SwiGLU, hc_head) on
+    every backend. The Triton attention, indexer and mHC kernels already reduce each row on its
+    own; the torch twins of attention, indexer scores and mHC's projection batch rows, so they get
+    per-row forms. Decode-step entries are pooled by the same torch code as prefill entries (on
+    the Triton backend too): one pooling implementation, whichever path completes an entry."""
+    from v4serve.kernels import compressor, invariant, mhc
+
+    changes: dict[str, Any] = dict(batch_invariant=True, linear=invariant.linear_rows,
+                                   grouped_linear=invariant.grouped_linear_rows, rowwise=invariant.rowwise_rows,
+                                   compress_decodes=compressor.compress_decodes)
+    if kernels.backend == "torch":
+        changes.update(sparse_attention=invariant.sparse_attention_rows, index_scores=invariant.index_scores_rows,
+                       mhc_pre=functools.partial(mhc.mhc_pre, linear=invariant.linear_rows))
+    return dataclasses.replace(kernels, **changes)
+
+
+def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
+    from v4serve.kernels import invariant
+
     if backend == "torch":
         from v4serve.kernels import attention, compressor, indexer, mhc, norm_rope, paged
 
         return Kernels("torch", mhc.mhc_pre, mhc.mhc_post, attention.sparse_attention, norm_rope.rms_norm,
                        norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, indexer.index_scores,
-                       paged.write_window)
+                       paged.write_window, invariant.linear, invariant.grouped_linear, invariant.rowwise)
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -70,4 +105,5 @@ def load_kernels(backend: str, device: torch.device | str = "cpu") -> Kernels:
 
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
-                   compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window)
+                   compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window,
+                   invariant.linear, invariant.grouped_linear, invariant.rowwise)

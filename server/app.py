@@ -97,7 +97,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
         return JSONResponse({"status": "ok"})
 
     @app.get("/version", responses=error_responses(401))
-    async def get_version() -> dict[str, str]:
+    async def get_version() -> dict[str, str | bool]:
         return {**config.version_info, "version": VERSION}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

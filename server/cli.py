@@ -54,6 +54,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),
     ("--attention-backend", str, "auto (Triton kernels on CUDA, plain torch elsewhere), torch or triton"),
     ("--kv-cache-dtype", str, "auto (keys in the model dtype) or fp8 (e4m3 + per-64 scales, as DeepSeek-V4)"),
+    ("--batch-invariant", bool, "a request's logits are bitwise the same alone or in any batch (slower)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),

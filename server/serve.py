@@ -40,6 +40,7 @@ class ServeConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    batch_invariant: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -92,7 +93,8 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     device = cfg.resolved_device()
     dtype = cfg.resolved_dtype(device)
     check_kv_cache_dtype(cfg.kv_cache_dtype)  # before minutes of loading
-    kernels = load_kernels(resolve_backend(cfg.attention_backend, device), device)  # checked before loading
+    backend = resolve_backend(cfg.attention_backend, device)
+    kernels = load_kernels(backend, device, batch_invariant=cfg.batch_invariant)  # checked before loading
     if cfg.model == "tiny":
         model, tokenizer = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype), ByteTokenizer()
     else:
@@ -104,11 +106,12 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
     return model, tokenizer
 
 
-def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str]:
+def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool]:
     param = next(model.parameters())
     kv_cache_dtype = "fp8_e4m3" if econf.kv_cache_dtype == "fp8" else str(econf.kv_dtype).removeprefix("torch.")
     return {"version": VERSION, "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-            "attention_backend": model.kernels.backend, "kv_cache_dtype": kv_cache_dtype}
+            "attention_backend": model.kernels.backend, "batch_invariant": model.kernels.batch_invariant,
+            "kv_cache_dtype": kv_cache_dtype}
 
 
 def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer: Tokenizer) -> EngineConfig:
@@ -140,9 +143,10 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     app = build_app(async_engine, tokenizer, server, metrics)
 
     device = next(model.parameters()).device
-    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s, %s kernels", cfg.model_name, cfg.model,
+    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s, %s kernels%s", cfg.model_name, cfg.model,
              model.cfg.num_layers, sum(p.numel() for p in model.parameters()) / 1e6,
-             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend)
+             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
+             " (batch-invariant)" if model.kernels.batch_invariant else "")
     log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
              econf.max_model_len)

@@ -55,9 +55,10 @@ class Attention(nn.Module):
                 rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, D]."""
         t, k, eps = x.shape[0], self.kernels, self.cfg.rms_norm_eps
-        qr = k.rms_norm(self.wq_a(x), self.q_norm.weight, eps)  # [T, q_lora]
-        q = k.rms_norm_rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), None, eps, cos, sin)  # [T, H, d]
-        kv = k.rms_norm_rope(self.wkv(x), self.kv_norm.weight, eps, cos, sin)  # [T, d]
+        qr = k.rms_norm(k.linear(x, self.wq_a.weight), self.q_norm.weight, eps)  # [T, q_lora]
+        q = k.linear(qr, self.wq_b.weight).view(t, self.n_heads, self.head_dim)
+        q = k.rms_norm_rope(q, None, eps, cos, sin)  # [T, H, d]
+        kv = k.rms_norm_rope(k.linear(x, self.wkv.weight), self.kv_norm.weight, eps, cos, sin)  # [T, d]
         record = layer_kv.layout.record
         if record is not None:
             # FP8 keys: this step's keys are rounded as they will be stored, so a key read back from
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         out = k.rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("tgi,goi->tgo", groups, wo_a).flatten(1))
+        return k.linear(k.grouped_linear(groups, wo_a).flatten(1), self.wo_b.weight)
 
     # ---- compressed entries ----------------------------------------------------------------------------
     def _compress(self, compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -111,13 +112,34 @@ class Attention(nn.Module):
         n = max([(batch.starts[b] + 1) // self.ratio for b in dec.seqs] + [0])  # known on the host: no sync
         if n:
             counts = (dec.positions + 1) // self.ratio
-            scores = self.kernels.index_scores(iq[dec.rows], iw[dec.rows], index_keys, dec.tables, counts, n)
-            top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
-            topk[dec.rows, :top.shape[-1]] = top.masked_fill(top >= counts[:, None], -1)
-        for seq in meta.seqs:
-            if seq.num_new > 1:
+            top = self._top_entries(iq[dec.rows], iw[dec.rows], index_keys, dec.tables, counts, n)
+            topk[dec.rows, :top.shape[-1]] = top
+        for b, seq in enumerate(meta.seqs):
+            if seq.num_new > 1 and self.kernels.batch_invariant:
+                self._select_chunk_rows(iq, iw, seq, batch.tables[b], index_keys, topk)
+            elif seq.num_new > 1:
                 self._select_chunk(iq, iw, seq, index_keys, topk)
         return topk
+
+    def _top_entries(self, iq: torch.Tensor, iw: torch.Tensor, index_keys: torch.Tensor, tables: torch.Tensor,
+                     counts: torch.Tensor, n: int) -> torch.Tensor:
+        """Top-k of R queries by `kernels.index_scores` → [R, min(k, n)] (−1 past each one's count)."""
+        assert self.indexer is not None
+        scores = self.kernels.index_scores(iq, iw, index_keys, tables, counts, n)
+        top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
+        return top.masked_fill(top >= counts[:, None], -1)
+
+    def _select_chunk_rows(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, table: torch.Tensor,
+                           index_keys: torch.Tensor, topk: torch.Tensor) -> None:
+        """Top-k for a prefill chunk by the decode path's per-row scores (--batch-invariant): a
+        position gets the same entries whether it came as a decode or inside any chunk."""
+        n = seq.end // self.ratio
+        if n == 0:
+            return
+        rows = slice(seq.offset, seq.offset + seq.num_new)
+        counts = (torch.arange(seq.start, seq.end, device=iq.device) + 1) // self.ratio
+        top = self._top_entries(iq[rows], iw[rows], index_keys, table[None].expand(seq.num_new, -1), counts, n)
+        topk[rows, :top.shape[-1]] = top
 
     def _select_chunk(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, index_keys: torch.Tensor,
                       topk: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from v4serve.engine.model.metadata import SeqChunk
 from v4serve.kernels.compressor import pool
 from v4serve.kernels.norm_rope import rope
 from v4serve.kernels.paged import ring_read, ring_write
+from v4serve.kernels.registry import load_kernels
 
 
 class Compressor(nn.Module):
@@ -38,10 +39,13 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(dim, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(head_dim, eps)
+        self.kernels = load_kernels("torch")
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] → kv and score rows [T, c·d] (score includes the slot's position bias)."""
-        return self.wkv(x).float(), self.wgate(x).float() + self.ape[positions % self.ratio].float()
+        linear = self.kernels.linear
+        return (linear(x, self.wkv.weight).float(),
+                linear(x, self.wgate.weight).float() + self.ape[positions % self.ratio].float())
 
     def update(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, ring_kv: torch.Tensor,
                ring_score: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, int]:
@@ -96,12 +100,14 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
+        self.kernels = load_kernels("torch")
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotate: Callable[..., torch.Tensor] = rope) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (qI [T, hI, dI] with RoPE, head weights w [T, hI] with both scales folded in)."""
-        q = rotate(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
-        return q, self.weights_proj(x).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        linear = self.kernels.linear
+        q = rotate(linear(qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
+        return q, linear(x, self.weights_proj.weight).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

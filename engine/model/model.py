@@ -32,15 +32,17 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter: int, limit: float) -> None:
         super().__init__()
         self.limit = limit
+        self.kernels = load_kernels("torch")
         self.w1 = nn.Linear(dim, inter, bias=False)
         self.w2 = nn.Linear(inter, dim, bias=False)
         self.w3 = nn.Linear(dim, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x), self.w3(x)
+        linear = self.kernels.linear
+        gate, up = linear(x, self.w1.weight), linear(x, self.w3.weight)
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return self.w2(F.silu(gate) * up)
+        return linear(self.kernels.rowwise(F.silu, gate) * up, self.w2.weight)
 
 
 class Gate(nn.Module):
@@ -51,6 +53,7 @@ class Gate(nn.Module):
         super().__init__()
         self.topk, self.func, self.scale = cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
         self.hashed = hashed
+        self.kernels = load_kernels("torch")
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.long))
@@ -58,13 +61,8 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
-        if self.func == "softmax":
-            scores = logits.softmax(dim=-1)
-        elif self.func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
+        logits = self.kernels.linear(x.float(), self.weight.float())
+        scores = self.kernels.rowwise(self._score, logits)
         if self.hashed:
             indices = self.tid2eid[input_ids]
         else:
@@ -72,6 +70,13 @@ class Gate(nn.Module):
         weights = scores.gather(1, indices)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, indices
+
+    def _score(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.func == "softmax":
+            return logits.softmax(dim=-1)
+        if self.func == "sigmoid":
+            return logits.sigmoid()
+        return F.softplus(logits).sqrt()
 
 
 class MoE(nn.Module):
@@ -84,6 +89,8 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # A token's experts are added in ascending expert id whoever else chose them; with per-row
+        # linears (--batch-invariant) its result is then independent of its batch-mates.
         weights, indices = self.gate(x, input_ids)  # [T, k]
         out = torch.zeros_like(x)
         for e in indices.unique().tolist():
@@ -144,10 +151,11 @@ class DeepseekV4(nn.Module):
         self.kernels = load_kernels("torch")
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Switch every layer to a kernel set (kernels/registry.py)."""
-        self.kernels = kernels
-        for block in self.layers:
-            block.kernels = block.attn.kernels = kernels
+        """Switch every module that calls kernels (each has a `kernels` attribute) to a kernel set
+        (kernels/registry.py)."""
+        for module in self.modules():
+            if isinstance(getattr(module, "kernels", None), Kernels):
+                module.kernels = kernels
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV) -> torch.Tensor:
@@ -164,10 +172,11 @@ class DeepseekV4(nn.Module):
             h = block(h, input_ids, positions, meta, batch, layer_kv, rotary, cos, sin)
         h = h[meta.logits_rows]
         x = self.norm(self._hc_head(h))
-        return F.linear(x.float(), self.head.weight.float())
+        return self.kernels.linear(x.float(), self.head.weight.float())
 
     def _hc_head(self, h: torch.Tensor) -> torch.Tensor:
         eps = self.cfg.hc_eps
-        mixes = F.linear(rms_norm(h.flatten(1).float(), None, self.cfg.rms_norm_eps), self.hc_head_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_head_scale.float() + self.hc_head_base.float()) + eps
+        mixes = self.kernels.linear(rms_norm(h.flatten(1).float(), None, self.cfg.rms_norm_eps),
+                                    self.hc_head_fn.float())
+        pre = self.kernels.rowwise(torch.sigmoid, mixes * self.hc_head_scale.float() + self.hc_head_base.float()) + eps
         return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
