@@ -12,8 +12,16 @@ k = routed experts per token, V = vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+Elementwise = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -27,11 +35,12 @@ def scores_of(logits: torch.Tensor, func: str) -> torch.Tensor:
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None, func: str, topk: int,
-          scale: float, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float, num_shared: int, rowwise: Elementwise = _batched) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (fp32) → (weights [T, k + S] fp32, experts [T, k + S] int64). The routed experts
     are the top-k of scores + bias, or on hash layers the given `hashed` [T, k]; their weights are
-    their scores renormalised and scaled; the shared experts get weight 1."""
-    scores = scores_of(logits, func)
+    their scores renormalised and scaled; the shared experts get weight 1. `rowwise` applies the
+    score function (`kernels/invariant.py` has a per-row form for --batch-invariant)."""
+    scores = rowwise(lambda rows: scores_of(rows, func), logits)
     chosen = hashed if hashed is not None else (scores + bias).topk(topk, dim=-1).indices  # best first
     weights = scores.gather(1, chosen)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale
@@ -40,21 +49,23 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor 
     return torch.cat([weights, weights.new_ones(n, num_shared)], 1), torch.cat([chosen, shared], 1)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, rowwise: Elementwise = _batched) -> torch.Tensor:
     if limit:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
+    return rowwise(F.silu, gate) * up
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            w3: torch.Tensor, limit: float) -> torch.Tensor:
+            w3: torch.Tensor, limit: float, linear: Callable[..., torch.Tensor] = F.linear,
+            rowwise: Elementwise = _batched) -> torch.Tensor:
     """x [T, D], weights/chosen [T, k + S], w1/w3 [E+S, I, D], w2 [E+S, D, I] → Σ_j weight_j · expert_j(x) [T, D].
     Tokens are grouped by expert (one matmul per expert in use); each token's terms are added in
-    expert order."""
+    expert order. `linear`/`rowwise` may be per-row forms (--batch-invariant): a token's result then
+    does not depend on which other tokens chose the same expert."""
     out = torch.zeros_like(x)
     for e in chosen.unique().tolist():
         token, which = torch.where(chosen == e)
         rows = x[token]
-        y = F.linear(swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), limit), w2[e])
+        y = linear(swiglu(linear(rows, w1[e]), linear(rows, w3[e]), limit, rowwise), w2[e])
         out.index_add_(0, token, y * weights[token, which, None].to(x.dtype))
     return out

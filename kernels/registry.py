@@ -37,6 +37,8 @@ class Kernels:
     linear: Callable[..., Any]  # (x [T, I], weight [O, I]) → [T, O]
     grouped_linear: Callable[..., Any]  # (x [T, G, I], weight [G, O, I]) → [T, G, O]
     rowwise: Callable[..., Any]  # (elementwise fn, x [T, ...]) → fn(x)
+    route: Callable[..., Any]  # MoE gate logits → each token's experts and weights (kernels/moe.py)
+    experts: Callable[..., Any]  # the routed and shared experts over the batch
     batch_invariant: bool = False
 
 
@@ -66,15 +68,20 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     every backend. The Triton attention, indexer and mHC kernels already reduce each row on its
     own; the torch twins of attention, indexer scores and mHC's projection batch rows, so they get
     per-row forms. Decode-step entries are pooled by the same torch code as prefill entries (on
-    the Triton backend too): one pooling implementation, whichever path completes an entry."""
-    from v4serve.kernels import compressor, invariant, mhc
+    the Triton backend too): one pooling implementation, whichever path completes an entry. The
+    experts run per row through the torch twin on both backends (the grouped Triton GEMM puts a
+    token in a tile beside other tokens); the Triton router is one program per token already."""
+    from v4serve.kernels import compressor, invariant, mhc, moe
 
     changes: dict[str, Any] = dict(batch_invariant=True, linear=invariant.linear_rows,
                                    grouped_linear=invariant.grouped_linear_rows, rowwise=invariant.rowwise_rows,
-                                   compress_decodes=compressor.compress_decodes)
+                                   compress_decodes=compressor.compress_decodes,
+                                   experts=functools.partial(moe.experts, linear=invariant.linear_rows,
+                                                             rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
         changes.update(sparse_attention=invariant.sparse_attention_rows, index_scores=invariant.index_scores_rows,
-                       mhc_pre=functools.partial(mhc.mhc_pre, linear=invariant.linear_rows))
+                       mhc_pre=functools.partial(mhc.mhc_pre, linear=invariant.linear_rows),
+                       route=functools.partial(moe.route, rowwise=invariant.rowwise_rows))
     return dataclasses.replace(kernels, **changes)
 
 
@@ -82,11 +89,12 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     from v4serve.kernels import invariant
 
     if backend == "torch":
-        from v4serve.kernels import attention, compressor, indexer, mhc, norm_rope, paged
+        from v4serve.kernels import attention, compressor, indexer, mhc, moe, norm_rope, paged
 
         return Kernels("torch", mhc.mhc_pre, mhc.mhc_post, attention.sparse_attention, norm_rope.rms_norm,
                        norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, indexer.index_scores,
-                       paged.write_window, invariant.linear, invariant.grouped_linear, invariant.rowwise)
+                       paged.write_window, invariant.linear, invariant.grouped_linear, invariant.rowwise,
+                       moe.route, moe.experts)
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -99,6 +107,7 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
         compressor_triton,
         indexer_triton,
         mhc_triton,
+        moe_triton,
         norm_rope_triton,
         paged_triton,
     )
@@ -106,4 +115,4 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
                    compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window,
-                   invariant.linear, invariant.grouped_linear, invariant.rowwise)
+                   invariant.linear, invariant.grouped_linear, invariant.rowwise, moe_triton.route, moe_triton.experts)

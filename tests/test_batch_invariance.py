@@ -121,7 +121,7 @@ def test_triton_backend_prefix_hit_is_bitwise_a_cold_run() -> None:
 def test_serve_config_turns_it_on_and_version_reports_it() -> None:
     cfg = ServeConfig(device="cpu", attention_backend="torch", batch_invariant=True, no_kv_store=True)
     model, tokenizer = load(cfg)
-    assert model.kernels.batch_invariant and model.layers[0].ffn.experts[0].kernels is model.kernels
+    assert model.kernels.batch_invariant and model.layers[0].ffn.gate.kernels is model.kernels
     assert version_info(model, engine_config(cfg, model, tokenizer))["batch_invariant"] is True
     plain, tokenizer = load(ServeConfig(device="cpu", attention_backend="torch", no_kv_store=True))
     assert version_info(plain, engine_config(cfg, plain, tokenizer))["batch_invariant"] is False

@@ -13,7 +13,6 @@ position); all KV is read from and written to a `DeviceKV`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from v4serve.cache.device_kv import DeviceKV, LayerKV
@@ -28,23 +27,6 @@ from v4serve.kernels.registry import Kernels, load_kernels
 # ---- mixture of experts ------------------------------------------------------------------------------
 
 
-class Expert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float) -> None:
-        super().__init__()
-        self.limit = limit
-        self.kernels = load_kernels("torch")
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = self.kernels.linear
-        gate, up = linear(x, self.w1.weight), linear(x, self.w3.weight)
-        if self.limit:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return linear(self.kernels.rowwise(F.silu, gate) * up, self.w2.weight)
-
-
 class Gate(nn.Module):
     """Router: affinity scores choose experts (plus a selection-only bias), or on the first
     layers a fixed token→experts table (`tid2eid`) chooses them; scores still weight them."""
@@ -52,6 +34,7 @@ class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
         super().__init__()
         self.topk, self.func, self.scale = cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
+        self.num_shared = cfg.n_shared_experts
         self.hashed = hashed
         self.kernels = load_kernels("torch")
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
@@ -61,43 +44,60 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] → (weights [T, k + S], experts [T, k + S]): routed choices, then the shared experts."""
         logits = self.kernels.linear(x.float(), self.weight.float())
-        scores = self.kernels.rowwise(self._score, logits)
-        if self.hashed:
-            indices = self.tid2eid[input_ids]
-        else:
-            indices = (scores + self.bias.float()).topk(self.topk, dim=-1, sorted=False).indices
-        weights = scores.gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, indices
-
-    def _score(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.func == "softmax":
-            return logits.softmax(dim=-1)
-        if self.func == "sigmoid":
-            return logits.sigmoid()
-        return F.softplus(logits).sqrt()
+        hashed = self.tid2eid[input_ids] if self.hashed else None
+        bias = None if self.hashed else self.bias.float()
+        return self.kernels.route(logits, bias, hashed, self.func, self.topk, self.scale, self.num_shared)
 
 
 class MoE(nn.Module):
+    """Routed experts and the shared expert in one stack of weights, [E + S, ...], so one kernel
+    runs them all (kernels/moe.py). A shared expert S·I wide is S experts of width I (its SwiGLU
+    channels are independent and its down projection sums over them). The state dict keeps the
+    checkpoint's names (`experts.{e}.w1.weight`, `shared_experts.w1.weight`, ...)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.gate = Gate(cfg, hashed=layer < cfg.num_hash_layers)
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
-            for _ in range(cfg.n_routed_experts))
-        self.shared_experts = Expert(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_limit)
+        self.kernels = load_kernels("torch")
+        self.num_routed, self.num_shared, self.limit = cfg.n_routed_experts, cfg.n_shared_experts, cfg.swiglu_limit
+        n, inter, dim = cfg.n_routed_experts + cfg.n_shared_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.w1 = nn.Parameter(torch.zeros(n, inter, dim))  # gate projections
+        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))  # down projections
+        self.w3 = nn.Parameter(torch.zeros(n, inter, dim))  # up projections
+        self.register_state_dict_post_hook(_checkpoint_names)
+        self.register_load_state_dict_pre_hook(_stacked_names)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        # A token's experts are added in ascending expert id whoever else chose them; with per-row
-        # linears (--batch-invariant) its result is then independent of its batch-mates.
-        weights, indices = self.gate(x, input_ids)  # [T, k]
-        out = torch.zeros_like(x)
-        for e in indices.unique().tolist():
-            token, which = torch.where(indices == e)
-            y = self.experts[e](x[token]) * weights[token, which, None].to(x.dtype)
-            out.index_add_(0, token, y)
-        return out + self.shared_experts(x)
+        weights, chosen = self.gate(x, input_ids)  # [T, k + S]
+        return self.kernels.experts(x, weights, chosen, self.w1, self.w2, self.w3, self.limit)
+
+
+# Which dim of an expert weight holds its intermediate channels: rows of w1/w3, columns of w2.
+_CHANNEL_DIM = {"w1": 0, "w2": 1, "w3": 0}
+
+
+def _checkpoint_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, _meta: object) -> None:
+    """Stacked weights → one tensor per checkpoint name (views of the stack where they can be)."""
+    for w, dim in _CHANNEL_DIM.items():
+        stack = state.pop(prefix + w)
+        for e in range(moe.num_routed):
+            state[f"{prefix}experts.{e}.{w}.weight"] = stack[e]
+        shared = stack[moe.num_routed:]
+        state[f"{prefix}shared_experts.{w}.weight"] = shared[0] if len(shared) == 1 else torch.cat(list(shared), dim)
+
+
+def _stacked_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
+    """Checkpoint names → the stacked weights (the inverse of `_checkpoint_names`)."""
+    for w, dim in _CHANNEL_DIM.items():
+        names = [f"{prefix}experts.{e}.{w}.weight" for e in range(moe.num_routed)]
+        shared_name = f"{prefix}shared_experts.{w}.weight"
+        if shared_name not in state or any(name not in state for name in names):
+            continue  # left for load_state_dict to report as missing
+        parts = [state.pop(name) for name in names]
+        parts += list(state.pop(shared_name).chunk(moe.num_shared, dim))
+        state[prefix + w] = torch.stack(parts)
 
 
 class Block(nn.Module):

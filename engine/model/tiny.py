@@ -56,9 +56,13 @@ def init_weights(model: DeepseekV4, seed: int = 0) -> DeepseekV4:
     (so greedy choices are decided by clear margins, not by rounding)."""
     gen = torch.Generator().manual_seed(seed)
     cfg = model.cfg
-    for name, param in sorted(model.named_parameters()):
-        param.copy_(_init_tensor(name, param, gen))
-    for name, buf in sorted(model.named_buffers()):
+    # By checkpoint name (the MoE stacks its experts' weights under other names), so the weights
+    # do not depend on how the model lays them out.
+    buffers = dict(model.named_buffers())
+    state = model.state_dict()
+    model.load_state_dict({name: _init_tensor(name, t, gen) for name, t in sorted(state.items())
+                           if name not in buffers}, strict=False)
+    for name, buf in sorted(buffers.items()):
         if name.endswith("tid2eid"):
             scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
             buf.copy_(scores.topk(cfg.num_experts_per_tok, dim=-1).indices)
