@@ -86,6 +86,14 @@ class RaggedBatch:
     def num_rows(self) -> int:
         return sum(self.num_new)
 
+    @property
+    def only_decodes(self) -> bool:
+        return len(self.decodes.seqs) == len(self.num_new)
+
+    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The decoding sequences' rows of x [T, ...]: x itself when every row decodes (no gather)."""
+        return x if self.only_decodes else x[self.decodes.rows]
+
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,

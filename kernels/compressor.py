@@ -38,11 +38,13 @@ def pool(win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor, rat
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
-                     inv_freq: torch.Tensor, record: Record | None = None) -> None:
-    """kv, score [D, c·d] (the new rows, at `positions` [D]); rings [S, R, c·d]; tables [D, nb] the
+                     inv_freq: torch.Tensor, ape: torch.Tensor, record: Record | None = None) -> None:
+    """kv, score [D, c·d] (the new rows, at `positions` [D]; score without the slot's position bias
+    `ape` [m, c·d], added here); rings [S, R, c·d]; tables [D, nb] the
     sequences' block tables; dest [NB, P, d] entries (FP8 records under `record`) or indexer keys.
     Entries below a sequence's `frozen_until` [D] are already cached and not written again."""
     m = ratio
+    score = score.float() + ape[positions % m].float()
     ring_write_batched(ring_kv, slots, positions, kv)
     ring_write_batched(ring_score, slots, positions, score)
     entry = (positions + 1) // m - 1

@@ -20,8 +20,8 @@ from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
-def _compress_decodes_kernel(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, slots_ptr, pos_ptr, frozen_ptr,
-                             tables_ptr, dest_ptr, w_ptr, inv_freq_ptr, n_tables, m, d, CD, R, half, eps,
+def _compress_decodes_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, slots_ptr, pos_ptr,
+                             frozen_ptr, tables_ptr, dest_ptr, w_ptr, inv_freq_ptr, n_tables, m, d, CD, R, half, eps,
                              SPAN: tl.constexpr, OVERLAP: tl.constexpr, PER_BLOCK: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CD: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
@@ -31,7 +31,9 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, slo
     cols = tl.arange(0, BLOCK_CD)
     col_ok = cols < CD
     new_kv = tl.load(kv_ptr + i * CD + cols, mask=col_ok, other=0.0)
-    new_score = tl.load(score_ptr + i * CD + cols, mask=col_ok, other=0.0)
+    ape_row = ape_ptr + (t % m) * CD  # the slot's position bias joins the score here
+    new_score = (tl.load(score_ptr + i * CD + cols, mask=col_ok, other=0.0).to(tl.float32)
+                 + tl.load(ape_row + cols, mask=col_ok, other=0.0).to(tl.float32))
     ring_row = (slot * R + t % R) * CD
     tl.store(ring_kv_ptr + ring_row + cols, new_kv.to(ring_kv_ptr.dtype.element_ty), mask=col_ok)
     tl.store(ring_score_ptr + ring_row + cols, new_score.to(ring_score_ptr.dtype.element_ty), mask=col_ok)
@@ -59,9 +61,12 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, slo
             k = tl.where(is_new[:, None],
                          tl.load(kv_ptr + i * CD + at, mask=is_new[:, None] & dim_ok[None, :], other=0.0),
                          tl.load(ring_kv_ptr + ring_at, mask=held[:, None] & dim_ok[None, :], other=0.0))
+            own = is_new[:, None] & dim_ok[None, :]
             s = tl.where(is_new[:, None],
-                         tl.load(score_ptr + i * CD + at, mask=is_new[:, None] & dim_ok[None, :], other=0.0),
-                         tl.load(ring_score_ptr + ring_at, mask=held[:, None] & dim_ok[None, :], other=0.0))
+                         tl.load(score_ptr + i * CD + at, mask=own, other=0.0).to(tl.float32)
+                         + tl.load(ape_row + at, mask=own, other=0.0).to(tl.float32),
+                         tl.load(ring_score_ptr + ring_at, mask=held[:, None] & dim_ok[None, :],
+                                 other=0.0).to(tl.float32))
             valid = (held | is_new)[:, None] & dim_ok[None, :]
             s = tl.where(valid, s.to(tl.float32), NEG)
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -91,10 +96,10 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ring_kv_ptr, ring_score_ptr, slo
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
-                     inv_freq: torch.Tensor, record: Record | None = None) -> None:
+                     inv_freq: torch.Tensor, ape: torch.Tensor, record: Record | None = None) -> None:
     if record is not None:
         compressor.compress_decodes(kv, score, ring_kv, ring_score, slots, positions, frozen_until, tables, dest,
-                                    ratio, overlap, norm_weight, eps, inv_freq, record)
+                                    ratio, overlap, norm_weight, eps, inv_freq, ape, record)
         return
     n = kv.shape[0]
     if n == 0:
@@ -104,7 +109,7 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     block_m = min(triton.next_power_of_2(span), 128 if interpreting() else 16)
     with triton_launch():
         _compress_decodes_kernel[(n,)](
-            kv.contiguous(), score.contiguous(), ring_kv, ring_score, slots, positions, frozen_until,
-            tables.contiguous(), dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d, cd, rows,
-            inv_freq.shape[0], eps, SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
+            kv.contiguous(), score.contiguous(), ape.contiguous(), ring_kv, ring_score, slots, positions,
+            frozen_until, tables.contiguous(), dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d,
+            cd, rows, inv_freq.shape[0], eps, SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
             BLOCK_D=max(triton.next_power_of_2(d), 2), BLOCK_CD=triton.next_power_of_2(cd))

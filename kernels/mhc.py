@@ -15,12 +15,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from v4serve.kernels.norm_rope import rms_norm
+
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float, iters: int, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+            norm_eps: float, iters: int, norm_weight: torch.Tensor | None = None,
+            linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, hc, D], fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3] →
-    (x [T, D] in h's dtype, post [T, hc], comb [T, hc, hc]) (fp32 gates). `linear` computes the
+    (x [T, D] in h's dtype, post [T, hc], comb [T, hc, hc]) (fp32 gates). With `norm_weight` [D],
+    x is then RMS-normalised for the sublayer (its own norm, fused here). `linear` computes the
     mixing projection (a per-row form under --batch-invariant)."""
     hc = h.shape[1]
     flat = h.flatten(1).float()
@@ -41,8 +45,8 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     for _ in range(iters - 1):
         comb = comb / torch.baddbmm(eps, comb, ones_col)
         comb = comb / torch.baddbmm(eps, ones_row, comb)
-    x = torch.bmm(pre.unsqueeze(1), flat.view_as(h)).squeeze(1)  # Σ_k pre_k h_k
-    return x.to(h.dtype), post, comb
+    x = torch.bmm(pre.unsqueeze(1), flat.view_as(h)).squeeze(1).to(h.dtype)  # Σ_k pre_k h_k
+    return (x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)), post, comb
 
 
 def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
-def _mhc_pre_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, T, D, hc_eps, norm_eps,
-                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+def _mhc_pre_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, norm_w_ptr, x_ptr, gates_ptr, T, D, hc_eps, norm_eps,
+                    HC: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < T
     K = HC * D
@@ -51,17 +52,35 @@ def _mhc_pre_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_pt
     for _ in range(ITERS - 1):
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    tl.store(post_ptr + tok[:, None] * HC + i[None, :], post, mask=tok_ok[:, None])
-    tl.store(comb_ptr + tok[:, None] * HC * HC + ij[None, :], tl.reshape(comb, (BLOCK_T, HC * HC)),
+    # post and comb share one row per token: [post (HC) | comb (HC·HC)].
+    tl.store(gates_ptr + tok[:, None] * (HC + HC * HC) + i[None, :], post, mask=tok_ok[:, None])
+    tl.store(gates_ptr + tok[:, None] * (HC + HC * HC) + HC + ij[None, :], tl.reshape(comb, (BLOCK_T, HC * HC)),
              mask=tok_ok[:, None])
+    x_rs = tl.full([BLOCK_T], 1.0, tl.float32)
+    if NORM:  # the sublayer's RMSNorm: a first pass for the mean square of x (as stored, rounded)
+        x_sq = tl.zeros([BLOCK_T, BLOCK], tl.float32)
+        for d0 in range(0, D, BLOCK):
+            x = _collapse(h_ptr, pre, tok, i, d0, D, K, tok_ok, BLOCK).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x_sq += x * x
+        x_rs = 1.0 / tl.sqrt(tl.sum(x_sq, axis=1) / D + norm_eps)
     for d0 in range(0, D, BLOCK):
         offs = d0 + tl.arange(0, BLOCK)
-        live = tok_ok[:, None, None] & (offs < D)[None, None, :]
-        hv = tl.load(h_ptr + tok[:, None, None] * K + i[None, :, None] * D + offs[None, None, :], mask=live,
-                     other=0.0).to(tl.float32)  # [BT, HC, BD]
-        x = tl.sum(pre[:, :, None] * hv, axis=1)
+        x = _collapse(h_ptr, pre, tok, i, d0, D, K, tok_ok, BLOCK)
+        if NORM:
+            w = tl.load(norm_w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+            x = w[None, :] * (x.to(x_ptr.dtype.element_ty).to(tl.float32) * x_rs[:, None])
         tl.store(x_ptr + tok[:, None] * D + offs[None, :], x.to(x_ptr.dtype.element_ty),
                  mask=tok_ok[:, None] & (offs < D)[None, :])
+
+
+@triton.jit
+def _collapse(h_ptr, pre, tok, i, d0, D, K, tok_ok, BLOCK: tl.constexpr):
+    """Σ_k pre_k h_k over channels d0.. of a token tile → [BT, BLOCK] fp32."""
+    offs = d0 + tl.arange(0, BLOCK)
+    live = tok_ok[:, None, None] & (offs < D)[None, None, :]
+    hv = tl.load(h_ptr + tok[:, None, None] * K + i[None, :, None] * D + offs[None, None, :], mask=live,
+                 other=0.0).to(tl.float32)  # [BT, HC, BD]
+    return tl.sum(pre[:, :, None] * hv, axis=1)
 
 
 @triton.jit
@@ -90,20 +109,21 @@ def _check_streams(hc: int) -> None:
 
 
 def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            norm_eps: float, iters: int, norm_weight: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, hc, d = h.shape
     _check_streams(hc)
     x = h.new_empty(t, d)
-    post = h.new_empty(t, hc, dtype=torch.float32)
-    comb = h.new_empty(t, hc, hc, dtype=torch.float32)
+    gates = h.new_empty(t, hc + hc * hc, dtype=torch.float32)
     if t:
         # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
         block_t, block = (16, 128) if interpreting() else (4, 32)
         with triton_launch():
             _mhc_pre_kernel[(triton.cdiv(t, block_t),)](
-                h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), x, post, comb,
-                t, d, hc_eps, norm_eps, HC=hc, ITERS=iters, BLOCK_T=block_t, BLOCK=block)
-    return x, post, comb
+                h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(),
+                norm_weight if norm_weight is not None else base, x, gates, t, d, hc_eps, norm_eps, HC=hc,
+                ITERS=iters, NORM=norm_weight is not None, BLOCK_T=block_t, BLOCK=block)
+    return x, gates[:, :hc], gates[:, hc:].view(t, hc, hc)
 
 
 def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

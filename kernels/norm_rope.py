@@ -18,8 +18,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return (x32 if weight is None else weight * x32).to(x.dtype)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing r dims of x [n, ..., D] pairwise by cos/sin [n, r/2] (−sin rotates back)."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing r dims of x [n, ..., D] pairwise by cos/sin [n, r/2] (`inverse`: rotate back)."""
+    if inverse:
+        sin = -sin
     r = cos.shape[-1] * 2
     # A pair (x0, x1) times cos + i·sin as complex numbers is (x0·cos − x1·sin, x1·cos + x0·sin):
     # the same arithmetic as written out, in four ops instead of ten.

@@ -16,7 +16,7 @@ from v4serve.kernels.launches import interpreting, triton_launch
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half, eps,
-                      NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr,
+                      NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -42,6 +42,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half
         at = (rows // heads)[:, None] * half + pair[None, :]
         cos = tl.load(cos_ptr + at, mask=live & rotated[None, :], other=1.0)
         sin = tl.load(sin_ptr + at, mask=live & rotated[None, :], other=0.0)
+        if INVERSE:
+            sin = -sin
         # even column: x·cos − partner·sin; odd column: x·cos + partner·sin
         sign = tl.where((cols - first) % 2 == 0, -1.0, 1.0)
         x = tl.where(rotated[None, :], x * cos + sign[None, :] * y * sin, x)
@@ -49,7 +51,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
-            sin: torch.Tensor | None, norm: bool) -> torch.Tensor:
+            sin: torch.Tensor | None, norm: bool, inverse: bool = False) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1]
     n = x.numel() // d if d else 0
@@ -65,7 +67,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
         _norm_rope_kernel[(triton.cdiv(n, block_r),)](
             x, weight if weight is not None else dummy, cos.contiguous() if cos is not None else dummy,
             sin.contiguous() if sin is not None else dummy, out, n, d, heads, half, eps,
-            NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, BLOCK_R=block_r, BLOCK_D=block_d)
+            NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, INVERSE=inverse, BLOCK_R=block_r,
+            BLOCK_D=block_d)
     return out
 
 
@@ -73,8 +76,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return _launch(x, weight, eps, None, None, norm=True)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _launch(x, None, 0.0, cos, sin, norm=False)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    return _launch(x, None, 0.0, cos, sin, norm=False, inverse=inverse)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,

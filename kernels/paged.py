@@ -44,7 +44,7 @@ def write_window(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, recor
     it in one launch."""
     dec = batch.decodes
     if dec.seqs:
-        ring_write_batched(ring, dec.slots, dec.positions, kv[dec.rows], record)
+        ring_write_batched(ring, dec.slots, dec.positions, batch.decode_rows(kv), record)
     for slot, start, n, offset in zip(batch.slots, batch.starts, batch.num_new, batch.offsets, strict=True):
         if n > 1:
             ring_write(ring[slot], start + n, kv[offset:offset + n], record)

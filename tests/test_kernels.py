@@ -54,6 +54,11 @@ def test_mhc_pre_and_post_equal_their_twins(triton_kernels, tokens: int, dim: in
     assert torch.allclose(got[2].sum(-1), torch.ones(tokens, hc, device=DEVICE), atol=2e-2)
     y = rand(tokens, dim, gen=gen)
     close(triton_kernels.mhc_post(h, y, post, comb), TWIN.mhc_post(h, y, post, comb))
+    # With the sublayer's RMSNorm fused in: x normalised, the gates unchanged.
+    weight = rand(dim, gen=gen)
+    normed = triton_kernels.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20, weight)
+    close(normed[0], TWIN.rms_norm(want[0], weight, 1e-6))
+    assert torch.equal(normed[1], got[1]) and torch.equal(normed[2], got[2])
 
 
 def test_mhc_pre_of_one_token_does_not_depend_on_its_batch_mates(triton_kernels) -> None:
@@ -72,7 +77,7 @@ def test_mhc_pre_of_one_token_does_not_depend_on_its_batch_mates(triton_kernels)
 def test_norm_and_rope_equal_their_twins(triton_kernels, shape: tuple[int, ...], rope_dim: int,
                                          weighted: bool) -> None:
     """Per-head rows sharing one position's angles, widths that are not a power of two, more rows
-    than one tile, the whole vector rotated, and the inverse rotation (−sin)."""
+    than one tile, the whole vector rotated, and the inverse rotation."""
     gen = torch.Generator().manual_seed(sum(shape))
     x = rand(*shape, gen=gen)
     weight = rand(shape[-1], gen=gen) if weighted else None
@@ -80,10 +85,12 @@ def test_norm_and_rope_equal_their_twins(triton_kernels, shape: tuple[int, ...],
     cos, sin = angles.cos(), angles.sin()
     close(triton_kernels.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
     close(triton_kernels.rope(x, cos, sin), TWIN.rope(x, cos, sin))
-    close(triton_kernels.rope(x, cos, -sin), TWIN.rope(x, cos, -sin))
+    close(triton_kernels.rope(x, cos, sin, inverse=True), TWIN.rope(x, cos, -sin))
+    close(TWIN.rope(x, cos, sin, inverse=True), TWIN.rope(x, cos, -sin))
     close(triton_kernels.rms_norm_rope(x, weight, 1e-6, cos, sin), TWIN.rms_norm_rope(x, weight, 1e-6, cos, sin))
-    # The twin rotates back exactly what it rotated (the model relies on it for V = K).
-    close(TWIN.rope(TWIN.rope(x, cos, sin), cos, -sin), x, tol=1e-5)
+    # Each rotates back exactly what it rotated (the model relies on it for V = K).
+    close(TWIN.rope(TWIN.rope(x, cos, sin), cos, sin, inverse=True), x, tol=1e-5)
+    close(triton_kernels.rope(triton_kernels.rope(x, cos, sin), cos, sin, inverse=True), x, tol=1e-5)
 
 
 # ---- compressor (decode step) ----------------------------------------------------------------------------
@@ -102,11 +109,12 @@ def test_compress_decodes_equals_its_twin(triton_kernels, overlap: bool, ratio: 
     kv, score = rand(6, width, gen=gen), rand(6, width, gen=gen)
     rings = [rand(6, rows, width, gen=gen) for _ in range(2)]
     weight, inv_freq = rand(dim, gen=gen), torch.rand(rope_dim // 2, generator=gen).to(DEVICE)
+    ape = rand(ratio, width, gen=gen)
     outs = []
     for kernels in (TWIN, triton_kernels):
         ring_kv, ring_score, dest = rings[0].clone(), rings[1].clone(), torch.zeros(20, 4, dim, device=DEVICE)
         kernels.compress_decodes(kv, score, ring_kv, ring_score, slots, positions, frozen, tables, dest, ratio,
-                                 overlap, weight, 1e-6, inv_freq)
+                                 overlap, weight, 1e-6, inv_freq, ape)
         outs.append((ring_kv, ring_score, dest))
     (want_kv, want_score, want), (got_kv, got_score, got) = outs
     assert torch.equal(got_kv, want_kv) and torch.equal(got_score, want_score)

@@ -77,7 +77,7 @@ class Attention(nn.Module):
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                  self.attn_sink, self.head_dim**-0.5, record)
         k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
-        out = k.rope(out, cos, -sin)  # V = K carried RoPE; rotate it back at the query position
+        out = k.rope(out, cos, sin, inverse=True)  # V = K carried RoPE; rotate it back at the query position
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return k.linear(k.grouped_linear(groups, wo_a).flatten(1), self.wo_b.weight)
@@ -88,17 +88,18 @@ class Attention(nn.Module):
                   rotary: Rotary, record: Record | None) -> None:
         """Feed this step's rows to a compressor and write the entries they finish to the Block Cache
         (`dest`: CSA/HCA entries, FP8 records under `record`, or indexer keys) before attention reads them."""
-        comp_kv, comp_score = compressor.project(x, positions)
+        comp_kv, comp_score = compressor.project(x)
         dec = batch.decodes
         if dec.seqs:
-            self.kernels.compress_decodes(comp_kv[dec.rows], comp_score[dec.rows], pending_kv, pending_score,
-                                          dec.slots, dec.positions, dec.frozen_until, dec.tables, dest,
-                                          compressor.ratio, compressor.overlap, compressor.norm.weight,
-                                          compressor.norm.eps, rotary.inv_freq, record)
+            self.kernels.compress_decodes(batch.decode_rows(comp_kv), batch.decode_rows(comp_score), pending_kv,
+                                          pending_score, dec.slots, dec.positions, dec.frozen_until, dec.tables,
+                                          dest, compressor.ratio, compressor.overlap, compressor.norm.weight,
+                                          compressor.norm.eps, rotary.inv_freq, compressor.ape, record)
         for seq in meta.seqs:
             if seq.num_new > 1:
                 rows_ = slice(seq.offset, seq.offset + seq.num_new)
-                new, first = compressor.update(comp_kv[rows_], comp_score[rows_], seq, pending_kv[seq.slot],
+                score = compressor.with_bias(comp_score[rows_], positions[rows_])
+                new, first = compressor.update(comp_kv[rows_], score, seq, pending_kv[seq.slot],
                                                pending_score[seq.slot], rotary)
                 write_entries(dest, seq.block_table, first, new, record)
 
@@ -107,12 +108,14 @@ class Attention(nn.Module):
         """The indexer's top-k CSA entries of every query → topk [T, k] (−1 where fewer are visible)."""
         assert self.indexer is not None
         iq, iw = index_q
-        topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         dec = batch.decodes
         n = max([(batch.starts[b] + 1) // self.ratio for b in dec.seqs] + [0])  # known on the host: no sync
+        if n >= self.indexer.topk and batch.only_decodes:  # every row's top-k at once, as is
+            return self._top_entries(iq, iw, index_keys, dec.tables, (dec.positions + 1) // self.ratio, n)
+        topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         if n:
             counts = (dec.positions + 1) // self.ratio
-            top = self._top_entries(iq[dec.rows], iw[dec.rows], index_keys, dec.tables, counts, n)
+            top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables, counts, n)
             topk[dec.rows, :top.shape[-1]] = top
         for b, seq in enumerate(meta.seqs):
             if seq.num_new > 1 and self.kernels.batch_invariant:

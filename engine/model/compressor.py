@@ -41,11 +41,15 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
         self.kernels = load_kernels("torch")
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] → kv and score rows [T, c·d] (score includes the slot's position bias)."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] → kv and score rows [T, c·d], the score still without the slot's position bias
+        (`with_bias`; the decode kernel adds it itself)."""
         linear = self.kernels.linear
-        return (linear(x, self.wkv.weight).float(),
-                linear(x, self.wgate.weight).float() + self.ape[positions % self.ratio].float())
+        return linear(x, self.wkv.weight).float(), linear(x, self.wgate.weight).float()
+
+    def with_bias(self, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Score rows [n, c·d] of tokens at `positions` [n] plus their slot's position bias `ape`."""
+        return score + self.ape[positions % self.ratio].float()
 
     def update(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, ring_kv: torch.Tensor,
                ring_score: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, int]:

@@ -116,21 +116,21 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
 
-    def _mixed(self, h: torch.Tensor, part: str, sublayer) -> torch.Tensor:
-        """mHC around a sublayer (kernels/mhc.py): h [T, hc, D] → [T, hc, D]."""
+    def _mixed(self, h: torch.Tensor, part: str, norm: RMSNorm, sublayer) -> torch.Tensor:
+        """mHC around a sublayer (kernels/mhc.py), whose input norm is fused into the pre step:
+        h [T, hc, D] → [T, hc, D]."""
         cfg, k = self.cfg, self.kernels
         x, post, comb = k.mhc_pre(h, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_base"),
                                   getattr(self, f"hc_{part}_scale"), cfg.hc_eps, cfg.rms_norm_eps,
-                                  cfg.hc_sinkhorn_iters)
+                                  cfg.hc_sinkhorn_iters, norm.weight)
         return k.mhc_post(h, sublayer(x), post, comb)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 batch: RaggedBatch, layer_kv: LayerKV, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor
                 ) -> torch.Tensor:
-        norm, eps = self.kernels.rms_norm, self.cfg.rms_norm_eps
-        h = self._mixed(h, "attn", lambda x: self.attn(norm(x, self.attn_norm.weight, eps), meta, batch, layer_kv,
-                                                       rotary, cos, sin, positions))
-        return self._mixed(h, "ffn", lambda x: self.ffn(norm(x, self.ffn_norm.weight, eps), input_ids))
+        h = self._mixed(h, "attn", self.attn_norm,
+                        lambda x: self.attn(x, meta, batch, layer_kv, rotary, cos, sin, positions))
+        return self._mixed(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, input_ids))
 
 
 class DeepseekV4(nn.Module):
