@@ -44,22 +44,40 @@ def decode_step_counts(model: DeepseekV4, kernels: Kernels, batch: int, context:
                                     for i in range(batch)])
     model.use_kernels(kernels)
     per_layer: list[int] = []
+    allocs: list[int] = []
     hooks = []
     with LaunchCounter() as counter:
-        marks: list[int] = []
+        marks: list[tuple[int, int]] = []
+
+        def enter(*_: object) -> None:
+            marks.append((counter.total(), _allocations(counter)))
+
+        def leave(*_: object) -> None:
+            total, alloc = marks.pop()
+            per_layer.append(counter.total() - total)
+            allocs.append(_allocations(counter) - alloc)
+
         for block in model.layers:
-            hooks.append(block.register_forward_pre_hook(lambda *_: marks.append(counter.total())))
-            hooks.append(block.register_forward_hook(lambda *_: per_layer.append(counter.total() - marks.pop())))
+            hooks += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
         model(torch.randint(0, cfg.vocab_size, (batch,), generator=gen), meta, kv)
     for hook in hooks:
         hook.remove()
     kinds = [b.attn.kind for b in model.layers]
     out = {"per_layer": sum(per_layer) / len(per_layer), "whole_step": float(counter.total()),
-           "triton_launches_per_layer": counter.ops["triton"] / len(per_layer)}
+           "triton_launches_per_layer": counter.ops["triton"] / len(per_layer),
+           "allocations_per_layer": sum(allocs) / len(allocs)}
     for kind in sorted(set(kinds)):
         mine = [n for n, k in zip(per_layer, kinds, strict=True) if k == kind]
         out[f"{kind}_layer"] = sum(mine) / len(mine)
     return out
+
+
+# Output allocations: ATen ops, so counted above, but served by the caching allocator without a launch.
+ALLOCATIONS = ("aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided")
+
+
+def _allocations(counter: LaunchCounter) -> int:
+    return sum(counter.ops[name] for name in ALLOCATIONS)
 
 
 def main() -> None:
@@ -76,7 +94,8 @@ def main() -> None:
             counts = decode_step_counts(model, kernels, batch, args.context)
             results[f"{backend}_batch{batch}"] = counts
             rows.append([backend, batch, counts["per_layer"], counts["swa_layer"], counts["csa_layer"],
-                         counts["hca_layer"], counts["triton_launches_per_layer"], counts["whole_step"]])
+                         counts["hca_layer"], counts["triton_launches_per_layer"], counts["allocations_per_layer"],
+                         counts["whole_step"]])
     if "triton_batch1" in results:
         for batch in args.batch.split(","):
             t, r = results[f"torch_batch{batch}"], results[f"triton_batch{batch}"]
@@ -84,7 +103,7 @@ def main() -> None:
     print_table(f"device work items of one decode step, tiny model, context {args.context} "
                 "(non-view ATen ops + Triton launches)",
                 ["backend", "batch", "per layer", "SWA layer", "CSA layer", "HCA layer", "of which Triton",
-                 "whole step"], rows)
+                 "of which allocations", "whole step"], rows)
     for batch in args.batch.split(","):
         if f"ratio_batch{batch}" in results:
             print(f"batch {batch}: torch / triton items per layer = {results[f'ratio_batch{batch}']:.2f}")

@@ -18,7 +18,7 @@ m = compress ratio, P = entries per block, k = indexer top-k.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,7 @@ class RaggedBatch:
     row_pos: torch.Tensor  # [T] position of each row
     seq_info: torch.Tensor  # [B, 5]: slot, start, offset, window_from, num_new (int64, for kernels)
     decodes: DecodeRows
+    _memo: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
@@ -67,9 +68,10 @@ class RaggedBatch:
             total += n
         width = max([len(t) for t in block_tables] + [1])
         tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        row_seq = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new, dtype=torch.long))
-        row_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, num_new, strict=True)]
-                            or [torch.zeros(0, dtype=torch.long)])
+        # Built from host lists in one go: a fixed number of ops whatever the batch.
+        row_seq = torch.tensor([b for b, n in enumerate(num_new) for _ in range(n)], dtype=torch.long)
+        row_pos = torch.tensor([p for s, n in zip(starts, num_new, strict=True) for p in range(s, s + n)],
+                               dtype=torch.long)
         floor = [max(w, 0) for w in window_from]
         info = torch.tensor([slots, starts, offsets, floor, num_new], dtype=torch.long).T
         frozen = frozen_until or [0] * len(slots)
@@ -89,6 +91,13 @@ class RaggedBatch:
     @property
     def only_decodes(self) -> bool:
         return len(self.decodes.seqs) == len(self.num_new)
+
+    def entry_counts(self, ratio: int) -> torch.Tensor:
+        """Compressed entries each decoding sequence can see at ratio m, (p + 1) // m [D]: computed
+        once per step, shared by every layer of that ratio."""
+        if ratio not in self._memo:
+            self._memo[ratio] = (self.decodes.positions + 1) // ratio
+        return self._memo[ratio]
 
     def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows of x [T, ...]: x itself when every row decodes (no gather)."""

@@ -22,6 +22,7 @@ from v4serve.kernels.launches import interpreting, triton_launch
 @triton.jit
 def _compress_decodes_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, slots_ptr, pos_ptr,
                              frozen_ptr, tables_ptr, dest_ptr, w_ptr, inv_freq_ptr, n_tables, m, d, CD, R, half, eps,
+                             stride_kv, stride_score,
                              SPAN: tl.constexpr, OVERLAP: tl.constexpr, PER_BLOCK: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CD: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
@@ -30,9 +31,9 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score
     frozen = tl.load(frozen_ptr + i)
     cols = tl.arange(0, BLOCK_CD)
     col_ok = cols < CD
-    new_kv = tl.load(kv_ptr + i * CD + cols, mask=col_ok, other=0.0)
+    new_kv = tl.load(kv_ptr + i * stride_kv + cols, mask=col_ok, other=0.0)
     ape_row = ape_ptr + (t % m) * CD  # the slot's position bias joins the score here
-    new_score = (tl.load(score_ptr + i * CD + cols, mask=col_ok, other=0.0).to(tl.float32)
+    new_score = (tl.load(score_ptr + i * stride_score + cols, mask=col_ok, other=0.0).to(tl.float32)
                  + tl.load(ape_row + cols, mask=col_ok, other=0.0).to(tl.float32))
     ring_row = (slot * R + t % R) * CD
     tl.store(ring_kv_ptr + ring_row + cols, new_kv.to(ring_kv_ptr.dtype.element_ty), mask=col_ok)
@@ -59,11 +60,11 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score
             is_new = in_span & (pos == t)
             ring_at = ((slot * R + pos % R) * CD)[:, None] + at
             k = tl.where(is_new[:, None],
-                         tl.load(kv_ptr + i * CD + at, mask=is_new[:, None] & dim_ok[None, :], other=0.0),
+                         tl.load(kv_ptr + i * stride_kv + at, mask=is_new[:, None] & dim_ok[None, :], other=0.0),
                          tl.load(ring_kv_ptr + ring_at, mask=held[:, None] & dim_ok[None, :], other=0.0))
             own = is_new[:, None] & dim_ok[None, :]
             s = tl.where(is_new[:, None],
-                         tl.load(score_ptr + i * CD + at, mask=own, other=0.0).to(tl.float32)
+                         tl.load(score_ptr + i * stride_score + at, mask=own, other=0.0).to(tl.float32)
                          + tl.load(ape_row + at, mask=own, other=0.0).to(tl.float32),
                          tl.load(ring_score_ptr + ring_at, mask=held[:, None] & dim_ok[None, :],
                                  other=0.0).to(tl.float32))
@@ -104,12 +105,14 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     n = kv.shape[0]
     if n == 0:
         return
+    # Rows may be column slices of a wider projection (read in place); columns must be packed.
+    kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))
     d, cd, rows = norm_weight.shape[0], kv.shape[1], ring_kv.shape[1]
     span = 2 * ratio if overlap else ratio
     block_m = min(triton.next_power_of_2(span), 128 if interpreting() else 16)
     with triton_launch():
         _compress_decodes_kernel[(n,)](
-            kv.contiguous(), score.contiguous(), ape.contiguous(), ring_kv, ring_score, slots, positions,
-            frozen_until, tables.contiguous(), dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d,
-            cd, rows, inv_freq.shape[0], eps, SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
+            kv, score, ape.contiguous(), ring_kv, ring_score, slots, positions, frozen_until, tables.contiguous(),
+            dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d, cd, rows, inv_freq.shape[0], eps,
+            kv.stride(0), score.stride(0), SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
             BLOCK_D=max(triton.next_power_of_2(d), 2), BLOCK_CD=triton.next_power_of_2(cd))

@@ -15,13 +15,16 @@ from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half, eps,
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, stride_t, half, eps,
                       NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     live = (rows < N)[:, None] & (cols < D)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=live, other=0.0).to(tl.float32)
+    # Row r is head r % heads of token r // heads; tokens are stride_t apart (a column slice of a
+    # wider projection is read in place).
+    at_row = (rows // heads) * stride_t + (rows % heads) * D
+    x = tl.load(x_ptr + at_row[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32)
     rs = tl.full([BLOCK_R], 1.0, tl.float32)
     if NORM:
         rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -33,7 +36,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half
         rotated = (cols >= first) & (cols < D)
         pair = tl.maximum(cols - first, 0) // 2
         partner = cols ^ 1
-        y = tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=live & rotated[None, :], other=0.0)
+        y = tl.load(x_ptr + at_row[:, None] + partner[None, :], mask=live & rotated[None, :], other=0.0)
         y = y.to(tl.float32)
         if NORM:
             y = y * rs[:, None]
@@ -52,13 +55,16 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, half
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
             sin: torch.Tensor | None, norm: bool, inverse: bool = False) -> torch.Tensor:
-    x = x.contiguous()
+    if x.dim() == 1:
+        return _launch(x[None], weight, eps, cos, sin, norm, inverse)[0]
     d = x.shape[-1]
     n = x.numel() // d if d else 0
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    heads = n // x.shape[0] if cos is not None else 1  # rows sharing one position's angles
+    heads = n // x.shape[0]  # rows of one token (its heads), sharing one position's angles
+    if not _token_rows(x):
+        x = x.contiguous()
     half = cos.shape[-1] if cos is not None else 0
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(64 if interpreting() else 16, 4096 // block_d))
@@ -66,10 +72,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
     with triton_launch():
         _norm_rope_kernel[(triton.cdiv(n, block_r),)](
             x, weight if weight is not None else dummy, cos.contiguous() if cos is not None else dummy,
-            sin.contiguous() if sin is not None else dummy, out, n, d, heads, half, eps,
+            sin.contiguous() if sin is not None else dummy, out, n, d, heads, x.stride(0), half, eps,
             NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, INVERSE=inverse, BLOCK_R=block_r,
             BLOCK_D=block_d)
     return out
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """Whether each token's rows lie packed (heads × D contiguous), tokens at any stride."""
+    return x.stride(-1) == 1 and (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

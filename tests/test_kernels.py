@@ -93,6 +93,20 @@ def test_norm_and_rope_equal_their_twins(triton_kernels, shape: tuple[int, ...],
     close(triton_kernels.rope(triton_kernels.rope(x, cos, sin), cos, sin, inverse=True), x, tol=1e-5)
 
 
+def test_norm_and_rope_read_column_slices_in_place(triton_kernels) -> None:
+    """Inputs that are column slices of a wider projection (fused GEMMs), per token and per head."""
+    gen = torch.Generator().manual_seed(5)
+    wide = rand(9, 200, gen=gen)
+    weight, angles = rand(48, gen=gen), rand(9, 8, gen=gen)
+    part = wide[:, 16:64]  # [9, 48], tokens 200 apart
+    close(triton_kernels.rms_norm_rope(part, weight, 1e-6, angles.cos(), angles.sin()),
+          TWIN.rms_norm_rope(part.contiguous(), weight, 1e-6, angles.cos(), angles.sin()))
+    heads = wide[:, 64:160].view(9, 4, 24)  # [9, 4, 24]: heads packed, tokens 200 apart
+    close(triton_kernels.rms_norm_rope(heads, None, 1e-6, angles.cos(), angles.sin()),
+          TWIN.rms_norm_rope(heads.contiguous(), None, 1e-6, angles.cos(), angles.sin()))
+    close(triton_kernels.rms_norm(wide[0, :48], weight, 1e-6), TWIN.rms_norm(wide[0, :48], weight, 1e-6))
+
+
 # ---- compressor (decode step) ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("overlap", "ratio", "dim", "rope_dim"),
                          [(True, 4, 32, 8), (False, 16, 32, 8), (True, 4, 64, 64), (False, 4, 24, 8)])
@@ -106,7 +120,8 @@ def test_compress_decodes_equals_its_twin(triton_kernels, overlap: bool, ratio: 
     frozen = torch.tensor([0, 0, 0, 0, 8 * ratio, 0], device=DEVICE)
     slots = torch.tensor([0, 1, 2, 3, 4, 5], device=DEVICE)
     tables = torch.stack([torch.randperm(20, generator=gen)[:6] for _ in range(6)]).to(DEVICE)
-    kv, score = rand(6, width, gen=gen), rand(6, width, gen=gen)
+    # kv and score as column slices of one wider projection, as the fused GEMM gives them.
+    kv, score = rand(6, 2 * width + 8, gen=gen)[:, 8:].split(width, dim=1)
     rings = [rand(6, rows, width, gen=gen) for _ in range(2)]
     weight, inv_freq = rand(dim, gen=gen), torch.rand(rope_dim // 2, generator=gen).to(DEVICE)
     ape = rand(ratio, width, gen=gen)

@@ -7,6 +7,7 @@ relative for full prefill, chunked prefill and token-by-token decode.
 
 from __future__ import annotations
 
+import copy
 import functools
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ from v4serve.engine.model.checkpoint import load_model, write_checkpoint
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.single import SingleSequence
 from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.kernels.registry import load_kernels
 
 # Small dims keep transformers' eager forward quick; 16 indexer heads and a top-k well below
 # the number of visible entries make the indexer's choice matter without score ties.
@@ -105,3 +107,23 @@ def test_oracle_detects_a_wrong_indexer(name):
         for ix, k in zip(indexers, saved, strict=True):
             ix.topk = k
     assert rel_err(ours, ref) > 1e-3
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_fused_projections_match_the_oracle_without_copying_weights(name):
+    """`use_kernels` runs the projections that share an input as one GEMM over their stacked
+    weights: the same logits, the same state dict, and each weight a view of its stack."""
+    model, ids, ref = make_case(name)
+    fused = copy.deepcopy(model)
+    fused.use_kernels(load_kernels("torch"))
+    seq = SingleSequence(fused, len(ids))
+    split = len(ids) // 3
+    parts = [seq.prefill(ids[:split])] + [seq.step([t]) for t in ids[split:]]
+    assert rel_err(torch.cat(parts), ref) <= 1e-4
+    want, got = model.state_dict(), fused.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for block in fused.layers:
+        for shared in (block.attn.x_inputs, block.attn.qr_inputs):
+            assert shared.stack is not None or len(shared.layers) == 1
+            for layer in shared.layers if shared.stack is not None else []:
+                assert layer.weight.untyped_storage().data_ptr() == shared.stack.untyped_storage().data_ptr()

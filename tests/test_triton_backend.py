@@ -82,3 +82,35 @@ def test_unknown_backend_is_refused_at_start() -> None:
                            "--port", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--attention-backend must be one of auto, torch, triton, got 'flash'" in done.stderr
+
+
+def decode_step_items(model, batch: int) -> float:
+    """Work items (non-view ATen ops + Triton launches) per layer of one decode step of `batch`
+    sequences, after their 40-token prompts were prefilled."""
+    from v4serve.cache.device_kv import DeviceKV
+    from v4serve.cache.layout import KVLayout
+    from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
+    from v4serve.kernels.launches import LaunchCounter
+
+    cfg = model.cfg
+    kv = DeviceKV(KVLayout.from_config(cfg), num_slots=batch, num_blocks=4 * batch, device=DEVICE)
+    model.use_kernels(load_kernels("torch"))  # the prefill is not what is counted; interpreted it is slow
+    chunks = [SeqChunk(slot=i, block_table=list(range(4 * i, 4 * i + 4)), start=0, num_new=40) for i in range(batch)]
+    model(torch.tensor([t for _ in range(batch) for t in tokens(40, 9)], device=DEVICE),
+          AttentionMetadata.build(chunks), kv)
+    step = AttentionMetadata.build([SeqChunk(slot=c.slot, block_table=c.block_table, start=40, num_new=1)
+                                    for c in chunks])
+    model.use_kernels(load_kernels("triton", DEVICE))
+    with LaunchCounter() as counter:
+        model(torch.tensor(tokens(batch, 10), device=DEVICE), step, kv)
+    return counter.total() / cfg.num_layers
+
+
+def test_a_decode_step_stays_within_its_launch_budget_at_any_batch() -> None:
+    """bench/bench_launches.py measures the tiny model's layers (42 items each); here the small
+    model's whole step, embedding and head included, must stay under 50 per layer and must not grow
+    with the batch (the MoE once issued a few ops per expert in use)."""
+    _, model = model_pair(small=True)
+    one, four = decode_step_items(model, 1), decode_step_items(model, 4)
+    assert one <= 50
+    assert four == one

@@ -19,7 +19,7 @@ from torch import nn
 from v4serve.cache.device_kv import LayerKV
 from v4serve.engine.model.compressor import Compressor, Indexer
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.layers import RMSNorm, Rotary
+from v4serve.engine.model.layers import RMSNorm, Rotary, SharedInput
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
 from v4serve.kernels.kv_fp8 import Record, decode, encode
@@ -50,15 +50,24 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg.hidden_size, d, self.ratio, self.kind == "csa", cfg.rms_norm_eps)
         if self.kind == "csa":
             self.indexer = Indexer(cfg, self.ratio)
+        # Projections of the same input, one GEMM each once fused (`fuse_projections`).
+        self.x_inputs = SharedInput([self.wq_a, self.wkv, *(self.compressor.inputs() if self.compressor else []),
+                                     *(self.indexer.inputs() if self.indexer else [])])
+        self.qr_inputs = SharedInput([self.wq_b, *([self.indexer.wq_b] if self.indexer else [])])
+
+    def fuse_projections(self) -> None:
+        self.x_inputs.fuse()
+        self.qr_inputs.fuse()
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, batch: RaggedBatch, layer_kv: LayerKV,
                 rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, D]."""
         t, k, eps = x.shape[0], self.kernels, self.cfg.rms_norm_eps
-        qr = k.rms_norm(k.linear(x, self.wq_a.weight), self.q_norm.weight, eps)  # [T, q_lora]
-        q = k.linear(qr, self.wq_b.weight).view(t, self.n_heads, self.head_dim)
-        q = k.rms_norm_rope(q, None, eps, cos, sin)  # [T, H, d]
-        kv = k.rms_norm_rope(k.linear(x, self.wkv.weight), self.kv_norm.weight, eps, cos, sin)  # [T, d]
+        of_x = self.x_inputs(x, k.linear)
+        qr = k.rms_norm(of_x[self.wq_a], self.q_norm.weight, eps)  # [T, q_lora]
+        of_x |= self.qr_inputs(qr, k.linear)
+        q = k.rms_norm_rope(of_x[self.wq_b].view(t, self.n_heads, self.head_dim), None, eps, cos, sin)  # [T, H, d]
+        kv = k.rms_norm_rope(of_x[self.wkv], self.kv_norm.weight, eps, cos, sin)  # [T, d]
         record = layer_kv.layout.record
         if record is not None:
             # FP8 keys: this step's keys are rounded as they will be stored, so a key read back from
@@ -67,13 +76,13 @@ class Attention(nn.Module):
         topk = None
         if self.compressor is not None:
             assert layer_kv.entries is not None and layer_kv.pending_kv is not None
-            self._compress(self.compressor, x, positions, meta, batch, layer_kv.pending_kv,
+            self._compress(self.compressor, of_x, positions, meta, batch, layer_kv.pending_kv,
                            layer_kv.pending_score, layer_kv.entries, rotary, record)
         if self.indexer is not None:
             assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
-            self._compress(self.indexer.compressor, x, positions, meta, batch, layer_kv.index_pending_kv,
+            self._compress(self.indexer.compressor, of_x, positions, meta, batch, layer_kv.index_pending_kv,
                            layer_kv.index_pending_score, layer_kv.index_keys, rotary, None)
-            topk = self._select(self.indexer.queries(x, qr, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
+            topk = self._select(self.indexer.queries(of_x, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                  self.attn_sink, self.head_dim**-0.5, record)
         k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
@@ -83,12 +92,12 @@ class Attention(nn.Module):
         return k.linear(k.grouped_linear(groups, wo_a).flatten(1), self.wo_b.weight)
 
     # ---- compressed entries ----------------------------------------------------------------------------
-    def _compress(self, compressor: Compressor, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor, dest: torch.Tensor,
-                  rotary: Rotary, record: Record | None) -> None:
+    def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], positions: torch.Tensor,
+                  meta: AttentionMetadata, batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor,
+                  dest: torch.Tensor, rotary: Rotary, record: Record | None) -> None:
         """Feed this step's rows to a compressor and write the entries they finish to the Block Cache
         (`dest`: CSA/HCA entries, FP8 records under `record`, or indexer keys) before attention reads them."""
-        comp_kv, comp_score = compressor.project(x)
+        comp_kv, comp_score = compressor.project(of_x)
         dec = batch.decodes
         if dec.seqs:
             self.kernels.compress_decodes(batch.decode_rows(comp_kv), batch.decode_rows(comp_score), pending_kv,
@@ -109,13 +118,15 @@ class Attention(nn.Module):
         assert self.indexer is not None
         iq, iw = index_q
         dec = batch.decodes
-        n = max([(batch.starts[b] + 1) // self.ratio for b in dec.seqs] + [0])  # known on the host: no sync
-        if n >= self.indexer.topk and batch.only_decodes:  # every row's top-k at once, as is
-            return self._top_entries(iq, iw, index_keys, dec.tables, (dec.positions + 1) // self.ratio, n)
+        visible = [(batch.starts[b] + 1) // self.ratio for b in dec.seqs]  # known on the host: no sync
+        n = max(visible + [0])
+        if batch.only_decodes and min(visible) >= self.indexer.topk:
+            # Every row sees at least k entries: its top-k is all real picks, no padding or masking.
+            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n, mask=False)
         topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         if n:
-            counts = (dec.positions + 1) // self.ratio
-            top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables, counts, n)
+            top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables,
+                                    batch.entry_counts(self.ratio), n)
             topk[dec.rows, :top.shape[-1]] = top
         for b, seq in enumerate(meta.seqs):
             if seq.num_new > 1 and self.kernels.batch_invariant:
@@ -125,12 +136,13 @@ class Attention(nn.Module):
         return topk
 
     def _top_entries(self, iq: torch.Tensor, iw: torch.Tensor, index_keys: torch.Tensor, tables: torch.Tensor,
-                     counts: torch.Tensor, n: int) -> torch.Tensor:
-        """Top-k of R queries by `kernels.index_scores` → [R, min(k, n)] (−1 past each one's count)."""
+                     counts: torch.Tensor, n: int, mask: bool = True) -> torch.Tensor:
+        """Top-k of R queries by `kernels.index_scores` → [R, min(k, n)] (−1 past each one's count;
+        `mask=False` when every count is at least k, so no pick can be past it)."""
         assert self.indexer is not None
         scores = self.kernels.index_scores(iq, iw, index_keys, tables, counts, n)
         top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
-        return top.masked_fill(top >= counts[:, None], -1)
+        return top.masked_fill(top >= counts[:, None], -1) if mask else top
 
     def _select_chunk_rows(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, table: torch.Tensor,
                            index_keys: torch.Tensor, topk: torch.Tensor) -> None:

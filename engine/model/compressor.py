@@ -41,11 +41,14 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
         self.kernels = load_kernels("torch")
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] → kv and score rows [T, c·d], the score still without the slot's position bias
-        (`with_bias`; the decode kernel adds it itself)."""
-        linear = self.kernels.linear
-        return linear(x, self.wkv.weight).float(), linear(x, self.wgate.weight).float()
+    def inputs(self) -> list[nn.Linear]:
+        """The projections of the layer input x (run with the attention's others: `SharedInput`)."""
+        return [self.wkv, self.wgate]
+
+    def project(self, outputs: dict[nn.Linear, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projections of x → kv and score rows [T, c·d], the score still without the slot's position
+        bias (`with_bias`; the decode kernel adds it itself)."""
+        return outputs[self.wkv].float(), outputs[self.wgate].float()
 
     def with_bias(self, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Score rows [n, c·d] of tokens at `positions` [n] plus their slot's position bias `ape`."""
@@ -106,12 +109,17 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
         self.kernels = load_kernels("torch")
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def inputs(self) -> list[nn.Linear]:
+        """The projections of the layer input x (run with the attention's others: `SharedInput`)."""
+        return [self.weights_proj, *self.compressor.inputs()]
+
+    def queries(self, outputs: dict[nn.Linear, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 rotate: Callable[..., torch.Tensor] = rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (qI [T, hI, dI] with RoPE, head weights w [T, hI] with both scales folded in)."""
-        linear = self.kernels.linear
-        q = rotate(linear(qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim), cos, sin).float()
-        return q, linear(x, self.weights_proj.weight).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        """Projections of x and of the query latent qr → (qI [T, hI, dI] with RoPE, head weights
+        w [T, hI] with both scales folded in)."""
+        q = outputs[self.wq_b]
+        q = rotate(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin).float()
+        return q, outputs[self.weights_proj].float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

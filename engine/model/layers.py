@@ -4,6 +4,7 @@ rotary angles (YaRN-scaled on compressed layers); the rotation itself is `kernel
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,6 +21,36 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class SharedInput:
+    """Linear layers that read the same input, run as one GEMM over their weights stacked: one
+    launch instead of one per layer. `fuse` stacks them once the model is loaded and on its device
+    (moving the model afterwards would undo it): each layer's weight becomes a row block of the
+    stack, so no memory is added and the state dict is unchanged. Unfused, each layer runs alone."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self.layers = layers
+        self.stack: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        if self.stack is not None or len(self.layers) < 2:
+            return
+        stack = torch.cat([layer.weight.detach() for layer in self.layers])
+        at = 0
+        for layer in self.layers:
+            rows = layer.weight.shape[0]
+            layer.weight = nn.Parameter(stack[at:at + rows], requires_grad=False)
+            at += rows
+        self.stack = stack
+
+    def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                 ) -> dict[nn.Linear, torch.Tensor]:
+        """x [T, D] → each layer's output [T, O_i] (column slices of one output when fused)."""
+        if self.stack is None:
+            return {layer: linear(x, layer.weight) for layer in self.layers}
+        parts = linear(x, self.stack).split([layer.weight.shape[0] for layer in self.layers], dim=-1)
+        return dict(zip(self.layers, parts, strict=True))
 
 
 # ---- rotary embeddings ----------------------------------------------------------------------------

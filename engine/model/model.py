@@ -152,7 +152,10 @@ class DeepseekV4(nn.Module):
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Switch every module that calls kernels (each has a `kernels` attribute) to a kernel set
-        (kernels/registry.py)."""
+        (kernels/registry.py), and run the projections that share an input as one GEMM
+        (`SharedInput`): call it once the model is loaded and on its device."""
+        for block in self.layers:
+            block.attn.fuse_projections()
         for module in self.modules():
             if isinstance(getattr(module, "kernels", None), Kernels):
                 module.kernels = kernels
