@@ -58,6 +58,7 @@ def main() -> None:
 
     folder = write_checkpoint(model, Path(tempfile.mkdtemp(prefix="bench-tiny-")))
     ours = load_model(folder, progress=False)
+    ours.use_kernels(load_kernels("torch"))  # as `serve` runs it on a CPU (projections fused)
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     vocab = ours.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -15,10 +15,10 @@ from v4serve.kernels.paged import read_entries_batched
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                 n: int) -> torch.Tensor:
-    """q [R, hI, dI], w [R, hI] (scales folded in), keys [NB, P, dI], tables [R, nb], counts [R]
-    (visible entries) → scores [R, n] (fp32)."""
+                 n: int, w_scale: float = 1.0) -> torch.Tensor:
+    """q [R, hI, dI], w [R, hI] (times `w_scale`, applied here), keys [NB, P, dI], tables [R, nb],
+    counts [R] (visible entries) → scores [R, n] (fp32)."""
     k = read_entries_batched(keys, tables, n)  # [R, n, dI]
     logits = torch.einsum("rhc,rsc->rhs", q.float(), k).relu_()
-    scores = (w.float().unsqueeze(1) @ logits).squeeze(1)  # Σ_h w·relu(q·k)
+    scores = ((w.float() * w_scale).unsqueeze(1) @ logits).squeeze(1)  # Σ_h w·relu(q·k)
     return scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= counts[:, None], float("-inf"))

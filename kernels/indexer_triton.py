@@ -15,7 +15,7 @@ from v4serve.kernels.launches import interpreting, triton_launch
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr, HI, DI, n, n_tables,
+def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr, HI, DI, n, n_tables, w_scale,
                          PER_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
@@ -26,7 +26,7 @@ def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr
     visible = e < count
     q = tl.load(q_ptr + (r * HI + heads[:, None]) * DI + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
                 other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + r * HI + heads, mask=head_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + r * HI + heads, mask=head_ok, other=0.0).to(tl.float32) * w_scale
     blk = tl.load(tables_ptr + r * n_tables + e // PER_BLOCK, mask=visible, other=0)
     k = tl.load(keys_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * DI + dims[None, :],
                 mask=visible[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
@@ -37,7 +37,7 @@ def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor,
-                 n: int) -> torch.Tensor:
+                 n: int, w_scale: float = 1.0) -> torch.Tensor:
     rows, hi, di = q.shape
     out = torch.empty(rows, n, dtype=torch.float32, device=q.device)
     if rows == 0 or n == 0:
@@ -46,6 +46,6 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     with triton_launch():
         _index_scores_kernel[(rows, triton.cdiv(n, block_n))](
             q.contiguous(), w.contiguous(), keys, tables.contiguous(), counts.contiguous(), out, hi, di, n,
-            tables.shape[1], PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
+            tables.shape[1], w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
             BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
     return out

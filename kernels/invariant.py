@@ -113,7 +113,7 @@ def _row_keys(kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None
 
 
 def index_scores_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
-                      counts: torch.Tensor, n: int) -> torch.Tensor:
+                      counts: torch.Tensor, n: int, w_scale: float = 1.0) -> torch.Tensor:
     """Batch-invariant twin of `indexer.index_scores`: each query over exactly its own visible
     entries (not padded to the batch's longest), so its scores do not depend on `n`."""
     out = torch.full((q.shape[0], n), float("-inf"), dtype=torch.float32, device=q.device)
@@ -121,5 +121,5 @@ def index_scores_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tabl
         if count:
             k = read_entries(keys, tables[r].tolist(), count).float()  # [count, dI]
             logits = torch.einsum("hc,sc->hs", _own_row(q.float(), r)[0], k).relu_()
-            out[r, :count] = (_own_row(w.float(), r) @ logits)[0]  # Σ_h w·relu(q·k)
+            out[r, :count] = (_own_row(w.float() * w_scale, r) @ logits)[0]  # Σ_h w·relu(q·k)
     return out

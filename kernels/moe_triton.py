@@ -147,8 +147,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: to
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
     ends = torch.cumsum(torch.bincount(flat, minlength=groups), 0)
-    h = torch.empty(t * ks, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(t * ks, d, dtype=x.dtype, device=x.device)
+    rows = torch.empty(t * ks * (inter + d), dtype=x.dtype, device=x.device)  # one allocation for both
+    h, y = rows[:t * ks * inter].view(t * ks, inter), rows[t * ks * inter:].view(t * ks, d)
     big = interpreting()  # the interpreter pays per op, not per element: fewer, larger tiles
     block_m, block_k = 16, 64 if not big else 256
     precision = "ieee" if x.dtype == torch.float32 else "tf32"

@@ -18,8 +18,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return (x32 if weight is None else weight * x32).to(x.dtype)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing r dims of x [n, ..., D] pairwise by cos/sin [n, r/2] (`inverse`: rotate back)."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate the trailing r dims of x [n, ..., D] pairwise by cos/sin [n, r/2] (`inverse`: rotate back).
+    `out` is a dead buffer the result may be written into (the Triton twin does; here a new tensor is
+    returned either way)."""
     if inverse:
         sin = -sin
     r = cos.shape[-1] * 2

@@ -54,12 +54,14 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, D, heads, stri
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
-            sin: torch.Tensor | None, norm: bool, inverse: bool = False) -> torch.Tensor:
+            sin: torch.Tensor | None, norm: bool, inverse: bool = False, out: torch.Tensor | None = None
+            ) -> torch.Tensor:
     if x.dim() == 1:
         return _launch(x[None], weight, eps, cos, sin, norm, inverse)[0]
     d = x.shape[-1]
     n = x.numel() // d if d else 0
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None or not out.is_contiguous() or out.shape != x.shape or out.data_ptr() == x.data_ptr():
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     heads = n // x.shape[0]  # rows of one token (its heads), sharing one position's angles
@@ -87,8 +89,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return _launch(x, weight, eps, None, None, norm=True)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    return _launch(x, None, 0.0, cos, sin, norm=False, inverse=inverse)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """`out`: a dead buffer of x's shape to write into (not x itself: a program's partner reads
+    could see another program's writes), saving an allocation."""
+    return _launch(x, None, 0.0, cos, sin, norm=False, inverse=inverse, out=out)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,

@@ -153,6 +153,10 @@ def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> 
     hidden = torch.arange(40, device=DEVICE)[None, :] >= counts[:, None]
     assert torch.equal(torch.isinf(got), hidden) and torch.equal(torch.isinf(want), hidden)
     close(got.masked_fill(hidden, 0.0), want.masked_fill(hidden, 0.0), tol=1e-5)
+    # The head-weight scale applied inside equals scaling the weights first.
+    scaled = triton_kernels.index_scores(q, w, keys, tables, counts, 40, 0.125)
+    close(scaled.masked_fill(hidden, 0.0), TWIN.index_scores(q, w * 0.125, keys, tables, counts, 40).masked_fill(
+        hidden, 0.0), tol=1e-5)
 
 
 # ---- sparse attention ------------------------------------------------------------------------------------

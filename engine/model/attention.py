@@ -86,7 +86,7 @@ class Attention(nn.Module):
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                  self.attn_sink, self.head_dim**-0.5, record)
         k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
-        out = k.rope(out, cos, sin, inverse=True)  # V = K carried RoPE; rotate it back at the query position
+        out = k.rope(out, cos, sin, inverse=True, out=q)  # V = K carried RoPE: rotate back; q is dead by now
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
         return k.linear(k.grouped_linear(groups, wo_a).flatten(1), self.wo_b.weight)
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         """Top-k of R queries by `kernels.index_scores` → [R, min(k, n)] (−1 past each one's count;
         `mask=False` when every count is at least k, so no pick can be past it)."""
         assert self.indexer is not None
-        scores = self.kernels.index_scores(iq, iw, index_keys, tables, counts, n)
+        scores = self.kernels.index_scores(iq, iw, index_keys, tables, counts, n, self.indexer.w_scale)
         top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
         return top.masked_fill(top >= counts[:, None], -1) if mask else top
 

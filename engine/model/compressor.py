@@ -116,17 +116,22 @@ class Indexer(nn.Module):
     def queries(self, outputs: dict[nn.Linear, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 rotate: Callable[..., torch.Tensor] = rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Projections of x and of the query latent qr → (qI [T, hI, dI] with RoPE, head weights
-        w [T, hI] with both scales folded in)."""
+        w [T, hI], still to be multiplied by `w_scale`: the score kernel does it)."""
         q = outputs[self.wq_b]
         q = rotate(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin).float()
-        return q, outputs[self.weights_proj].float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        return q, outputs[self.weights_proj].float()
+
+    @property
+    def w_scale(self) -> float:
+        """Both of the indexer's scales: the heads' mean and the dot product's."""
+        return self.n_heads**-0.5 * self.head_dim**-0.5
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, n, hI, dI], w [B, n, hI], keys [B, N, dI], visible [B, n, N] →
+        """q [B, n, hI, dI], w [B, n, hI] (unscaled), keys [B, N, dI], visible [B, n, N] →
         (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
         logits = torch.einsum("bnhc,bsc->bnhs", q, keys).relu_()  # [B, n, hI, N]
-        scores = (w.unsqueeze(-2) @ logits).squeeze(-2)  # Σ_h w·relu(q·k) → [B, n, N]
+        scores = ((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2)  # Σ_h w·relu(q·k) → [B, n, N]
         scores = scores.masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
         return top, visible.gather(-1, top)
