@@ -107,10 +107,10 @@ def decode_step_items(model, batch: int) -> float:
 
 
 def test_a_decode_step_stays_within_its_launch_budget_at_any_batch() -> None:
-    """bench/bench_launches.py measures the tiny model's layers (42 items each); here the small
-    model's whole step, embedding and head included, must stay under 50 per layer and must not grow
-    with the batch (the MoE once issued a few ops per expert in use)."""
+    """bench/bench_launches.py measures the tiny model's layers (39.5 items each); here the small
+    model's whole step, embedding and head included (45.8 per layer when written), must stay under
+    48 per layer and must not grow with the batch (the MoE once issued a few ops per expert in use)."""
     _, model = model_pair(small=True)
     one, four = decode_step_items(model, 1), decode_step_items(model, 4)
-    assert one <= 50
+    assert one <= 48
     assert four == one
