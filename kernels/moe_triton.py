@@ -78,8 +78,19 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor 
 
 
 @triton.jit
-def _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M: tl.constexpr):
-    """Tile m0.. of expert e's pairs (sorted by expert): their pair ids and which are real."""
+def _expert_tile(ends_ptr, n_cols, BLOCK_N: tl.constexpr):
+    """This program's expert, its output columns (and which exist), and the span [start, end) of
+    the expert's pairs in sorted order."""
+    e = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    end = tl.load(ends_ptr + e)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    return e, cols, cols < n_cols, start, end
+
+
+@triton.jit
+def _pairs_of(order_ptr, m0, end, BLOCK_M: tl.constexpr):
+    """Tile m0.. of an expert's pairs (sorted by expert): their pair ids and which are real."""
     idx = m0 + tl.arange(0, BLOCK_M)
     ok = idx < end
     return tl.load(order_ptr + idx, mask=ok, other=0), ok
@@ -89,13 +100,9 @@ def _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M: tl.constexpr):
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, order_ptr, ends_ptr, h_ptr, D, INTER, limit, KS: tl.constexpr,
                HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PRECISION: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < INTER
-    end = tl.load(ends_ptr + e)
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    e, cols, col_ok, start, end = _expert_tile(ends_ptr, INTER, BLOCK_N)
     for m0 in range(start, end, BLOCK_M):
-        pair, ok = _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M)
+        pair, ok = _pairs_of(order_ptr, m0, end, BLOCK_M)
         tok = pair // KS
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -118,13 +125,9 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, order_ptr, ends_ptr, h_ptr, D, INTER, limi
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, ends_ptr, y_ptr, D, INTER, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < D
-    end = tl.load(ends_ptr + e)
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    e, cols, col_ok, start, end = _expert_tile(ends_ptr, D, BLOCK_N)
     for m0 in range(start, end, BLOCK_M):
-        pair, ok = _pairs_of(order_ptr, ends_ptr, e, m0, end, BLOCK_M)
+        pair, ok = _pairs_of(order_ptr, m0, end, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
