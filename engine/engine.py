@@ -80,11 +80,16 @@ class RequestOutput:
 def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes,
                  kv_cache_dtype: str = "auto") -> bytes:
     """Changes whenever the weights, the KV dtype or the KV layout change: cached KV from a
-    different namespace must never be served."""
+    different namespace must never be served. FP8 keys and --batch-invariant (whose KV is
+    bitwise reproducible, which KV written without it is not) get namespaces of their own; the
+    default's is the one earlier versions wrote."""
     h = hashlib.sha256()
     h.update(json.dumps(model.cfg.to_official_dict(), sort_keys=True).encode())
     h.update(weights_digest)
-    h.update(f"{kv_dtype}|keys={kv_cache_dtype}|format={KV_FORMAT_VERSION}".encode())
+    tags = f"{kv_dtype}|format={KV_FORMAT_VERSION}"
+    tags += f"|keys={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
+    tags += "|batch-invariant" if model.kernels.batch_invariant else ""
+    h.update(tags.encode())
     return h.digest()
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import Record
-from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.launches import interpreting, launch
 
 # A finite "−inf": a fully masked tile must not turn the running max into NaN. Globals read inside
 # a compiled kernel must be constexpr.
@@ -37,16 +37,28 @@ def _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _e4m3(code):
+    """e4m3 (fn) codes (int32 holding a byte) → fp32, by their bits: every GPU and the interpreter
+    agree (fp8 types need sm_89+). Normals 2^(e−7)·(1 + m/8), subnormals m·2^−9; no NaN is stored."""
+    e = (code >> 3) & 15
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)
+    return tl.where((code & 128) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _load_keys(ptr, rope_ptr, rows, dims, mask, D, FP8: tl.constexpr, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE):
     """Keys at storage rows `rows` [N] → [N, BLOCK_D] fp32. FP8 records (kv_fp8.py) are decoded here:
-    e4m3 codes times their group's power-of-two scale, then the rope channels read through
-    `rope_ptr`, the same bytes viewed in the rope dtype."""
+    e4m3 codes times their group's power-of-two scale (both built from bits, exactly as torch
+    decodes them), then the rope channels read through `rope_ptr`, the same bytes viewed in the
+    rope dtype."""
     if FP8:
         nope = dims < NOPE
         at = rows[:, None] * STRIDE
-        code = tl.load(ptr + at + dims[None, :], mask=mask & nope[None, :], other=0)
-        exponent = tl.load(ptr + at + NOPE + dims[None, :] // 64, mask=mask & nope[None, :], other=127)
-        value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(exponent.to(tl.float32) - 127.0)
+        code = tl.load(ptr + at + dims[None, :], mask=mask & nope[None, :], other=0).to(tl.int32)
+        exponent = tl.load(ptr + at + NOPE + dims[None, :] // 64, mask=mask & nope[None, :], other=127).to(tl.int32)
+        value = _e4m3(code) * (exponent << 23).to(tl.float32, bitcast=True)  # scale: the float 2^(byte − 127)
         rope = tl.load(rope_ptr + rows[:, None] * ROPE_STRIDE + ROPE_OFF + (dims[None, :] - NOPE),
                        mask=mask & (~nope & (dims < D))[None, :], other=0.0)
         return tl.where(nope[None, :], value, rope.to(tl.float32))
@@ -136,15 +148,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     entries_t = entries if entries is not None else ring  # any tensor: never read without entries
     topk_t = topk.contiguous() if topk is not None else batch.row_seq
     fp8 = _fp8_args(record, ring, entries_t)
-    with triton_launch():
-        _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
-            q.contiguous(), kv.contiguous(), ring, fp8["ring_rope"], entries_t, fp8["entries_rope"], topk_t,
-            batch.tables, batch.row_seq, batch.row_pos, batch.seq_info, sink, out, h, d, ring.shape[1],
-            max(ratio, 1), batch.tables.shape[1], scale, fp8["stride"], fp8["nope"], fp8["rope_off"],
-            fp8["rope_stride"], TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1],
-            HAS_ENTRIES=has_entries, HAS_TOPK=has_topk, FP8=record is not None, BLOCK_H=block_h,
-            BLOCK_N=128 if interpreting() else 32,
-            BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    launch(_sparse_attention_kernel[(t, triton.cdiv(h, block_h))],
+           q.contiguous(), kv.contiguous(), ring, fp8["ring_rope"], entries_t, fp8["entries_rope"], topk_t,
+           batch.tables, batch.row_seq, batch.row_pos, batch.seq_info, sink, out, h, d, ring.shape[1],
+           max(ratio, 1), batch.tables.shape[1], scale, fp8["stride"], fp8["nope"], fp8["rope_off"],
+           fp8["rope_stride"], TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1],
+           HAS_ENTRIES=has_entries, HAS_TOPK=has_topk, FP8=record is not None, BLOCK_H=block_h,
+           BLOCK_N=128 if interpreting() else 32,
+           BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 

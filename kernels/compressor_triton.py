@@ -16,7 +16,7 @@ import triton.language as tl
 from v4serve.kernels import compressor
 from v4serve.kernels.attention_triton import NEG
 from v4serve.kernels.kv_fp8 import Record
-from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.launches import interpreting, launch
 
 
 @triton.jit
@@ -110,9 +110,8 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     d, cd, rows = norm_weight.shape[0], kv.shape[1], ring_kv.shape[1]
     span = 2 * ratio if overlap else ratio
     block_m = min(triton.next_power_of_2(span), 128 if interpreting() else 16)
-    with triton_launch():
-        _compress_decodes_kernel[(n,)](
-            kv, score, ape.contiguous(), ring_kv, ring_score, slots, positions, frozen_until, tables.contiguous(),
-            dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d, cd, rows, inv_freq.shape[0], eps,
-            kv.stride(0), score.stride(0), SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
-            BLOCK_D=max(triton.next_power_of_2(d), 2), BLOCK_CD=triton.next_power_of_2(cd))
+    launch(_compress_decodes_kernel[(n,)],
+           kv, score, ape.contiguous(), ring_kv, ring_score, slots, positions, frozen_until, tables.contiguous(),
+           dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d, cd, rows, inv_freq.shape[0], eps,
+           kv.stride(0), score.stride(0), SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
+           BLOCK_D=max(triton.next_power_of_2(d), 2), BLOCK_CD=triton.next_power_of_2(cd))

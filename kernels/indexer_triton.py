@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.launches import interpreting, launch
 
 
 @triton.jit
@@ -43,9 +43,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     if rows == 0 or n == 0:
         return out
     block_n = 128 if interpreting() else 32
-    with triton_launch():
-        _index_scores_kernel[(rows, triton.cdiv(n, block_n))](
-            q.contiguous(), w.contiguous(), keys, tables.contiguous(), counts.contiguous(), out, hi, di, n,
-            tables.shape[1], w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
-            BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
+    launch(_index_scores_kernel[(rows, triton.cdiv(n, block_n))],
+           q.contiguous(), w.contiguous(), keys, tables.contiguous(), counts.contiguous(), out, hi, di, n,
+           tables.shape[1], w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
+           BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
     return out

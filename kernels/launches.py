@@ -4,11 +4,9 @@ the launcher. Used by `bench/bench_launches.py` and the launch-budget tests."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -22,17 +20,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@contextlib.contextmanager
-def triton_launch(name: str = "triton") -> Iterator[None]:
-    """Wraps every Triton launch: counts it as one work item, and hides the launch's own tensor
-    handling (the interpreter copies arguments with torch ops) from the op counter."""
+def launch(kernel: Any, *args: Any, **kwargs: Any) -> None:
+    """Run one Triton launch, `kernel[grid]`, with its arguments: count it as one work item and
+    hide the launch's own tensor handling (the interpreter copies arguments with torch ops) from
+    the op counter. The arguments are evaluated by the caller first, so copies made to prepare
+    them (a `.contiguous()` of a strided input) are counted as the device work they are."""
     counter: LaunchCounter | None = getattr(_local, "counter", None)
     if counter is None:
-        yield
+        kernel(*args, **kwargs)
         return
-    counter.ops[name] += 1
+    counter.ops["triton"] += 1
     with _disable_current_modes():
-        yield
+        kernel(*args, **kwargs)
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.launches import interpreting, launch
 
 
 @triton.jit
@@ -84,8 +84,8 @@ def _collapse(h_ptr, pre, tok, i, d0, D, K, tok_ok, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mhc_post_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, D, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _mhc_post_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, D, post_stride, comb_stride, HC: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     i = tl.arange(0, HC)
@@ -93,10 +93,12 @@ def _mhc_post_kernel(h_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, D, HC: tl.con
     at = tok[:, None, None] * HC * D + i[None, :, None] * D + offs[None, None, :]
     y = tl.load(y_ptr + tok[:, None] * D + offs[None, :], mask=(tok < T)[:, None] & (offs < D)[None, :],
                 other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + tok[:, None] * HC + i[None, :], mask=(tok < T)[:, None], other=0.0)  # [BT, k]
+    post = tl.load(post_ptr + tok[:, None] * post_stride + i[None, :], mask=(tok < T)[:, None],
+                   other=0.0)  # [BT, k]
     mixed = post[:, :, None] * y[:, None, :]
     for j in tl.static_range(HC):  # Σ_j comb[j, k] h_j, one stream at a time keeps it 3-D
-        c_j = tl.load(comb_ptr + tok[:, None] * HC * HC + j * HC + i[None, :], mask=(tok < T)[:, None], other=0.0)
+        c_j = tl.load(comb_ptr + tok[:, None] * comb_stride + j * HC + i[None, :], mask=(tok < T)[:, None],
+                      other=0.0)
         h_j = tl.load(h_ptr + tok[:, None] * HC * D + j * D + offs[None, :],
                       mask=(tok < T)[:, None] & (offs < D)[None, :], other=0.0).to(tl.float32)
         mixed += c_j[:, :, None] * h_j[:, None, :]
@@ -118,11 +120,10 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if t:
         # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
         block_t, block = (16, 128) if interpreting() else (4, 32)
-        with triton_launch():
-            _mhc_pre_kernel[(triton.cdiv(t, block_t),)](
-                h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(),
-                norm_weight if norm_weight is not None else base, x, gates, t, d, hc_eps, norm_eps, HC=hc,
-                ITERS=iters, NORM=norm_weight is not None, BLOCK_T=block_t, BLOCK=block)
+        launch(_mhc_pre_kernel[(triton.cdiv(t, block_t),)],
+               h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(),
+               norm_weight if norm_weight is not None else base, x, gates, t, d, hc_eps, norm_eps, HC=hc,
+               ITERS=iters, NORM=norm_weight is not None, BLOCK_T=block_t, BLOCK=block)
     return x, gates[:, :hc], gates[:, hc:].view(t, hc, hc)
 
 
@@ -130,10 +131,14 @@ def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.T
     t, hc, d = h.shape
     _check_streams(hc)
     out = torch.empty_like(h)
+    # post and comb may be views of mhc_pre's one gates buffer: rows at any stride, packed within.
+    if post.stride(-1) != 1:
+        post = post.contiguous()
+    if comb.stride(-1) != 1 or comb.stride(-2) != hc:
+        comb = comb.contiguous()
     if t:
         block_t, block = (16, 256) if interpreting() else (4, 128)
-        with triton_launch():
-            _mhc_post_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block))](
-                h.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous(), out, t, d, HC=hc,
-                BLOCK_T=block_t, BLOCK=block)
+        launch(_mhc_post_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block))],
+               h.contiguous(), y.contiguous(), post, comb, out, t, d, post.stride(0), comb.stride(0), HC=hc,
+               BLOCK_T=block_t, BLOCK=block)
     return out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.launches import interpreting, launch
 from v4serve.kernels.moe import SCORE_FUNCS
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -35,8 +35,13 @@ def _route_kernel(logits_ptr, bias_ptr, hashed_ptr, weights_ptr, chosen_ptr, E, 
         scores = z / tl.sum(z, axis=0)
     elif FUNC == 1:  # sigmoid
         scores = tl.sigmoid(logit)
-    else:  # sqrt(softplus), softplus linear above 20 as torch's
-        scores = tl.sqrt(tl.where(logit > 20.0, logit, tl.log(1.0 + tl.exp(logit))))
+    else:  # sqrt(softplus): max(x, 0) + log1p(e^−|x|), linear above 20 as torch's
+        z = tl.exp(-tl.abs(logit))
+        # log(1 + z) loses z's low bits (all of them below fp32's epsilon: very negative logits
+        # would score 0). log(u)·z/(u − 1) with u = 1 + z corrects for the rounding of u.
+        u = 1.0 + z
+        log1p = tl.where(u == 1.0, z, tl.log(u) * z / tl.where(u == 1.0, 1.0, u - 1.0))
+        scores = tl.sqrt(tl.where(logit > 20.0, logit, tl.maximum(logit, 0.0) + log1p))
     scores = tl.where(live, scores, 0.0)
     j = tl.arange(0, BLOCK_K)
     picked = tl.zeros([BLOCK_K], tl.int64)
@@ -69,11 +74,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor 
     chosen = torch.empty(n, topk + num_shared, dtype=torch.long, device=logits.device)
     if n == 0:
         return weights, chosen
-    with triton_launch():
-        _route_kernel[(n,)](logits.contiguous(), bias if bias is not None else logits,
-                            hashed.contiguous() if hashed is not None else chosen, weights, chosen, e, scale,
-                            K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None,
-                            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
+    launch(_route_kernel[(n,)], logits.contiguous(), bias if bias is not None else logits,
+           hashed.contiguous() if hashed is not None else chosen, weights, chosen, e, scale,
+           K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None,
+           BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
     return weights, chosen
 
 
@@ -156,14 +160,12 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: to
     block_m, block_k = 16, 64 if not big else 256
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     xc = x.contiguous()
-    with triton_launch():
-        block_n = min(triton.next_power_of_2(inter), 64 if not big else 256)
-        _up_kernel[(groups, triton.cdiv(inter, block_n))](
-            xc, w1, w3, order, ends, h, d, inter, float(limit), KS=ks, HAS_LIMIT=bool(limit), BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
-    with triton_launch():
-        block_n = min(triton.next_power_of_2(d), 64 if not big else 256)
-        _down_kernel[(groups, triton.cdiv(d, block_n))](
-            h, w2, weights.contiguous().flatten(), order, ends, y, d, inter, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, PRECISION=precision)
+    block_n = min(triton.next_power_of_2(inter), 64 if not big else 256)
+    launch(_up_kernel[(groups, triton.cdiv(inter, block_n))],
+           xc, w1, w3, order, ends, h, d, inter, float(limit), KS=ks, HAS_LIMIT=bool(limit), BLOCK_M=block_m,
+           BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+    block_n = min(triton.next_power_of_2(d), 64 if not big else 256)
+    launch(_down_kernel[(groups, triton.cdiv(d, block_n))],
+           h, w2, weights.contiguous().flatten(), order, ends, y, d, inter, BLOCK_M=block_m, BLOCK_N=block_n,
+           BLOCK_K=block_k, PRECISION=precision)
     return y.view(t, ks, d).sum(dim=1)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.launches import interpreting, triton_launch
+from v4serve.kernels.launches import interpreting, launch
 
 
 @triton.jit
@@ -71,12 +71,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(64 if interpreting() else 16, 4096 // block_d))
     dummy = x
-    with triton_launch():
-        _norm_rope_kernel[(triton.cdiv(n, block_r),)](
-            x, weight if weight is not None else dummy, cos.contiguous() if cos is not None else dummy,
-            sin.contiguous() if sin is not None else dummy, out, n, d, heads, x.stride(0), half, eps,
-            NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, INVERSE=inverse, BLOCK_R=block_r,
-            BLOCK_D=block_d)
+    launch(_norm_rope_kernel[(triton.cdiv(n, block_r),)],
+           x, weight if weight is not None else dummy, cos.contiguous() if cos is not None else dummy,
+           sin.contiguous() if sin is not None else dummy, out, n, d, heads, x.stride(0), half, eps,
+           NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, INVERSE=inverse, BLOCK_R=block_r,
+           BLOCK_D=block_d)
     return out
 
 

@@ -12,7 +12,7 @@ import triton.language as tl
 from v4serve.kernels import paged
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import Record
-from v4serve.kernels.launches import triton_launch
+from v4serve.kernels.launches import launch
 
 
 @triton.jit
@@ -36,6 +36,5 @@ def write_window(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, recor
         return
     if t == 0:
         return
-    with triton_launch():
-        _write_window_kernel[(t,)](kv.contiguous(), ring, batch.row_seq, batch.row_pos, batch.seq_info, d,
-                                   ring.shape[1], BLOCK_D=triton.next_power_of_2(d))
+    launch(_write_window_kernel[(t,)], kv.contiguous(), ring, batch.row_seq, batch.row_pos, batch.seq_info, d,
+           ring.shape[1], BLOCK_D=triton.next_power_of_2(d))

@@ -54,6 +54,8 @@ def test_mhc_pre_and_post_equal_their_twins(triton_kernels, tokens: int, dim: in
     assert torch.allclose(got[2].sum(-1), torch.ones(tokens, hc, device=DEVICE), atol=2e-2)
     y = rand(tokens, dim, gen=gen)
     close(triton_kernels.mhc_post(h, y, post, comb), TWIN.mhc_post(h, y, post, comb))
+    # The pre kernel's gates are views of one buffer (rows hc + hc² apart): read in place.
+    close(triton_kernels.mhc_post(h, y, got[1], got[2]), TWIN.mhc_post(h, y, post, comb))
     # With the sublayer's RMSNorm fused in: x normalised, the gates unchanged.
     weight = rand(dim, gen=gen)
     normed = triton_kernels.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20, weight)

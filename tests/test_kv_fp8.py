@@ -22,6 +22,19 @@ from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import decode, encode
 from v4serve.kernels.registry import load_kernels
 
+try:  # a kernel around the attention kernel's e4m3 decoder (jit functions resolve module globals)
+    import triton
+    import triton.language as tl
+
+    from v4serve.kernels.attention_triton import _e4m3
+
+    @triton.jit
+    def _decode_codes(codes_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, _e4m3(tl.load(codes_ptr + i).to(tl.int32)))
+except ImportError:  # no Triton wheel for this platform: requires_triton skips its tests
+    _decode_codes = None
+
 REAL = KVRecord(head_dim=512, rope_dim=64, rope_dtype="bfloat16", rope_itemsize=2)
 TINY = KVRecord(head_dim=64, rope_dim=16, rope_dtype="float32", rope_itemsize=4)
 
@@ -89,6 +102,15 @@ def test_layout_bytes_match_the_records() -> None:
 
 
 # ---- the Triton attention reads records ------------------------------------------------------------------
+@requires_triton
+def test_the_kernels_e4m3_decoding_is_exact_for_every_code() -> None:
+    codes = torch.tensor([c for c in range(256) if c not in (127, 255)], dtype=torch.uint8)  # not the NaNs
+    padded = torch.cat([codes, torch.zeros(2, dtype=torch.uint8)])
+    out = torch.empty(256)
+    _decode_codes[(1,)](padded, out, N=256)
+    assert torch.equal(out[:254], codes.view(torch.float8_e4m3fn).float())
+
+
 @requires_triton
 @pytest.mark.parametrize("topk", [False, True], ids=["hca", "csa"])
 def test_triton_attention_on_fp8_records_equals_its_twin(topk: bool) -> None:
@@ -194,3 +216,22 @@ def test_daemon_reports_fp8_keys_and_refuses_unknown_dtypes() -> None:
                            "--port", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--kv-cache-dtype must be one of auto, fp8, got 'int4'" in done.stderr
+
+
+def test_store_namespaces_keep_key_dtypes_and_batch_invariance_apart() -> None:
+    """KV written one way is never read another way; the default keeps the namespace stores were
+    written under before FP8 keys existed (so upgrading does not empty anyone's store)."""
+    import hashlib
+    import json
+
+    from v4serve.engine.engine import KV_FORMAT_VERSION, kv_namespace
+
+    model = build_tiny(tiny_config(), seed=0)
+    default = kv_namespace(model, torch.float32, b"w")
+    fp8 = kv_namespace(model, torch.float32, b"w", "fp8")
+    model.use_kernels(load_kernels("torch", batch_invariant=True))
+    invariant = kv_namespace(model, torch.float32, b"w")
+    assert len({default, fp8, invariant}) == 3
+    earlier = hashlib.sha256(json.dumps(model.cfg.to_official_dict(), sort_keys=True).encode() + b"w"
+                             + f"torch.float32|format={KV_FORMAT_VERSION}".encode()).digest()
+    assert default == earlier

@@ -127,3 +127,10 @@ def test_fused_projections_match_the_oracle_without_copying_weights(name):
             assert shared.stack is not None or len(shared.layers) == 1
             for layer in shared.layers if shared.stack is not None else []:
                 assert layer.weight.untyped_storage().data_ptr() == shared.stack.untyped_storage().data_ptr()
+    # Moved after fusing, the weights are new tensors: the next forward stacks them again.
+    moved = fused.double().float()
+    again = SingleSequence(moved, len(ids))
+    assert torch.equal(torch.cat([again.prefill(ids[:split])] + [again.step([t]) for t in ids[split:]]),
+                       torch.cat(parts))
+    shared = moved.layers[0].attn.x_inputs
+    assert shared.layers[0].weight.data_ptr() == shared.stack.data_ptr()

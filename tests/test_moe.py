@@ -81,6 +81,21 @@ def test_route_kernel_equals_its_twin(func: str, tokens: int, experts: int, k: i
 
 
 @requires_triton
+def test_route_kernel_scores_very_negative_logits_like_torch() -> None:
+    """On hash layers the experts are fixed whatever their scores: logits far below zero must
+    still give softplus its tiny positive value, not 0 (every weight would then be 0)."""
+    from v4serve.kernels import moe_triton
+
+    logits = torch.tensor([[-30.0, -25.0, -8.0, -12.0, 3.0, 25.0]], device=DEVICE)
+    hashed = torch.tensor([[0, 1]], device=DEVICE)
+    for given in (hashed, torch.tensor([[2, 3]], device=DEVICE), None):
+        want = moe.route(logits, torch.zeros(6, device=DEVICE), given, "sqrtsoftplus", 2, 1.0, 1)
+        got = moe_triton.route(logits, torch.zeros(6, device=DEVICE), given, "sqrtsoftplus", 2, 1.0, 1)
+        assert torch.equal(got[1], want[1])
+        assert torch.allclose(got[0], want[0], rtol=1e-5, atol=0)
+
+
+@requires_triton
 @pytest.mark.parametrize("limit", [0.0, 0.8])
 @pytest.mark.parametrize(("tokens", "d", "inter", "experts", "k", "shared"),
                          [(1, 64, 32, 6, 2, 1), (40, 72, 40, 5, 2, 1), (7, 96, 300, 12, 3, 2)])
@@ -97,3 +112,24 @@ def test_experts_kernel_equals_its_twin(limit: float, tokens: int, d: int, inter
     want = moe.experts(x, weights, chosen, w1, w2, w3, limit)
     got = moe_triton.experts(x, weights, chosen, w1, w2, w3, limit)
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("shared", [0, 1, 2])
+def test_stacked_experts_keep_the_checkpoint_names_and_round_trip(shared: int) -> None:
+    """The model stacks routed and shared experts; its state dict still has one tensor per
+    checkpoint name (a shared expert S·I wide as one tensor) and loads back exactly."""
+    from v4serve.engine.model.tiny import build_tiny, tiny_config
+
+    cfg = tiny_config(n_shared_experts=shared)
+    state = build_tiny(cfg, seed=1).state_dict()
+    names = {k.split("ffn.", 1)[1] for k in state if k.startswith("layers.0.ffn.") and "gate" not in k}
+    want = {f"experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts) for w in ("w1", "w2", "w3")}
+    want |= {f"shared_experts.{w}.weight" for w in ("w1", "w2", "w3")} if shared else set()
+    assert names == want
+    if shared:
+        inter, dim = cfg.moe_intermediate_size, cfg.hidden_size
+        assert state["layers.0.ffn.shared_experts.w1.weight"].shape == (shared * inter, dim)
+        assert state["layers.0.ffn.shared_experts.w2.weight"].shape == (dim, shared * inter)
+    other = build_tiny(cfg, seed=2)
+    other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), state.values(), strict=True))

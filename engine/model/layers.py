@@ -25,9 +25,10 @@ class RMSNorm(nn.Module):
 
 class SharedInput:
     """Linear layers that read the same input, run as one GEMM over their weights stacked: one
-    launch instead of one per layer. `fuse` stacks them once the model is loaded and on its device
-    (moving the model afterwards would undo it): each layer's weight becomes a row block of the
-    stack, so no memory is added and the state dict is unchanged. Unfused, each layer runs alone."""
+    launch instead of one per layer. `fuse` stacks them once the model is loaded and on its device:
+    each layer's weight becomes a row block of the stack, so no memory is added and the state dict
+    is unchanged. Moving the model afterwards gives the layers their own tensors again; the next
+    call notices and stacks them anew. Unfused, each layer runs alone."""
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         self.layers = layers
@@ -47,6 +48,9 @@ class SharedInput:
     def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                  ) -> dict[nn.Linear, torch.Tensor]:
         """x [T, D] → each layer's output [T, O_i] (column slices of one output when fused)."""
+        if self.stack is not None and self.layers[0].weight.data_ptr() != self.stack.data_ptr():
+            self.stack = None  # the model was moved or reloaded since: stack its weights again
+            self.fuse()
         if self.stack is None:
             return {layer: linear(x, layer.weight) for layer in self.layers}
         parts = linear(x, self.stack).split([layer.weight.shape[0] for layer in self.layers], dim=-1)

@@ -84,8 +84,9 @@ def _checkpoint_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, _me
         stack = state.pop(prefix + w)
         for e in range(moe.num_routed):
             state[f"{prefix}experts.{e}.{w}.weight"] = stack[e]
-        shared = stack[moe.num_routed:]
-        state[f"{prefix}shared_experts.{w}.weight"] = shared[0] if len(shared) == 1 else torch.cat(list(shared), dim)
+        shared = list(stack[moe.num_routed:])
+        if shared:
+            state[f"{prefix}shared_experts.{w}.weight"] = shared[0] if len(shared) == 1 else torch.cat(shared, dim)
 
 
 def _stacked_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
@@ -93,10 +94,11 @@ def _stacked_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, *_: ob
     for w, dim in _CHANNEL_DIM.items():
         names = [f"{prefix}experts.{e}.{w}.weight" for e in range(moe.num_routed)]
         shared_name = f"{prefix}shared_experts.{w}.weight"
-        if shared_name not in state or any(name not in state for name in names):
+        if any(name not in state for name in names) or (moe.num_shared and shared_name not in state):
             continue  # left for load_state_dict to report as missing
         parts = [state.pop(name) for name in names]
-        parts += list(state.pop(shared_name).chunk(moe.num_shared, dim))
+        if moe.num_shared:
+            parts += list(state.pop(shared_name).chunk(moe.num_shared, dim))
         state[prefix + w] = torch.stack(parts)
 
 
