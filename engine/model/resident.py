@@ -1,0 +1,36 @@
+"""Which weights stay in checkpoint precision once loaded (`--weight-dtype checkpoint`).
+
+A weight stays quantized when its layer computes through `kernels.linear` or the experts kernel,
+which read FP8/FP4 codes directly (kernels/quant_linear.py). The rest of a quantized checkpoint is
+dequantized at load to the model dtype: the grouped output projection `wo_a` (a batched einsum;
+DeepSeek's own inference dequantizes it too), the router `ffn.gate.weight` (run in fp32), the
+embedding, the head, norms and mHC parameters. Plain Python, no torch: the capacity plan uses it on
+headers alone.
+"""
+
+from __future__ import annotations
+
+import re
+
+WEIGHT_DTYPES = ("auto", "checkpoint", "bf16", "fp32")
+
+# Official names (`layers.{i}.` stripped) of the linear weights that may stay packed.
+_PACKABLE = re.compile(
+    r"^layers\.\d+\.(?:"
+    r"attn\.(?:wq_a|wq_b|wkv|wo_b)"
+    r"|attn\.(?:indexer\.)?compressor\.(?:wkv|wgate)"
+    r"|attn\.indexer\.(?:wq_b|weights_proj)"
+    r"|ffn\.(?:experts\.\d+|shared_experts)\.w[123]"
+    r")\.weight$"
+)
+
+
+def can_stay_quantized(name: str) -> bool:
+    """True for an official weight name (`layers.3.attn.wq_b.weight`) whose layer computes from
+    packed FP8/FP4 codes."""
+    return _PACKABLE.match(name) is not None
+
+
+def check_weight_dtype(value: str) -> None:
+    if value not in WEIGHT_DTYPES:
+        raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {value!r}")
