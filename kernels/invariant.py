@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from v4serve.kernels import quant_linear
 from v4serve.kernels.attention import RaggedBatch, attend, gather_entries
 from v4serve.kernels.kv_fp8 import Record, loaded
 from v4serve.kernels.paged import read_entries
+from v4serve.kernels.quant_linear import Weight
 
 # The CPU allocator's alignment: a row view at another alignment could take a BLAS code path
 # (peeled loads) that rounds differently, so such rows are copied first.
@@ -52,16 +53,16 @@ def rowwise_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     return torch.cat([fn(_own_row(x, i)) for i in range(x.shape[0])])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, I], weight [O, I] → [T, O]: one batched GEMM (fast; low bits depend on T)."""
-    return F.linear(x, weight)
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [T, I], weight [O, I] (dense or packed) → [T, O]: one batched GEMM (fast; low bits depend on T)."""
+    return quant_linear.linear(x, weight)
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, I], weight [O, I] → [T, O], one identical call per row (batch-invariant)."""
+def linear_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [T, I], weight [O, I] (dense or packed) → [T, O], one identical call per row (batch-invariant)."""
     if x.shape[0] == 0:
-        return x.new_empty(0, weight.shape[0])
-    return torch.cat([F.linear(_own_row(x, i), weight) for i in range(x.shape[0])])
+        return x.new_empty(0, weight.shape[-2])
+    return torch.cat([quant_linear.linear(_own_row(x, i), weight) for i in range(x.shape[0])])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from v4serve.kernels import quant_linear
+
 Elementwise = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
 
 
@@ -56,7 +58,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, rowwise: Elementw
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            w3: torch.Tensor, limit: float, linear: Callable[..., torch.Tensor] = F.linear,
+            w3: torch.Tensor, limit: float, linear: Callable[..., torch.Tensor] = quant_linear.linear,
             rowwise: Elementwise = _batched) -> torch.Tensor:
     """x [T, D], weights/chosen [T, k + S], w1/w3 [E+S, I, D], w2 [E+S, D, I] → Σ_j weight_j · expert_j(x) [T, D].
     Tokens are grouped by expert (one matmul per expert in use); each token's terms are added in

@@ -124,13 +124,16 @@ def test_fused_projections_match_the_oracle_without_copying_weights(name):
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     for block in fused.layers:
         for shared in (block.attn.x_inputs, block.attn.qr_inputs):
-            assert shared.stack is not None or len(shared.layers) == 1
-            for layer in shared.layers if shared.stack is not None else []:
-                assert layer.weight.untyped_storage().data_ptr() == shared.stack.untyped_storage().data_ptr()
+            # Dense weights of one input width form one stack.
+            assert len(shared.stacks) == (len(shared.layers) > 1)
+            for stack in shared.stacks:
+                assert stack.layers == shared.layers
+                for layer in stack.layers:
+                    assert layer.weight.untyped_storage().data_ptr() == stack.weight.untyped_storage().data_ptr()
     # Moved after fusing, the weights are new tensors: the next forward stacks them again.
     moved = fused.double().float()
     again = SingleSequence(moved, len(ids))
     assert torch.equal(torch.cat([again.prefill(ids[:split])] + [again.step([t]) for t in ids[split:]]),
                        torch.cat(parts))
     shared = moved.layers[0].attn.x_inputs
-    assert shared.layers[0].weight.data_ptr() == shared.stack.data_ptr()
+    assert shared.layers[0].weight.data_ptr() == shared.stacks[0].weight.data_ptr()

@@ -21,6 +21,7 @@ from v4serve.engine.model.compressor import Compressor, Indexer
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary, SharedInput
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
+from v4serve.engine.model.packed import weight_of
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
 from v4serve.kernels.kv_fp8 import Record, decode, encode
 from v4serve.kernels.paged import read_entries, write_entries
@@ -89,7 +90,7 @@ class Attention(nn.Module):
         out = k.rope(out, cos, sin, inverse=True, out=q)  # V = K carried RoPE: rotate back; q is dead by now
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
         wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
-        return k.linear(k.grouped_linear(groups, wo_a).flatten(1), self.wo_b.weight)
+        return k.linear(k.grouped_linear(groups, wo_a).flatten(1), weight_of(self.wo_b))
 
     # ---- compressed entries ----------------------------------------------------------------------------
     def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], positions: torch.Tensor,

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from v4serve.engine.model.config import YarnScaling
+from v4serve.engine.model.packed import weight_of
 from v4serve.kernels.norm_rope import rms_norm
+from v4serve.kernels.quant_linear import FP8_BLOCK, QuantizedWeight, Weight
 
 
 class RMSNorm(nn.Module):
@@ -24,36 +26,83 @@ class RMSNorm(nn.Module):
 
 
 class SharedInput:
-    """Linear layers that read the same input, run as one GEMM over their weights stacked: one
+    """Linear layers that read the same input, run as one GEMM per group of weights stacked: one
     launch instead of one per layer. `fuse` stacks them once the model is loaded and on its device:
-    each layer's weight becomes a row block of the stack, so no memory is added and the state dict
-    is unchanged. Moving the model afterwards gives the layers their own tensors again; the next
-    call notices and stacks them anew. Unfused, each layer runs alone."""
+    each layer's weight becomes a row block of its group's stack, so no memory is added and the
+    state dict is unchanged. Dense weights form one group; packed ones (engine/model/packed.py) one
+    per format, FP8 only where every layer but the last ends on a 128-row scale block. Moving the
+    model afterwards gives the layers their own tensors again; the next call notices and stacks them
+    anew. Unfused, each layer runs alone."""
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         self.layers = layers
-        self.stack: torch.Tensor | None = None
+        self.stacks: list[_Stack] | None = None
 
     def fuse(self) -> None:
-        if self.stack is not None or len(self.layers) < 2:
-            return
-        stack = torch.cat([layer.weight.detach() for layer in self.layers])
-        at = 0
-        for layer in self.layers:
-            rows = layer.weight.shape[0]
-            layer.weight = nn.Parameter(stack[at:at + rows], requires_grad=False)
-            at += rows
-        self.stack = stack
+        if self.stacks is None:
+            self.stacks = [_Stack(group) for group in _groups(self.layers) if len(group) > 1]
 
-    def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, Weight], torch.Tensor]
                  ) -> dict[nn.Linear, torch.Tensor]:
-        """x [T, D] → each layer's output [T, O_i] (column slices of one output when fused)."""
-        if self.stack is not None and self.layers[0].weight.data_ptr() != self.stack.data_ptr():
-            self.stack = None  # the model was moved or reloaded since: stack its weights again
+        """x [T, D] → each layer's output [T, O_i] (column slices of one output per stack when fused)."""
+        if self.stacks is not None and any(stack.moved() for stack in self.stacks):
+            self.stacks = None  # the model was moved or reloaded since: stack its weights again
             self.fuse()
-        if self.stack is None:
-            return {layer: linear(x, layer.weight) for layer in self.layers}
-        parts = linear(x, self.stack).split([layer.weight.shape[0] for layer in self.layers], dim=-1)
+        out: dict[nn.Linear, torch.Tensor] = {}
+        for stack in self.stacks or []:
+            out.update(stack(x, linear))
+        for layer in self.layers:
+            if layer not in out:
+                out[layer] = linear(x, weight_of(layer))
+        return out
+
+
+def _groups(layers: list[nn.Linear]) -> list[list[nn.Linear]]:
+    """Layers whose weights can be stacked: same format and input width; an FP8 group keeps at most
+    one layer whose rows do not fill whole scale blocks, placed last."""
+    by_kind: dict[tuple, list[nn.Linear]] = {}
+    for layer in layers:
+        fmt = getattr(layer, "packed_format", None)
+        by_kind.setdefault((fmt, layer.weight.shape[-1], layer.weight.dtype), []).append(layer)
+    groups = []
+    for (fmt, *_), members in by_kind.items():
+        if fmt is None or fmt.fmt != "fp8":
+            groups.append(members)
+            continue
+        whole = [m for m in members if m.weight.shape[0] % FP8_BLOCK == 0]
+        ragged = [m for m in members if m.weight.shape[0] % FP8_BLOCK]
+        groups.append(whole + ragged[:1])
+        groups.extend([m] for m in ragged[1:])
+    return groups
+
+
+class _Stack:
+    """One group's weights concatenated by rows; each layer's tensors become views into it."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self.layers = layers
+        self.rows = [layer.weight.shape[0] for layer in layers]
+        self.weight = torch.cat([layer.weight.detach() for layer in layers])
+        fmt = getattr(layers[0], "packed_format", None)
+        self.scale = None if fmt is None else torch.cat([layer.scale for layer in layers])
+        at = scale_at = 0
+        for layer, rows in zip(layers, self.rows, strict=True):
+            if fmt is None:
+                layer.weight = nn.Parameter(self.weight[at:at + rows], requires_grad=False)
+            else:
+                scale_rows = layer.scale.shape[0]
+                layer._buffers["weight"] = self.weight[at:at + rows]
+                layer._buffers["scale"] = self.scale[scale_at:scale_at + scale_rows]
+                scale_at += scale_rows
+            at += rows
+        self.stacked: Weight = self.weight if fmt is None else QuantizedWeight(self.weight, self.scale, fmt.fmt)
+
+    def moved(self) -> bool:
+        return self.layers[0].weight.data_ptr() != self.weight.data_ptr()
+
+    def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, Weight], torch.Tensor]
+                 ) -> dict[nn.Linear, torch.Tensor]:
+        parts = linear(x, self.stacked).split(self.rows, dim=-1)
         return dict(zip(self.layers, parts, strict=True))
 
 

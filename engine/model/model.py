@@ -20,8 +20,11 @@ from v4serve.engine.model.attention import Attention
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata
+from v4serve.engine.model.packed import weight_of
 from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.moe import swiglu
 from v4serve.kernels.norm_rope import rms_norm
+from v4serve.kernels.quant_linear import QuantizedWeight, Weight
 from v4serve.kernels.registry import Kernels, load_kernels
 
 # ---- mixture of experts ------------------------------------------------------------------------------
@@ -51,27 +54,74 @@ class Gate(nn.Module):
         return self.kernels.route(logits, bias, hashed, self.func, self.topk, self.scale, self.num_shared)
 
 
+class SharedExperts(nn.Module):
+    """The shared expert(s) as their own SwiGLU layers ([S·I, D] wide), when they cannot ride in
+    the routed stack: more than one of them, or a checkpoint precision that differs from the
+    routed experts' (FP8 shared beside FP4 routed, as the official checkpoints)."""
+
+    def __init__(self, dim: int, width: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, width, bias=False)
+        self.w2 = nn.Linear(width, dim, bias=False)
+        self.w3 = nn.Linear(dim, width, bias=False)
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """x [T, D] → [T, D] (weight 1: the shared experts see every token)."""
+        up = swiglu(kernels.linear(x, weight_of(self.w1)), kernels.linear(x, weight_of(self.w3)), self.limit,
+                    kernels.rowwise)
+        return kernels.linear(up, weight_of(self.w2))
+
+
 class MoE(nn.Module):
-    """Routed experts and the shared expert in one stack of weights, [E + S, ...], so one kernel
-    runs them all (kernels/moe.py). A shared expert S·I wide is S experts of width I (its SwiGLU
-    channels are independent and its down projection sums over them). The state dict keeps the
-    checkpoint's names (`experts.{e}.w1.weight`, `shared_experts.w1.weight`, ...)."""
+    """Routed experts (and, when there is exactly one, the shared expert) in one stack of weights,
+    [E (+1), ...], so one kernel runs them all (kernels/moe.py). The state dict keeps the
+    checkpoint's names (`experts.{e}.w1.weight`, `shared_experts.w1.weight`, ...), with `.scale`
+    companions when the experts stay packed (`pack_experts`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.gate = Gate(cfg, hashed=layer < cfg.num_hash_layers)
         self.kernels = load_kernels("torch")
-        self.num_routed, self.num_shared, self.limit = cfg.n_routed_experts, cfg.n_shared_experts, cfg.swiglu_limit
-        n, inter, dim = cfg.n_routed_experts + cfg.n_shared_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_routed, self.limit = cfg.n_routed_experts, cfg.swiglu_limit
+        inter, dim = cfg.moe_intermediate_size, cfg.hidden_size
+        self.stacked_shared = cfg.n_shared_experts == 1
+        self.shared_experts: SharedExperts | None = None
+        if cfg.n_shared_experts > 1:
+            self.shared_experts = SharedExperts(dim, cfg.n_shared_experts * inter, self.limit)
+            self.gate.num_shared = 0
+        n = self.num_routed + int(self.stacked_shared)
+        self.formats: dict[str, str] = {}  # stacked weight → "fp8"/"fp4" once packed
         self.w1 = nn.Parameter(torch.zeros(n, inter, dim))  # gate projections
         self.w2 = nn.Parameter(torch.zeros(n, dim, inter))  # down projections
         self.w3 = nn.Parameter(torch.zeros(n, inter, dim))  # up projections
         self.register_state_dict_post_hook(_checkpoint_names)
         self.register_load_state_dict_pre_hook(_stacked_names)
 
+    def stacked(self, name: str) -> Weight:
+        """`w1`, `w2` or `w3` of every stacked expert: a tensor, or packed codes and scales."""
+        if name in self.formats:
+            return QuantizedWeight(getattr(self, name), getattr(self, f"{name}_scale"), self.formats[name])
+        return getattr(self, name)
+
+    def unstack_shared(self) -> None:
+        """Give the single shared expert its own layers (before loading: its precision differs from
+        the routed experts')."""
+        if not self.stacked_shared:
+            return
+        device = self.w1.device
+        with torch.device(device):
+            self.shared_experts = SharedExperts(self.w1.shape[2], self.w1.shape[1], self.limit)
+        for name in _CHANNEL_DIM:
+            setattr(self, name, nn.Parameter(getattr(self, name)[:self.num_routed].detach().clone()))
+        self.stacked_shared = False
+        self.gate.num_shared = 0
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.gate(x, input_ids)  # [T, k + S]
-        return self.kernels.experts(x, weights, chosen, self.w1, self.w2, self.w3, self.limit)
+        weights, chosen = self.gate(x, input_ids)  # [T, k (+1)]
+        k = self.kernels
+        out = k.experts(x, weights, chosen, self.stacked("w1"), self.stacked("w2"), self.stacked("w3"), self.limit)
+        return out if self.shared_experts is None else out + self.shared_experts(x, k)
 
 
 # Which dim of an expert weight holds its intermediate channels: rows of w1/w3, columns of w2.
@@ -79,27 +129,28 @@ _CHANNEL_DIM = {"w1": 0, "w2": 1, "w3": 0}
 
 
 def _checkpoint_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, _meta: object) -> None:
-    """Stacked weights → one tensor per checkpoint name (views of the stack where they can be)."""
-    for w, dim in _CHANNEL_DIM.items():
-        stack = state.pop(prefix + w)
-        for e in range(moe.num_routed):
-            state[f"{prefix}experts.{e}.{w}.weight"] = stack[e]
-        shared = list(stack[moe.num_routed:])
-        if shared:
-            state[f"{prefix}shared_experts.{w}.weight"] = shared[0] if len(shared) == 1 else torch.cat(shared, dim)
+    """Stacked weights → one tensor per checkpoint name (views of the stack)."""
+    for w in _CHANNEL_DIM:
+        for suffix, key in (("weight", w), ("scale", f"{w}_scale")):
+            stack = state.pop(prefix + key, None)
+            if stack is None:
+                continue
+            for e in range(moe.num_routed):
+                state[f"{prefix}experts.{e}.{w}.{suffix}"] = stack[e]
+            if moe.stacked_shared:
+                state[f"{prefix}shared_experts.{w}.{suffix}"] = stack[moe.num_routed]
 
 
 def _stacked_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
     """Checkpoint names → the stacked weights (the inverse of `_checkpoint_names`)."""
-    for w, dim in _CHANNEL_DIM.items():
-        names = [f"{prefix}experts.{e}.{w}.weight" for e in range(moe.num_routed)]
-        shared_name = f"{prefix}shared_experts.{w}.weight"
-        if any(name not in state for name in names) or (moe.num_shared and shared_name not in state):
-            continue  # left for load_state_dict to report as missing
-        parts = [state.pop(name) for name in names]
-        if moe.num_shared:
-            parts += list(state.pop(shared_name).chunk(moe.num_shared, dim))
-        state[prefix + w] = torch.stack(parts)
+    for w in _CHANNEL_DIM:
+        for suffix, key in (("weight", w), ("scale", f"{w}_scale")):
+            names = [f"{prefix}experts.{e}.{w}.{suffix}" for e in range(moe.num_routed)]
+            if moe.stacked_shared:
+                names.append(f"{prefix}shared_experts.{w}.{suffix}")
+            if any(name not in state for name in names):
+                continue  # left for load_state_dict to report as missing
+            state[prefix + key] = torch.stack([state.pop(name) for name in names])
 
 
 class Block(nn.Module):
