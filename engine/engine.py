@@ -21,6 +21,7 @@ from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.packed import packed_count
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus
 from v4serve.engine.sampler import Sample, Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -89,6 +90,8 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     tags = f"{kv_dtype}|format={KV_FORMAT_VERSION}"
     tags += f"|keys={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     tags += "|batch-invariant" if model.kernels.batch_invariant else ""
+    # Kernels reading packed weights round differently from GEMMs over dequantized ones.
+    tags += "|weights=packed" if packed_count(model) else ""
     h.update(tags.encode())
     return h.digest()
 

@@ -65,16 +65,19 @@ def linear_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     return torch.cat([quant_linear.linear(_own_row(x, i), weight) for i in range(x.shape[0])])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, G, I], weight [G, O, I] → [T, G, O]: group g of every row through weight[g] (wo_a)."""
+def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [T, G, I], weight [G, O, I] (or packed [G·O, I]) → [T, G, O]: group g of every row through
+    weight[g] (wo_a)."""
+    if isinstance(weight, quant_linear.QuantizedWeight):
+        return quant_linear.grouped_quant_linear(x, weight)
     return torch.einsum("tgi,goi->tgo", x, weight)
 
 
-def grouped_linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def grouped_linear_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """`grouped_linear`, one identical call per row (batch-invariant)."""
     if x.shape[0] == 0:
-        return x.new_empty(0, weight.shape[0], weight.shape[1])
-    return torch.cat([torch.einsum("tgi,goi->tgo", _own_row(x, i), weight) for i in range(x.shape[0])])
+        return grouped_linear(x, weight)
+    return torch.cat([grouped_linear(_own_row(x, i), weight) for i in range(x.shape[0])])
 
 
 def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,

@@ -73,7 +73,7 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
     """Scales as fp32: raw e8m0 bytes (uint8) decode to 2^(byte − 127), int32 holds fp32 bits,
     floats are cast."""
     if scale.dtype == torch.uint8:
-        return torch.ldexp(torch.ones((), device=scale.device), scale.to(torch.int32) - 127)
+        return torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.to(torch.int32) - 127)
     if scale.dtype == torch.int32:
         return scale.view(torch.float32)
     return scale.float()
@@ -134,3 +134,14 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
         return quant_linear(x, weight)
     return F.linear(x, weight)
+
+
+def grouped_quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [T, G, K] with w [G·O, K] packed (the grouped output projection `wo_a`): group g of every
+    row through rows [g·O, (g+1)·O) of w → [T, G, O], one group's rows dequantized at a time."""
+    groups = x.shape[1]
+    rows = w.shape[-2] // groups
+    out = x.new_empty(x.shape[0], groups, rows)
+    for g in range(groups):
+        out[:, g] = F.linear(x[:, g], w.dequantize(x.dtype, slice(g * rows, (g + 1) * rows)))
+    return out

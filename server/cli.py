@@ -36,10 +36,11 @@ def make_checkpoint_main(args: argparse.Namespace) -> int:
         print(f"v4serve make-checkpoint: invalid model size: {exc}", file=sys.stderr)
         return 2
     model = build_tiny(cfg, seed=args.seed)
-    folder = write_checkpoint(model, args.dir, max_shard_bytes=args.max_shard_bytes)
+    folder = write_checkpoint(model, args.dir, max_shard_bytes=args.max_shard_bytes, quantize=args.quantize)
     write_byte_tokenizer_files(folder)
     params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {folder} ({params / 1e6:.2f}M parameters, {cfg.num_layers} layers, "
+    stored = f", {args.quantize} weights" if args.quantize else ""
+    print(f"wrote {folder} ({params / 1e6:.2f}M parameters{stored}, {cfg.num_layers} layers, "
           f"block size {cfg.block_size})")
     return 0
 
@@ -54,6 +55,8 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),
     ("--attention-backend", str, "auto (Triton kernels on CUDA, plain torch elsewhere), torch or triton"),
     ("--kv-cache-dtype", str, "auto (keys in the model dtype) or fp8 (e4m3 + per-64 scales, as DeepSeek-V4)"),
+    ("--weight-dtype", str, "auto (= checkpoint), checkpoint (FP8/FP4 weights stay packed), bf16 or fp32 "
+                            "(dequantized at load)"),
     ("--batch-invariant", bool, "a request's logits are bitwise the same alone or in any batch (slower)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
@@ -149,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "--set 'compress_ratios=[0,4,128,4,0]'")
     make.add_argument("--max-shard-bytes", type=int, default=None,
                       help="split the weights into shards of at most this size (with an index)")
+    make.add_argument("--quantize", choices=("fp8", "fp4", "mixed"), default=None,
+                      help="store weights as the official checkpoints do: fp8 (e4m3, a scale per 128x128 block), "
+                           "fp4 (routed experts as e2m1 pairs, a scale per 32) or mixed (FP4 experts, FP8 elsewhere)")
     make.set_defaults(func=make_checkpoint_main)
     return parser
 

@@ -17,6 +17,8 @@ from v4serve.engine.engine import EngineConfig, LLMEngine
 from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.fingerprint import checkpoint_digest
 from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.packed import packed_count, resident_bytes
+from v4serve.engine.model.resident import check_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.kernels.registry import load_kernels, resolve_backend
 from v4serve.server.app import VERSION, build_app
@@ -40,6 +42,7 @@ class ServeConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    weight_dtype: str = "auto"
     batch_invariant: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -67,6 +70,14 @@ class ServeConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        check_weight_dtype(self.weight_dtype)
+        if self.weight_dtype in ("bf16", "fp32"):
+            # Dequantized weights are the model's parameters: they are in the compute dtype.
+            wanted = DTYPES[self.weight_dtype]
+            if self.dtype not in ("auto", *[k for k, v in DTYPES.items() if v == wanted]):
+                raise ValueError(f"--weight-dtype {self.weight_dtype} dequantizes the weights to {self.weight_dtype}, "
+                                 f"which is also the compute dtype; it contradicts --dtype {self.dtype}")
+            return wanted
         if self.dtype == "auto":
             # CPUs without bf16 units run bf16 matmuls far slower than fp32.
             return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -101,7 +112,10 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
         folder = Path(cfg.model)
         if not folder.is_dir():
             raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
-        model, tokenizer = load_model(folder, device=device, dtype=dtype), load_tokenizer(folder)
+        # auto = checkpoint precision: FP8/FP4 weights stay packed (Triton kernels on a GPU, their
+        # torch twins elsewhere); bf16/fp32 dequantize them at load.
+        packed = cfg.weight_dtype in ("auto", "checkpoint")
+        model, tokenizer = load_model(folder, device=device, dtype=dtype, packed=packed), load_tokenizer(folder)
     model.use_kernels(kernels)
     return model, tokenizer
 
@@ -111,7 +125,8 @@ def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool
     kv_cache_dtype = "fp8_e4m3" if econf.kv_cache_dtype == "fp8" else str(econf.kv_dtype).removeprefix("torch.")
     return {"version": VERSION, "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
             "attention_backend": model.kernels.backend, "batch_invariant": model.kernels.batch_invariant,
-            "kv_cache_dtype": kv_cache_dtype}
+            "kv_cache_dtype": kv_cache_dtype,
+            "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch.")}
 
 
 def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer: Tokenizer) -> EngineConfig:
@@ -143,8 +158,8 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     app = build_app(async_engine, tokenizer, server, metrics)
 
     device = next(model.parameters()).device
-    log.info("model %s (%s): %d layers, %.1fM parameters, %s on %s, %s kernels%s", cfg.model_name, cfg.model,
-             model.cfg.num_layers, sum(p.numel() for p in model.parameters()) / 1e6,
+    log.info("model %s (%s): %d layers, %.1f MB of weights (%d in checkpoint precision), %s on %s, %s kernels%s",
+             cfg.model_name, cfg.model, model.cfg.num_layers, resident_bytes(model) / 1e6, packed_count(model),
              str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
              " (batch-invariant)" if model.kernels.batch_invariant else "")
     log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",

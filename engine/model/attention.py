@@ -89,7 +89,9 @@ class Attention(nn.Module):
         k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
         out = k.rope(out, cos, sin, inverse=True, out=q)  # V = K carried RoPE: rotate back; q is dead by now
         groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
-        wo_a = self.wo_a.weight.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)
+        wo_a = weight_of(self.wo_a)
+        if isinstance(wo_a, torch.Tensor):
+            wo_a = wo_a.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)  # [G, O, H·d/G]
         return k.linear(k.grouped_linear(groups, wo_a).flatten(1), weight_of(self.wo_b))
 
     # ---- compressed entries ----------------------------------------------------------------------------

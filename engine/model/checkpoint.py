@@ -1,31 +1,50 @@
-"""Checkpoint folders: write a model's weights and config.json as a real checkpoint, build a model
-from one. (Tokenizer files are the front end's: `v4serve make-checkpoint` adds them.)"""
+"""Checkpoint folders: write a model's weights and config.json as a real checkpoint (optionally
+quantized as the official checkpoints are), build a model from one. (Tokenizer files are the front
+end's: `v4serve make-checkpoint` adds them.)"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.loader import load_checkpoint, read_config_json
+from v4serve.engine.model.loader import packed_formats, read_config_json, stream_checkpoint
 from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.packed import pack_model, resident_bytes
+from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
+
+QUANTIZE_MODES = ("fp8", "fp4", "mixed")
+
+# What the official checkpoints store in FP8 (e4m3, an e8m0 scale per 128×128 block): the attention's
+# projections but the compressors' and the indexer's head weights, and the shared expert. Routed
+# experts are FP4 (e2m1 pairs, an e8m0 scale per 32) in `mixed`, the official layout.
+_FP8_NAMES = re.compile(r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"
+                        r"|\.ffn\.shared_experts\.w[123]\.weight$")
+_ROUTED_NAMES = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 log = logging.getLogger(__name__)
 
 
 def write_checkpoint(model: DeepseekV4, folder: str | Path, max_shard_bytes: int | None = None,
-                     transformers_config: bool = False) -> Path:
-    """config.json + safetensors (official names; sharded with an index past `max_shard_bytes`)."""
+                     transformers_config: bool = False, quantize: str | None = None) -> Path:
+    """config.json + safetensors (official names; sharded with an index past `max_shard_bytes`);
+    `quantize` (fp8, fp4 or mixed) stores weights as `quantize_checkpoint_state` does."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     raw = cfg.to_transformers_dict() if transformers_config else cfg.to_official_dict()
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    if quantize is not None:
+        tensors = quantize_checkpoint_state(tensors, quantize)
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": [128, 128],
+                                      **({"expert_dtype": "fp4"} if quantize != "fp8" else {})}
+    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
@@ -41,6 +60,31 @@ def write_checkpoint(model: DeepseekV4, folder: str | Path, max_shard_bytes: int
     return folder
 
 
+def quantize_checkpoint_state(state: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+    """Weights in the official quantized layout, each with its `.scale` (e8m0): `fp8` puts every
+    weight the official checkpoints store in FP8, routed experts included, in FP8; `fp4` only the
+    routed experts, in FP4; `mixed` both, as the released checkpoints (FP4 experts, FP8 elsewhere)."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        fmt = _quantized_format(name, mode)
+        if fmt is None:
+            out[name] = tensor
+            continue
+        quantize = quantize_fp8_block if fmt == "fp8" else quantize_fp4_packed
+        out[name], out[name.removesuffix(".weight") + ".scale"] = quantize(tensor, scale_dtype=torch.float8_e8m0fnu)
+    return out
+
+
+def _quantized_format(name: str, mode: str) -> str | None:
+    if _ROUTED_NAMES.search(name):
+        return "fp8" if mode == "fp8" else "fp4"
+    if _FP8_NAMES.search(name) and mode != "fp4":
+        return "fp8"
+    return None
+
+
 def _shard(tensors: dict[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -54,17 +98,24 @@ def _shard(tensors: dict[str, torch.Tensor], limit: int | None) -> list[dict[str
     return shards
 
 
-def load_model(folder: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, progress: bool = True) -> DeepseekV4:
-    """Build the model a checkpoint folder describes and load its weights."""
+def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               progress: bool = True, packed: bool = False) -> DeepseekV4:
+    """Build the model a checkpoint folder describes and load its weights, each tensor put on `device`
+    as it is read. `packed`: FP8/FP4 weights whose layers can compute from them stay in checkpoint
+    precision (`--weight-dtype checkpoint`); the rest, and everything when not `packed`, is
+    dequantized to `dtype`."""
     cfg = ModelConfig.from_dict(read_config_json(folder))
+    formats = packed_formats(folder) if packed else {}
     with torch.device("meta"):
-        model = DeepseekV4(cfg)
+        model = DeepseekV4(cfg).to(dtype)  # packed buffers are bytes: the cast leaves them alone
+        pack_model(model, formats)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-    tensors = load_checkpoint(folder, expected, dtype=dtype, progress=progress)
     model = model.to_empty(device=device)
-    model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True)
-    log.info("loaded %s: %d layers, %.1fM parameters", folder, cfg.num_layers,
-             sum(p.numel() for p in model.parameters()) / 1e6)
+    # Views of the model's own storage (stacked experts included): each tensor is copied straight in.
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in stream_checkpoint(folder, expected, dtype=dtype, progress=progress, packed=formats):
+            targets[name].copy_(tensor)
+    log.info("loaded %s: %d layers, %.1f MB resident (%d weights in checkpoint precision)", folder,
+             cfg.num_layers, resident_bytes(model) / 1e6, len(formats))
     return model.eval()
-

@@ -24,7 +24,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from v4serve.engine.model.packed import PackedFormat
 from v4serve.engine.model.quant import (
     FP4_GROUP,
     FP8_BLOCK,
@@ -40,6 +41,7 @@ from v4serve.engine.model.quant import (
     fp4_scale_shape,
     fp8_scale_shape,
 )
+from v4serve.engine.model.resident import can_stay_quantized
 
 log = logging.getLogger(__name__)
 
@@ -457,9 +459,12 @@ class _Handles:
 
 
 def _materialize(
-    unit: _Unit, handles: _Handles, dtype: torch.dtype, int_dtypes: dict[str, torch.dtype]
+    unit: _Unit, handles: _Handles, dtype: torch.dtype, int_dtypes: dict[str, torch.dtype],
+    packed: Mapping[str, PackedFormat],
 ) -> list[tuple[str, torch.Tensor]]:
     tensor = handles.read(unit.weight, unit.expert)
+    if unit.scale is not None and unit.outputs[0][0] in packed:
+        return _packed_outputs(unit, tensor, handles.read(unit.scale, unit.expert), packed)
     if unit.scale is not None:
         scale = handles.read(unit.scale, unit.expert)
         try:
@@ -477,6 +482,49 @@ def _materialize(
         else:
             # A copy, so w1 and w3 do not share storage (which would trip anyone saving them).
             out.append((name, tensor[rows].to(want, copy=True)))
+    return out
+
+
+def _packed_outputs(unit: _Unit, codes: torch.Tensor, scale: torch.Tensor, packed: Mapping[str, PackedFormat]
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Codes and scales as stored (bytes; fp32 scales as int32 bits: see engine/model/packed.py),
+    split by rows where a merged tensor holds two weights."""
+    codes = codes.contiguous().view(torch.uint8)
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scale = scale.view(torch.uint8)
+    elif scale.dtype != torch.uint8:
+        scale = scale.to(torch.float32).view(torch.int32)
+    out = []
+    for name, rows in unit.outputs:
+        if rows is None:
+            out += [(name, codes), (_scale_name(name), scale)]
+            continue
+        block = FP8_BLOCK[0] if packed[name].fmt == "fp8" else 1
+        scale_rows = slice(rows.start // block, -(-rows.stop // block))
+        out += [(name, codes[rows].clone()), (_scale_name(name), scale[scale_rows].clone())]
+    return out
+
+
+def _scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+def packed_formats(path: str | Path) -> dict[str, PackedFormat]:
+    """From the headers alone: the quantized weights that can stay packed when resident
+    (`resident.can_stay_quantized`), by official name. A merged FP8 expert tensor whose halves do not
+    split on a 128-row scale block is left out (it is dequantized at load)."""
+    files, weight_map = _shard_files(Path(path))
+    plan = _plan(_scan(files, weight_map))
+    out: dict[str, PackedFormat] = {}
+    for unit in plan.units:
+        if unit.scale is None:
+            continue
+        scale = "e8m0" if unit.scale.dtype in ("F8_E8M0", "U8") else "fp32"
+        aligned = unit.quant == "fp4" or all(rows is None or rows.start % FP8_BLOCK[0] == 0
+                                             for _, rows in unit.outputs)
+        names = [name for name, _ in unit.outputs]
+        if aligned and unit.weight.dtype != "F8_E5M2" and all(map(can_stay_quantized, names)):
+            out.update(dict.fromkeys(names, PackedFormat(unit.quant, scale)))
     return out
 
 
@@ -535,19 +583,37 @@ def load_checkpoint(
     expected: Mapping[str, tuple[Sequence[int] | torch.Size, torch.dtype]],
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    packed: Mapping[str, PackedFormat] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a safetensors checkpoint (a folder with `model.safetensors`, an index and its shards, or
     any `*.safetensors`; or a single file) as {official name: tensor}, in `expected`'s order.
+    `stream_checkpoint` yields the same tensors one at a time."""
+    loaded = dict(stream_checkpoint(path, expected, dtype, progress, packed))
+    return {name: loaded[name] for name in expected}
+
+
+def stream_checkpoint(
+    path: str | Path,
+    expected: Mapping[str, tuple[Sequence[int] | torch.Size, torch.dtype]],
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    packed: Mapping[str, PackedFormat] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(official name, tensor) for every tensor of `expected`, read one at a time, so the caller can
+    put each on its device before the next is read (no whole-model copy in host memory).
 
     `expected` maps every official name the model needs to (shape, dtype). Floating tensors, FP8 and
     FP4 ones dequantized, come back as `dtype`; tensors whose expected dtype is an integer type
-    (`ffn.gate.tid2eid`) come back as that type. Multi-token-prediction tensors (`mtp.*`) are skipped.
-    Raises CheckpointError naming the offending tensors when the checkpoint does not match.
+    (`ffn.gate.tid2eid`) come back as that type. Weights named in `packed` (see `packed_formats`)
+    come back as stored instead: their codes as bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales
+    as int32 bits). Multi-token-prediction tensors (`mtp.*`) are skipped. Raises CheckpointError
+    naming the offending tensors, before any tensor data is read, when the checkpoint does not match.
     """
     path = Path(path)
+    packed = dict(packed or {})
     files, weight_map = _shard_files(path)
     plan = _plan(_scan(files, weight_map))
-    problems = _check(plan, expected)
+    problems = _check(plan, _as_dequantized(expected, packed))
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
     reporter = _Progress(files, progress)
@@ -557,8 +623,28 @@ def load_checkpoint(
             "v4serve does not load the MTP block yet"
         )
     int_dtypes = {n: spec[1] for n, spec in expected.items() if spec[1] is not None and not spec[1].is_floating_point}
-    loaded = _read_all(plan, files, dtype, int_dtypes, reporter)
-    return {name: loaded[name] for name in expected}
+    for name, tensor in _read_all(plan, files, dtype, int_dtypes, packed, reporter):
+        want = expected.get(name)
+        if want is not None and tuple(tensor.shape) != tuple(want[0]):
+            raise CheckpointError(f"{name}: the model expects {list(want[0])}, the checkpoint gives "
+                                  f"{list(tensor.shape)}")
+        yield name, tensor
+
+
+def _as_dequantized(expected: Mapping[str, tuple[Any, torch.dtype]], packed: Mapping[str, PackedFormat]
+                    ) -> dict[str, tuple[Any, torch.dtype]]:
+    """`expected` as the plan checks it: packed weights by their logical shape, scales left out
+    (the plan pairs every weight with its scale itself)."""
+    out = {}
+    for name, (shape, dtype) in expected.items():
+        if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in packed:
+            continue
+        if name in packed:
+            n, k = shape
+            out[name] = ((n, 2 * k if packed[name].fmt == "fp4" else k), torch.float32)
+        else:
+            out[name] = (shape, dtype)
+    return out
 
 
 def _read_all(
@@ -566,18 +652,17 @@ def _read_all(
     files: Sequence[Path],
     dtype: torch.dtype,
     int_dtypes: dict[str, torch.dtype],
+    packed: Mapping[str, PackedFormat],
     reporter: _Progress,
-) -> dict[str, torch.Tensor]:
+) -> Iterator[tuple[str, torch.Tensor]]:
     by_file: dict[Path, list[_Unit]] = {f: [] for f in files}
     for unit in plan.units:
         by_file[unit.weight.file].append(unit)
     handles = _Handles()
-    loaded: dict[str, torch.Tensor] = {}
     for shard_no, file in enumerate(files, start=1):
         units = by_file[file]
         for count, unit in enumerate(units, start=1):
-            loaded.update(_materialize(unit, handles, dtype, int_dtypes))
+            yield from _materialize(unit, handles, dtype, int_dtypes, packed)
             share = unit.weight.nbytes // (unit.weight.shape[0] if unit.expert is not None else 1)
             reporter.tensor(shard_no, file, count, len(units), share)
         reporter.shard(shard_no, file, len(units))
-    return loaded

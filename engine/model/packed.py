@@ -111,3 +111,9 @@ def resident_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer the model holds (packed codes and scales included)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def packed_count(model: nn.Module) -> int:
+    """How many weights (a stacked expert tensor counting once) are resident packed."""
+    layers = sum(getattr(m, "packed_format", None) is not None for m in model.modules())
+    return layers + sum(len(getattr(m, "formats", {})) for m in model.modules())

@@ -1,10 +1,10 @@
 """Which weights stay in checkpoint precision once loaded (`--weight-dtype checkpoint`).
 
-A weight stays quantized when its layer computes through `kernels.linear` or the experts kernel,
-which read FP8/FP4 codes directly (kernels/quant_linear.py). The rest of a quantized checkpoint is
-dequantized at load to the model dtype: the grouped output projection `wo_a` (a batched einsum;
-DeepSeek's own inference dequantizes it too), the router `ffn.gate.weight` (run in fp32), the
-embedding, the head, norms and mHC parameters. Plain Python, no torch: the capacity plan uses it on
+A weight stays quantized when its layer computes through `kernels.linear`, `kernels.grouped_linear`
+(the grouped output projection `wo_a`) or the experts kernel, which read FP8/FP4 codes directly
+(kernels/quant_linear.py). The rest of a quantized checkpoint is dequantized at load to the model
+dtype: the router `ffn.gate.weight` (run in fp32), the embedding, the head, norms and mHC
+parameters. Plain Python, no torch: the capacity plan uses it on
 headers alone.
 """
 
@@ -17,7 +17,7 @@ WEIGHT_DTYPES = ("auto", "checkpoint", "bf16", "fp32")
 # Official names (`layers.{i}.` stripped) of the linear weights that may stay packed.
 _PACKABLE = re.compile(
     r"^layers\.\d+\.(?:"
-    r"attn\.(?:wq_a|wq_b|wkv|wo_b)"
+    r"attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)"
     r"|attn\.(?:indexer\.)?compressor\.(?:wkv|wgate)"
     r"|attn\.indexer\.(?:wq_b|weights_proj)"
     r"|ffn\.(?:experts\.\d+|shared_experts)\.w[123]"
