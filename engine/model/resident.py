@@ -34,3 +34,14 @@ def can_stay_quantized(name: str) -> bool:
 def check_weight_dtype(value: str) -> None:
     if value not in WEIGHT_DTYPES:
         raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {value!r}")
+
+
+def resolve_weight_dtype(weight_dtype: str, device: str) -> str:
+    """What `--weight-dtype` means on `device` ("cuda", "cpu", or a torch device string such as
+    "cuda:1"): "checkpoint" (quantized weights stay packed), "bf16" or "fp32" (every weight
+    dequantized to that dtype). `auto` keeps checkpoint precision on a GPU, where kernels read the
+    packed codes; on a CPU it dequantizes to fp32 for now, the dtype the CPU computes fast in."""
+    check_weight_dtype(weight_dtype)
+    if weight_dtype != "auto":
+        return weight_dtype
+    return "checkpoint" if str(device).split(":")[0] == "cuda" else "fp32"
