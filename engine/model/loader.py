@@ -612,5 +612,5 @@ def scan_headers(path: str | Path) -> HeaderScan:
         for unit in plan.units
         for name, rows in unit.outputs
     )
-    mtp = [entry for key, entry in stored.items() if official_name(key).startswith("mtp.")]
+    mtp = [entry for key, entry in stored.items() if key.removeprefix("model.").startswith("mtp.")]  # as _plan
     return HeaderScan(tensors, len(mtp), sum(entry.nbytes for entry in mtp))

@@ -54,6 +54,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -213,14 +214,18 @@ class StoredTensor:
 
     def stored_bytes(self, shape: tuple[int, ...] | None = None) -> int:
         """Checkpoint bytes (codes and scales) of this tensor, or of a shard of it of `shape`."""
-        shape = self.shape if shape is None else shape
-        if self.quant is None:
-            return math.prod(shape) * _ITEM_BYTES.get(self.dtype, 1)
-        scale_item = _ITEM_BYTES.get(self.scale_dtype or "", 1)
-        *lead, rows, cols = shape if len(shape) >= 2 else (1, *shape)
-        if self.quant == "fp8":
-            return math.prod(shape) + math.prod(lead) * _ceil(rows, FP8_BLOCK) * _ceil(cols, FP8_BLOCK) * scale_item
-        return math.prod(lead) * rows * (_ceil(cols, 2) + _ceil(cols, FP4_GROUP) * scale_item)
+        return _stored_bytes(self.shape if shape is None else shape, self.dtype, self.scale_dtype)
+
+
+@lru_cache(maxsize=4096)  # a real model has ~70k tensors but only a few dozen (shape, format) pairs
+def _stored_bytes(shape: tuple[int, ...], dtype: str, scale_dtype: str | None) -> int:
+    if scale_dtype is None:
+        return math.prod(shape) * _ITEM_BYTES.get(dtype, 1)
+    scale_item = _ITEM_BYTES.get(scale_dtype, 1)
+    *lead, rows, cols = shape if len(shape) >= 2 else (1, *shape)
+    if dtype in _FP8_DTYPES:
+        return math.prod(shape) + math.prod(lead) * _ceil(rows, FP8_BLOCK) * _ceil(cols, FP8_BLOCK) * scale_item
+    return math.prod(lead) * rows * (_ceil(cols, 2) + _ceil(cols, FP4_GROUP) * scale_item)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -332,6 +337,7 @@ _TP_SPLIT: tuple[tuple[re.Pattern[str], int], ...] = (
     (re.compile(r"^(?:embed|head)\.weight$"), 0),
 )
 _ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
+_INDEX = re.compile(r"\.\d+\.")
 
 
 def weight_kind(name: str) -> str:
@@ -347,8 +353,12 @@ def weight_kind(name: str) -> str:
     return "other"  # router, norms, mHC parameters
 
 
-def _split_axis(name: str) -> int | None:
-    return next((axis for pattern, axis in _TP_SPLIT if pattern.search(name)), None)
+@lru_cache(maxsize=1024)
+def _name_facts(template: str) -> tuple[str, int | None, bool]:
+    """(table line, tensor-parallel split axis or None, may stay packed) of a name whose layer and
+    expert numbers are all 0, so the ~70k tensors of a real model share a few dozen look-ups."""
+    axis = next((axis for pattern, axis in _TP_SPLIT if pattern.search(template)), None)
+    return weight_kind(template), axis, can_stay_quantized(template)
 
 
 @dataclass(frozen=True)
@@ -377,22 +387,19 @@ class _Residency:
     weight_dtype: str  # resolved: checkpoint, bf16 or fp32
     float_itemsize: int  # the model dtype's bytes: what `checkpoint` casts unpacked floats to
 
-    def rank_bytes(self, tensor: StoredTensor) -> int:
+    def rank_bytes(self, tensor: StoredTensor, axis: int | None, packable: bool) -> int:
         """Bytes of `tensor` on the largest rank (rank 0: it gets the ceil of every split)."""
-        expert = _ROUTED_EXPERT.search(tensor.name)
-        if self.ep and expert is not None:
+        expert = _ROUTED_EXPERT.search(tensor.name) if self.ep else None
+        if expert is not None:
             held = int(expert.group(1)) < self.experts_per_rank
-            return self.resident_bytes(tensor, tensor.shape) if held else 0
-        axis = _split_axis(tensor.name)
+            return self.resident_bytes(tensor, tensor.shape, packable) if held else 0
         shape = tensor.shape
         if axis is not None and self.tp > 1:
             shape = (*shape[:axis], _ceil(shape[axis], self.tp), *shape[axis + 1:])
-        return self.resident_bytes(tensor, shape)
+        return self.resident_bytes(tensor, shape, packable)
 
-    def resident_bytes(self, tensor: StoredTensor, shape: tuple[int, ...]) -> int:
-        if tensor.is_int:
-            return tensor.stored_bytes(shape)
-        if tensor.quant and self.weight_dtype == "checkpoint" and can_stay_quantized(tensor.name):
+    def resident_bytes(self, tensor: StoredTensor, shape: tuple[int, ...], packable: bool) -> int:
+        if tensor.is_int or (tensor.quant and packable and self.weight_dtype == "checkpoint"):
             return tensor.stored_bytes(shape)
         return math.prod(shape) * _DEQUANTIZED_ITEMSIZE.get(self.weight_dtype, self.float_itemsize)
 
@@ -400,7 +407,8 @@ class _Residency:
 def weight_bytes_per_rank(tensors: Iterable[StoredTensor], residency: _Residency) -> WeightBytes:
     sums = dict.fromkeys(KINDS, 0)
     for tensor in tensors:
-        sums[weight_kind(tensor.name)] += residency.rank_bytes(tensor)
+        kind, axis, packable = _name_facts(_INDEX.sub(".0.", tensor.name))
+        sums[kind] += residency.rank_bytes(tensor, axis, packable)
     return WeightBytes(**sums)
 
 
