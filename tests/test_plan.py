@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tests.daemon import ROOT
 from v4serve.engine.model import loader
@@ -30,6 +32,7 @@ from v4serve.engine.model.plan import (
     plan_model,
     preset_config,
 )
+from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
 from v4serve.engine.model.resident import resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.server import serve as serve_module
@@ -299,6 +302,15 @@ def write_real_shape_folder(folder: Path, m: dict, config: dict) -> Path:
     return folder
 
 
+def data_bytes(folder: Path) -> int:
+    """Bytes of every data section (file size less the 8-byte length and the JSON header)."""
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            total += file.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
+    return total
+
+
 @pytest.fixture(scope="module")
 def flash_folder(tmp_path_factory) -> Path:
     from v4serve.engine.model.plan import DEEPSEEK_V4_FLASH
@@ -325,6 +337,27 @@ def test_real_shape_folder_plans_as_the_preset(flash_folder, tp, ep):
         folder.pop(key), preset.pop(key)
     assert folder == preset
     assert folder["skipped"]["mtp_tensors"] == 1575
+    assert folder["checkpoint_bytes"] + folder["skipped"]["mtp_bytes"] == data_bytes(flash_folder)
+
+
+def test_checkpoint_bytes_of_a_quantized_tiny_checkpoint(tmp_path):
+    """Partial 128x128 tiles, fp32 FP8 scales, e8m0 FP4 scales: the plan counts the files' bytes."""
+    tensors = {k: v.contiguous() for k, v in build_tiny().state_dict().items()}
+    for name in list(tensors):
+        if name.endswith((".wq_a.weight", ".wq_b.weight", ".wkv.weight", ".wo_a.weight", ".wo_b.weight")) \
+                or ".shared_experts." in name:
+            tensors[name], tensors[name.removesuffix("weight") + "scale"] = quantize_fp8_block(tensors[name])
+        elif ".ffn.experts." in name:
+            tensors[name], tensors[name.removesuffix("weight") + "scale"] = quantize_fp4_packed(
+                tensors[name], scale_dtype=torch.float8_e8m0fnu)
+    folder = tmp_path / "tiny-fp8"
+    write_checkpoint(build_tiny(), folder)
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, folder / "model.safetensors")
+    plan = plan_checkpoint(folder, settings())
+    assert plan.checkpoint_bytes == data_bytes(folder) == sum(t.numel() * t.element_size() for t in tensors.values())
+    dequantized = plan_checkpoint(folder, settings(weight_dtype="bf16")).weights_per_rank
+    assert plan.weights_per_rank.routed_experts < dequantized.routed_experts / 3  # FP4 + scales vs bf16
 
 
 def test_plan_command_table_json_and_exit_codes(flash_folder, capsys):
@@ -380,6 +413,5 @@ def test_serve_exits_with_the_table_in_seconds(flash_folder):
 def test_serve_logs_the_plan_of_a_model_that_fits(tmp_path, caplog):
     folder = write_checkpoint(build_tiny(), tmp_path / "tiny")
     with caplog.at_level(logging.INFO, logger="v4serve"):
-        check_capacity(ServeConfig(model=str(folder)), folder, serve_module.torch.device("cpu"),
-                       serve_module.torch.float32)
+        check_capacity(ServeConfig(model=str(folder)), folder, torch.device("cpu"), torch.float32)
     assert "Capacity plan: tiny" in caplog.text and "Fits: yes" in caplog.text
