@@ -1,6 +1,7 @@
 """Capacity plan: weight and KV bytes per rank and whether a model fits, before any tensor data is
-read. Plain Python (no torch): the inputs are a checkpoint folder's `config.json` and safetensors
-headers, or one of the built-in presets of the published models.
+read. The inputs are a checkpoint folder's `config.json` and safetensors headers (read through the
+loader, imported only then), or one of the built-in presets of the published models, which need
+nothing but plain Python.
 
 **Weights.** Every official tensor the loader would produce is counted once; multi-token-prediction
 tensors (`mtp.*`, `num_nextn_predict_layers`) are not loaded by v4serve and are reported as skipped.
@@ -23,8 +24,8 @@ What a tensor costs once resident depends on `--weight-dtype` (resolved per devi
 w2 columns), the routed experts' intermediate width likewise, and the embedding and head by
 vocabulary rows. Replicated on every rank: `wq_a`, `wkv`, `q_norm`, `kv_norm`, the compressors
 (the indexer's included) with their `ape`, the router (`ffn.gate` weight, bias, `tid2eid`), every
-norm and the mHC (`hc_*`) parameters. `--expert-parallel` gives each rank whole routed experts,
-E/N of them (ceil(E/N) on the largest rank), instead of splitting their width. N must divide the
+norm and the mHC (`hc_*`) parameters. `--expert-parallel` gives each rank E/N whole routed
+experts instead of a 1/N slice of every expert's width. N must divide the
 attention heads, `o_groups`, the index heads, the routed experts' intermediate width and, under
 expert parallelism, the number of routed experts; anything else is refused.
 
@@ -35,7 +36,7 @@ compressor tails) and the whole Block Cache (compressed entries and indexer keys
 (`cache.layout`). One sequence of L tokens needs its State Cache slot plus ceil(L/block) blocks.
 
 **Reserve.** Activations and workspace of one engine step, a stated estimate: the step's
-`max_num_batched_tokens` tokens times the widest per-token activation (the larger of the mHC
+`max_num_batched_tokens` tokens times the widest per-token activation (the largest of the mHC
 residual streams hc_mult x hidden, the query heads x head_dim, the index heads x index_head_dim
 and the chosen experts' top_k x 2 x moe_intermediate gate/up output), in fp32, four such buffers
 live at once (input, output and two temporaries), plus the fp32 logits of `max_num_seqs` sampled
@@ -90,8 +91,8 @@ class PlanError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Presets: the published config.json of each model, verbatim in its official spelling.
 #
-# Checked against the published configs (search of public copies, 2026): V4-Flash as quoted by
-# several independent projects (43 layers, hidden 4096, 64 heads, 256 routed + 1 shared experts of
+# Checked against public copies of the published configs (found with the search tools): V4-Flash
+# as quoted verbatim by several independent projects (43 layers, hidden 4096, 64 heads, 256 routed + 1 shared experts of
 # width 2048, top-6, index top-k 512, 3 hash layers, routed_scaling_factor 1.5, compress_ratios of
 # 44 entries, the last one for the MTP layer); V4-Pro from a dump of its config.json and full header
 # listing (61 layers, hidden 7168, 128 heads, q_lora 1536, o_groups 16, 384 experts of width 3072,
@@ -100,11 +101,66 @@ class PlanError(ValueError):
 # listings: wo_a is FP8 like the other attention projections, tid2eid is I64, attn_sink, ape, the
 # router bias and the hc_* parameters are F32, norms, compressors, weights_proj, embed and head BF16.
 # Totals with the MTP layer: Flash 159.61 GB (published "~160 GB"), Pro 864.70 GB = 805.32 GiB
-# (the dump's 805.32).
+# (the dump's 805.32). A V4-Flash shard listing (one block per shard) agrees too: 3,566,321,192 bytes
+# for a window-only hash layer, 3,568,768,976 for an HCA and 3,590,024,776 for a CSA layer, each the
+# data computed here plus its ~170 KB header.
 
-_COMMON: dict[str, Any] = {
+DEEPSEEK_V4_FLASH: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "expert_dtype": "fp4",
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
     "model_type": "deepseek_v4",
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 43,
+    "num_hash_layers": 3,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
+                     "type": "yarn"},
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "vocab_size": 129280,
+    "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128,
+                        4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 0],
+}
+
+DEEPSEEK_V4_PRO: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
     "attention_bias": False,
     "attention_dropout": 0.0,
     "bos_token_id": 0,
@@ -114,66 +170,44 @@ _COMMON: dict[str, Any] = {
     "hc_sinkhorn_iters": 20,
     "head_dim": 512,
     "hidden_act": "silu",
+    "hidden_size": 7168,
     "index_head_dim": 128,
     "index_n_heads": 64,
+    "index_topk": 1024,
     "initializer_range": 0.02,
     "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": 3072,
+    "n_routed_experts": 384,
     "n_shared_experts": 1,
     "norm_topk_prob": True,
+    "num_attention_heads": 128,
     "num_experts_per_tok": 6,
+    "num_hidden_layers": 61,
     "num_hash_layers": 3,
     "num_key_value_heads": 1,
     "num_nextn_predict_layers": 1,
+    "o_groups": 16,
     "o_lora_rank": 1024,
+    "q_lora_rank": 1536,
     "qk_rope_head_dim": 64,
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128]},
     "rms_norm_eps": 1e-06,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
                      "type": "yarn"},
     "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
     "scoring_func": "sqrtsoftplus",
     "sliding_window": 128,
     "swiglu_limit": 10.0,
     "tie_word_embeddings": False,
     "topk_method": "noaux_tc",
     "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+    "use_cache": True,
     "vocab_size": 129280,
     "compress_rope_theta": 160000,
-}
-
-DEEPSEEK_V4_FLASH: dict[str, Any] = {
-    **_COMMON,
-    "expert_dtype": "fp4",
-    "hidden_size": 4096,
-    "index_topk": 512,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "num_attention_heads": 64,
-    "num_hidden_layers": 43,
-    "o_groups": 8,
-    "q_lora_rank": 1024,
-    "routed_scaling_factor": 1.5,
-    "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128,
-                        4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 0],
-}
-
-DEEPSEEK_V4_PRO: dict[str, Any] = {
-    **_COMMON,
-    "hidden_size": 7168,
-    "index_topk": 1024,
-    "moe_intermediate_size": 3072,
-    "n_routed_experts": 384,
-    "num_attention_heads": 128,
-    "num_hidden_layers": 61,
-    "o_groups": 16,
-    "q_lora_rank": 1536,
-    "routed_scaling_factor": 2.5,
     "compress_ratios": [128, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128,
                         4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128,
                         4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128, 4, 0],
