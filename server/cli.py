@@ -1,4 +1,5 @@
-"""`v4serve` command line: `serve` starts the daemon, `make-checkpoint` writes the tiny model."""
+"""`v4serve` command line: `serve` starts the daemon, `make-checkpoint` writes the tiny model, `plan`
+tells whether a model fits before anything is loaded."""
 
 from __future__ import annotations
 
@@ -133,6 +134,60 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_main(args: argparse.Namespace) -> int:
+    """Exit 0 when the model fits, 1 when it does not, 2 on bad input."""
+    from v4serve.engine.model.plan import GIB, PlanSettings, plan_model
+
+    try:
+        memory = int(args.gpu_memory * GIB) if args.gpu_memory is not None else _local_gpu_memory(args.device)
+        settings = PlanSettings(
+            memory_bytes=memory, tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+            device=args.device, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        plan = plan_model(args.model, settings)
+    except ValueError as exc:  # PlanError, CheckpointError, a bad config.json
+        print(f"v4serve plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
+    return 0 if plan.fits else 1
+
+
+def _local_gpu_memory(device: str) -> int:
+    """Total memory of this machine's first GPU: the default of --gpu-memory."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    raise ValueError("no CUDA device here to measure: give --gpu-memory GiB (per rank; e.g. 80 for an H100, "
+                     "141 for an H200)")
+
+
+def _add_plan_parser(sub: Any) -> None:
+    from v4serve.engine.model.plan import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_UTILIZATION
+
+    plan = sub.add_parser("plan", help="weights and KV per rank, and whether a model fits (headers only)")
+    plan.add_argument("--model", required=True, help="a checkpoint folder, deepseek-v4-flash or deepseek-v4-pro")
+    plan.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over")
+    plan.add_argument("--expert-parallel", action="store_true",
+                      help="give each rank whole routed experts instead of a slice of every expert")
+    plan.add_argument("--gpu-memory", type=float, default=None,
+                      help="GiB of memory per rank (default: this machine's GPU)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
+                      help=f"fraction of it the plan may use (default {DEFAULT_UTILIZATION})")
+    plan.add_argument("--max-model-len", type=int, default=None,
+                      help="tokens of one sequence (default as serve: min(max_position_embeddings, 32768))")
+    plan.add_argument("--kv-cache-dtype", default="auto", help="auto (keys in the model dtype) or fp8")
+    plan.add_argument("--weight-dtype", default="auto", help="auto, checkpoint, bf16 or fp32")
+    plan.add_argument("--device", default="cuda", help="cuda (default) or cpu: what auto dtypes resolve to")
+    plan.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                      help="token budget of one step, for the activation reserve")
+    plan.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                      help="sequences sampled per step, for the logits in the activation reserve")
+    plan.add_argument("--json", action="store_true", help="one JSON object (every figure in bytes) instead of a table")
+    plan.set_defaults(func=plan_main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="v4serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="store weights as the official checkpoints do: fp8 (e4m3, a scale per 128x128 block), "
                            "fp4 (routed experts as e2m1 pairs, a scale per 32) or mixed (FP4 experts, FP8 elsewhere)")
     make.set_defaults(func=make_checkpoint_main)
+    _add_plan_parser(sub)
     return parser
 
 

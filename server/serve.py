@@ -18,7 +18,8 @@ from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.fingerprint import checkpoint_digest
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count, resident_bytes
-from v4serve.engine.model.resident import check_weight_dtype
+from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
+from v4serve.engine.model.resident import check_weight_dtype, resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.kernels.registry import load_kernels, resolve_backend
 from v4serve.server.app import VERSION, build_app
@@ -112,12 +113,50 @@ def load(cfg: ServeConfig) -> tuple[DeepseekV4, Tokenizer]:
         folder = Path(cfg.model)
         if not folder.is_dir():
             raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
+        check_capacity(cfg, folder, device, dtype)  # from headers, before any tensor data is read
         # auto = checkpoint precision: FP8/FP4 weights stay packed (Triton kernels on a GPU, their
         # torch twins elsewhere); bf16/fp32 dequantize them at load.
-        packed = cfg.weight_dtype in ("auto", "checkpoint")
+        packed = resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint"
         model, tokenizer = load_model(folder, device=device, dtype=dtype, packed=packed), load_tokenizer(folder)
     model.use_kernels(kernels)
     return model, tokenizer
+
+
+def check_capacity(cfg: ServeConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """The capacity plan of a checkpoint folder on this device (engine/model/plan.py), logged; a
+    ValueError carrying its table when not even one sequence of --max-model-len fits, so a model too
+    big fails in seconds instead of running out of memory minutes into the load."""
+    memory = device_memory_bytes(device)
+    if memory is None:
+        log.info("capacity plan skipped: cannot tell how much memory %s has free", device)
+        return
+    settings = PlanSettings(
+        memory_bytes=memory, device=device.type, compute_dtype=str(dtype).removeprefix("torch."),
+        # Set by the parallelism and weight-dtype flags where this serve has them; one rank and auto otherwise.
+        tensor_parallel_size=getattr(cfg, "tensor_parallel_size", None) or 1,
+        expert_parallel=bool(getattr(cfg, "expert_parallel", False)),
+        weight_dtype=cfg.weight_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+        max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs)
+    plan = plan_checkpoint(folder, settings)
+    if not plan.fits:
+        raise ValueError(f"{folder} does not fit in the free memory of {device}; nothing was loaded.\n{plan.table()}")
+    log.info("%s", plan.table())
+    if cfg.max_num_seqs > plan.max_concurrent_sequences:
+        log.warning("--max-num-seqs %d: only %d sequences of %d tokens fit beside the weights; lower --max-num-seqs "
+                    "or --max-model-len", cfg.max_num_seqs, plan.max_concurrent_sequences, plan.max_model_len)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for the model: what CUDA reports free on the device, or MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return None
+    kib = next((line.split()[1] for line in lines if line.startswith("MemAvailable:")), None)
+    return int(kib) * 1024 if kib is not None else None
 
 
 def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool]:

@@ -666,3 +666,36 @@ def _read_all(
             share = unit.weight.nbytes // (unit.weight.shape[0] if unit.expert is not None else 1)
             reporter.tensor(shard_no, file, count, len(units), share)
         reporter.shard(shard_no, file, len(units))
+
+
+# ---------------------------------------------------------------------------------------------
+# Headers only (the capacity plan)
+
+
+@dataclass(frozen=True)
+class HeaderScan:
+    """What a checkpoint folder holds, from its safetensors headers alone. `tensors` has one entry
+    per official tensor the loader would produce: (official name, logical shape (FP4 unpacked, one
+    expert of a merged tensor, its w1/w3 half), stored dtype, scale dtype or None)."""
+
+    tensors: tuple[tuple[str, tuple[int, ...], str, str | None], ...]
+    mtp_tensors: int  # multi-token-prediction tensors (scales included), which the loader skips
+    mtp_bytes: int
+
+
+def scan_headers(path: str | Path) -> HeaderScan:
+    """Every tensor of a checkpoint as `load_checkpoint` would read it, without reading tensor data.
+    Raises CheckpointError for what the loader would refuse before reading (unpaired FP8 tensors,
+    duplicates, unreadable headers)."""
+    files, weight_map = _shard_files(Path(path))
+    stored = _scan(files, weight_map)
+    plan = _plan(stored)
+    if plan.problems:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded:\n  " + "\n  ".join(plan.problems))
+    tensors = tuple(
+        (name, unit.output_shape(rows), unit.weight.dtype, unit.scale.dtype if unit.scale else None)
+        for unit in plan.units
+        for name, rows in unit.outputs
+    )
+    mtp = [entry for key, entry in stored.items() if key.removeprefix("model.").startswith("mtp.")]  # as _plan
+    return HeaderScan(tensors, len(mtp), sum(entry.nbytes for entry in mtp))

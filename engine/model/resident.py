@@ -34,3 +34,14 @@ def can_stay_quantized(name: str) -> bool:
 def check_weight_dtype(value: str) -> None:
     if value not in WEIGHT_DTYPES:
         raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {value!r}")
+
+
+def resolve_weight_dtype(weight_dtype: str, device: str) -> str:
+    """What `--weight-dtype` means on `device` ("cuda", "cpu", or a torch device string such as
+    "cuda:1"): "checkpoint" (quantized weights stay packed), "bf16" or "fp32" (every weight
+    dequantized to that dtype). `auto` keeps checkpoint precision everywhere: on a GPU the Triton
+    kernels read the packed codes, on a CPU their torch twins do (slower per token than dequantized
+    weights, but the model takes what its files take; ask for bf16/fp32 to trade memory for speed)."""
+    check_weight_dtype(weight_dtype)
+    del device  # the same answer on every device today; callers pass it so that may change
+    return "checkpoint" if weight_dtype == "auto" else weight_dtype
