@@ -168,10 +168,12 @@ def upcast(x: torch.Tensor) -> bool:
 
 def tiles(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) for a weight of N outputs: never a function of T (batch
-    invariance). The interpreter pays per op, not per element: fewer, larger tiles there. On a GPU,
-    narrower column tiles for narrow weights keep enough programs busy at small T."""
+    invariance). On a GPU, narrower column tiles for narrow weights keep enough programs busy at
+    small T; every row of an MMA tile is reduced alike. The interpreter pays per op, not per
+    element (wide column and K tiles), but its dot is a BLAS call whose micro-kernels can round a
+    row differently by its place in the tile: there each program takes one row."""
     if interpreting():
-        return 16, min(triton.next_power_of_2(n), 128), 128
+        return 1, min(triton.next_power_of_2(n), 128), 128
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < 256:
         block_n //= 2
