@@ -247,3 +247,53 @@ def test_experts_kernel_refuses_mixed_stacks() -> None:
     weights, chosen = torch.ones(2, 1, device=DEVICE), torch.zeros(2, 1, dtype=torch.long, device=DEVICE)
     with pytest.raises(TypeError, match="all be packed"):
         moe_triton.experts(x, weights, chosen, w1, torch.zeros(3, 64, 32, device=DEVICE), w3, 0.0)
+
+
+# ---- the model on packed weights ------------------------------------------------------------------
+def packed_small_model():
+    """A 2-layer small model whose packable weights stay packed as the official checkpoints hold
+    them: FP4 routed experts with e8m0 scales, FP8 elsewhere with fp32 scales (so the shared expert
+    leaves the routed stack)."""
+    from tests.helpers import SMALL
+    from v4serve.engine.model.packed import PackedFormat, pack_model
+    from v4serve.engine.model.resident import can_stay_quantized
+    from v4serve.engine.model.tiny import build_tiny, tiny_config
+
+    cfg = tiny_config(**{**SMALL, "num_layers": 2, "compress_ratios": (0, 4)})
+    state, formats = build_tiny(cfg, seed=11).state_dict(), {}
+    for name in [n for n in state if can_stay_quantized(n)]:
+        fp4 = ".experts." in name
+        formats[name] = PackedFormat("fp4" if fp4 else "fp8", "e8m0" if fp4 else "fp32")
+        codes, scale = (quantize_fp4_packed(state[name], scale_dtype=E8M0) if fp4 else
+                        quantize_fp8_block(state[name], scale_dtype=torch.float32))
+        packed = stored(codes, scale, formats[name].fmt, "resident")
+        state[name], state[name.removesuffix("weight") + "scale"] = packed.codes, packed.scale
+    model = build_tiny(cfg, seed=0)
+    pack_model(model, formats)
+    model.load_state_dict(state)
+    assert all(block.ffn.formats == {"w1": "fp4", "w2": "fp4", "w3": "fp4"} for block in model.layers)
+    assert all(block.attn.wq_b.weight.dtype == torch.uint8 for block in model.layers)
+    return model.to(DEVICE)
+
+
+@requires_triton
+def test_packed_model_on_triton_gives_the_torch_tokens() -> None:
+    """Through the engine, two requests sharing steps: the Triton backend (and its batch-invariant
+    form) on packed weights gives the torch backend's greedy tokens, logits within 1e-5."""
+    from tests.helpers import engine_for, greedy, tokens
+    from v4serve.kernels.registry import load_kernels
+
+    prompts = {"a": tokens(12, 1), "b": tokens(9, 2)}
+
+    def run(kernels):
+        model = packed_small_model()
+        model.use_kernels(kernels)
+        engine = engine_for(model, max_num_batched_tokens=16)
+        out = engine.generate([greedy(rid, p, n=2) for rid, p in prompts.items()])
+        return out, {rid: torch.stack(rows) for rid, rows in engine.logits.items()}
+
+    want, want_logits = run(load_kernels("torch"))
+    for batch_invariant in (False, True):
+        got, got_logits = run(load_kernels("triton", DEVICE, batch_invariant=batch_invariant))
+        assert got == want
+        assert all(rel_err(got_logits[r], want_logits[r]) <= FP32_TOL for r in prompts)
