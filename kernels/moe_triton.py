@@ -249,11 +249,11 @@ def _packed_launches(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
     # BLOCK_K 128 at most: an FP8 K tile must lie inside one 128-wide scale block.
     block_m, block_k = 16, 64 if not big else 128
     common = dict(BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
-    block_n = min(triton.next_power_of_2(inter), 64 if not big else 256)
+    block_n = max(16, min(triton.next_power_of_2(inter), 64 if not big else 256))  # a GPU dot needs N ≥ 16
     launch(_packed_up_kernel[(groups, triton.cdiv(inter, block_n))],
            x, c1, s1, c3, s3, c1.stride(0), s1.stride(0), order, ends, h, d, inter, float(limit), KS=ks,
            HAS_LIMIT=bool(limit), FP4=fp4, E8M0=e8m0, BLOCK_N=block_n, **common)
-    block_n = min(triton.next_power_of_2(d), 64 if not big else 256)
+    block_n = max(16, min(triton.next_power_of_2(d), 64 if not big else 256))
     launch(_packed_down_kernel[(groups, triton.cdiv(d, block_n))],
            h, c2, s2, c2.stride(0), s2.stride(0), weights, order, ends, y, d, inter, FP4=fp4_2, E8M0=e8m0_2,
            BLOCK_N=block_n, **common)

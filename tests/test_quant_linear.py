@@ -137,20 +137,25 @@ def test_triton_linear_reads_strided_rows_and_leading_dims_and_passes_dense_weig
     assert torch.equal(quant_linear_triton.linear(x, dense), torch.nn.functional.linear(x, dense))
 
 
+# The smallest e8m0 scale byte the exactness test uses. Byte 0 is 2^−127, an fp32 subnormal, and
+# scales below 2^−117 make subnormal products: exact on a CPU, but a GPU may flush subnormals to 0.
+LOWEST_SCALE_BYTE = 0 if DEVICE == "cpu" else 20
+
+
 def every_code_weight(fmt: str) -> tuple[QuantizedWeight, torch.Tensor]:
     """A weight holding every finite code (FP8 [512, 16]: each byte but the NaNs 0x7F/0xFF; FP4
-    [256, 64]: each byte, so every pair of nibbles), with e8m0 scales from 2^−127 (byte 0, a
-    subnormal scale) to 2^13, and its dequantization by engine/model/quant.py. K is small: x = I
-    has K rows."""
+    [256, 64]: each byte, so every pair of nibbles), with e8m0 scales from 2^(LOWEST_SCALE_BYTE −
+    127) to 2^13, and its dequantization by engine/model/quant.py. K is small: x = I has K rows."""
     n, k = (512, 16) if fmt == "fp8" else (256, 64)
     index = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :]) % 256
+    low = LOWEST_SCALE_BYTE
     if fmt == "fp8":
         codes = torch.where((index & 0x7F) == 0x7F, 0, index).to(torch.uint8)
-        scale = torch.tensor([[0], [127], [140], [100]], dtype=torch.uint8)
+        scale = torch.tensor([[low], [127], [140], [100]], dtype=torch.uint8)
         dense = dequant_fp8_block(codes.view(torch.float8_e4m3fn), scale)
     else:
         codes = index[:, :k // 2].to(torch.uint8)
-        scale = (torch.arange(n * 2).reshape(n, 2) * 13 % 141).to(torch.uint8)
+        scale = (low + torch.arange(n * 2).reshape(n, 2) * 13 % (141 - low)).to(torch.uint8)
         dense = dequant_fp4_packed(codes, scale)
     return QuantizedWeight(codes.to(DEVICE), scale.to(DEVICE), fmt), dense.to(DEVICE)
 
