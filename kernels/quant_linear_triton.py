@@ -17,7 +17,9 @@ Activations are fp32, bf16 or fp16; products accumulate in fp32; the output has 
 Batch-invariant by construction: the tile sizes depend on the weight's shape and the device kind,
 never on T; a program reduces its K in one fixed order (no split-K), and a row's values never mix
 with another row's, so an output row is bitwise the same whatever T is and wherever the row sits in
-the batch. `linear_invariant` relies on this for `--batch-invariant`.
+the batch (an MMA reduces every row of its tile alike; under the interpreter, whose dot is a BLAS
+call that may not, each program takes one row). `linear_invariant` relies on this for
+`--batch-invariant`.
 
 `packed_dot` is the shared inner loop: the grouped MoE kernels (`moe_triton.py`) call it for packed
 expert stacks.
