@@ -2,7 +2,14 @@
 `bench/gpu_check.sh`.
 
 1. Each Triton kernel against its plain-torch twin on the same inputs (time ratio twin / Triton).
-2. Decode and prefill tokens/s of a 4-layer model with random weights and the real attention
+2. The quantized GEMMs (kernels/quant_linear_triton.py) at V4-Flash's shapes — wq_b 1024→32768,
+   wo_b 8192→4096 and one routed expert's w1 4096→2048, at T = 1, 32 and 512 — FP8 and FP4 (e8m0
+   scales) against a bf16 `F.linear` on the dense weight; and the grouped MoE (256 experts, top-6,
+   hidden 4096, width 2048) on FP4 stacks against the dense grouped kernel in bf16, at T = 32 and
+   512. Ratio = bf16 time / quantized time (above 1: the quantized kernel is faster). GPU times
+   are `triton.testing.do_bench` medians (L2 flushed between calls: weights stream from HBM, as
+   in a real step).
+3. Decode and prefill tokens/s of a 4-layer model with random weights and the real attention
    shapes (64 heads of 512, window 128, ratios 4/128, top-k 512), per backend, at 8K and 64K
    context (prefill: one 8K-token chunk ending there; decode: batch 1 and 32). Earlier context is
    random KV rather than prefilled: a step's cost depends on how much it reads, not on what.
@@ -15,12 +22,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,12 +41,18 @@ from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.kernels.attention import RaggedBatch  # noqa: E402
 from v4serve.kernels.kv_fp8 import encode  # noqa: E402
+from v4serve.kernels.quant_linear import QuantizedWeight  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 
 REAL = dict(hidden_size=4096, num_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024, o_groups=8,
             o_lora_rank=1024, window=128, compress_ratios=(0, 4, 128, 4), index_n_heads=64, index_head_dim=128,
             index_topk=512, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=2048,
             vocab_size=32768, num_layers=4)
+# (name, K inputs, N outputs) of V4-Flash's projections; smoke: the same roles, small.
+GEMMS = [("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("expert w1", 4096, 2048)]
+SMOKE_GEMMS = [("wq_b", 64, 256), ("wo_b", 256, 64), ("expert w1", 128, 64)]
+# (experts, top-k, hidden, width) of V4-Flash's MoE.
+MOE, SMOKE_MOE = (256, 6, 4096, 2048), (8, 2, 64, 32)
 SMOKE = dict(hidden_size=64, num_heads=4, head_dim=32, rope_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=32,
              window=8, compress_ratios=(0, 4, 16, 4), index_n_heads=4, index_head_dim=16, index_topk=6,
              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_layers=4)
@@ -97,6 +112,76 @@ def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeat
     return rows
 
 
+def kernel_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds per call of fn: on a GPU the median of `do_bench` (L2 flushed before each call, so
+    the launch queue runs ahead and the figure is the kernels' own time); elsewhere `timed`."""
+    if device.type != "cuda":
+        return timed(fn, device, repeats)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") / 1e3
+
+
+def random_packed(shape: tuple[int, ...], fmt: str, device: torch.device, gen: torch.Generator) -> QuantizedWeight:
+    """Random codes (FP8 without the NaN codes 0x7F/0xFF) and e8m0 scales near 1 of a weight
+    [..., N, K]: for timing, what the codes hold does not matter, but NaNs could."""
+    *lead, n, k = shape
+    if fmt == "fp8":
+        codes = torch.randint(0, 256, (*lead, n, k), generator=gen, dtype=torch.uint8, device=device)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)
+        scale_shape = (*lead, -(-n // 128), -(-k // 128))
+    else:
+        codes = torch.randint(0, 256, (*lead, n, k // 2), generator=gen, dtype=torch.uint8, device=device)
+        scale_shape = (*lead, n, -(-k // 32))
+    scale = torch.randint(117, 127, scale_shape, generator=gen, dtype=torch.uint8, device=device)
+    return QuantizedWeight(codes, scale, fmt)
+
+
+def quantized_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeats: int
+                      ) -> tuple[list[dict], list[dict]]:
+    """The quantized GEMMs and the grouped FP4 MoE against their dense counterparts (see the
+    module docstring)."""
+    from v4serve.kernels import moe_triton, quant_linear_triton
+
+    gen = torch.Generator(device).manual_seed(1)  # on the device: the expert stacks are GiBs
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(shape[-1]**-0.5)
+
+    gemms = []
+    for name, k, n in SMOKE_GEMMS if smoke else GEMMS:
+        dense = rand(n, k)
+        packed = {fmt: random_packed((n, k), fmt, device, gen) for fmt in ("fp8", "fp4")}
+        for t in (1, 4) if smoke else (1, 32, 512):
+            x = rand(t, k)
+            row = {"weight": name, "k": k, "n": n, "tokens": t,
+                   "dense_s": kernel_time(functools.partial(F.linear, x, dense), device, repeats)}
+            for fmt, w in packed.items():
+                row[f"{fmt}_s"] = kernel_time(functools.partial(quant_linear_triton.linear, x, w), device, repeats)
+                row[f"{fmt}_ratio"] = row["dense_s"] / row[f"{fmt}_s"]
+            gemms.append(row)
+        del dense, packed
+    experts, topk, d, inter = SMOKE_MOE if smoke else MOE
+    shapes = ((experts, inter, d), (experts, d, inter), (experts, inter, d))  # w1, w2, w3
+    stacks = {"dense": [rand(*shape) for shape in shapes],
+              "fp4": [random_packed(shape, "fp4", device, gen) for shape in shapes]}
+    moes = []
+    for t in (4, 16) if smoke else (32, 512):
+        x = rand(t, d)
+        chosen = torch.randn(t, experts, generator=gen, device=device).topk(topk, dim=-1).indices
+        weights = torch.full((t, topk), 1.0 / topk, device=device)
+        row = {"tokens": t, "experts": experts, "topk": topk, "hidden": d, "width": inter}
+        for label, (w1, w2, w3) in stacks.items():
+            run = functools.partial(moe_triton.experts, x, weights, chosen, w1, w2, w3, 0.0)
+            row[f"{label}_s"] = kernel_time(run, device, repeats)
+        row["ratio"] = row["dense_s"] / row["fp4_s"]
+        moes.append(row)
+    del stacks
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the model runs next
+    return gemms, moes
+
+
 def filled_kv(model: DeepseekV4, batch: int, context: int, device: torch.device, dtype: torch.dtype
               ) -> tuple[DeviceKV, list[list[int]]]:
     cfg = model.cfg
@@ -146,11 +231,21 @@ def main() -> None:
                 "triton)", ["kernel", "torch s", "triton s", "ratio"],
                 [[r["kernel"], r["torch_s"], r["triton_s"], r["ratio"]] for r in kernels])
 
+    gemms, moes = quantized_timings(device, args.smoke, dtype, repeats)
+    print_table(f"quantized GEMMs vs {str(dtype).removeprefix('torch.')} F.linear on {device} (ratio = dense / "
+                "quantized)", ["weight", "K→N", "T", "dense s", "fp8 s", "fp4 s", "fp8 ratio", "fp4 ratio"],
+                [[r["weight"], f"{r['k']}→{r['n']}", r["tokens"], r["dense_s"], r["fp8_s"], r["fp4_s"],
+                  r["fp8_ratio"], r["fp4_ratio"]] for r in gemms])
+    print_table("grouped MoE: FP4 stacks vs the dense grouped kernel (ratio = dense / fp4)",
+                ["T", "experts", "top-k", "dense s", "fp4 s", "ratio"],
+                [[r["tokens"], r["experts"], r["topk"], r["dense_s"], r["fp4_s"], r["ratio"]] for r in moes])
+
     cfg = tiny_config(**(SMOKE if args.smoke else REAL))
     model = build_tiny(cfg).to(device=device, dtype=dtype)
     contexts, batches = ([64, 256], [1, 2]) if args.smoke else ([8192, 65536], [1, 32])
     chunk = 32 if args.smoke else 8192
-    results: dict = {"device": str(device), "dtype": str(dtype), "kernels": kernels, "model": []}
+    results: dict = {"device": str(device), "dtype": str(dtype), "kernels": kernels, "quantized_gemm": gemms,
+                     "quantized_moe": moes, "model": []}
     for backend in ("torch", "triton"):
         model.use_kernels(load_kernels(backend, device))
         for context in contexts:

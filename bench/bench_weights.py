@@ -37,6 +37,7 @@ CONFIGS = {
                 n_routed_experts=16, moe_intermediate_size=256, q_lora_rank=128, o_lora_rank=128),
 }
 MODES = {"packed": True, "dequantized": False}
+PROMPT = list(range(3, 3 + 200))
 
 
 def peak_rss_bytes() -> int:
@@ -93,8 +94,7 @@ def main() -> None:
             models = {mode: load_model(folder, packed=packed, progress=False) for mode, packed in MODES.items()}
             for model in models.values():
                 model.use_kernels(load_kernels("torch"))
-            prompt = list(range(3, 3 + 200))
-            times = interleaved({mode: (lambda m=m: decode_seconds(m, prompt, args.decode))
+            times = interleaved({mode: (lambda m=m: decode_seconds(m, PROMPT, args.decode))
                                  for mode, m in models.items()}, args.repeats)
             for mode in MODES:
                 load = loads[mode]

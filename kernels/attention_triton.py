@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.codes_triton import e4m3
 from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.launches import interpreting, launch
 
@@ -37,17 +38,6 @@ def _online_update(q, k, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _e4m3(code):
-    """e4m3 (fn) codes (int32 holding a byte) → fp32, by their bits: every GPU and the interpreter
-    agree (fp8 types need sm_89+). Normals 2^(e−7)·(1 + m/8), subnormals m·2^−9; no NaN is stored."""
-    e = (code >> 3) & 15
-    m = code & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)
-    return tl.where((code & 128) != 0, -magnitude, magnitude)
-
-
-@triton.jit
 def _load_keys(ptr, rope_ptr, rows, dims, mask, D, FP8: tl.constexpr, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE):
     """Keys at storage rows `rows` [N] → [N, BLOCK_D] fp32. FP8 records (kv_fp8.py) are decoded here:
     e4m3 codes times their group's power-of-two scale (both built from bits, exactly as torch
@@ -58,7 +48,7 @@ def _load_keys(ptr, rope_ptr, rows, dims, mask, D, FP8: tl.constexpr, STRIDE, NO
         at = rows[:, None] * STRIDE
         code = tl.load(ptr + at + dims[None, :], mask=mask & nope[None, :], other=0).to(tl.int32)
         exponent = tl.load(ptr + at + NOPE + dims[None, :] // 64, mask=mask & nope[None, :], other=127).to(tl.int32)
-        value = _e4m3(code) * (exponent << 23).to(tl.float32, bitcast=True)  # scale: the float 2^(byte − 127)
+        value = e4m3(code) * (exponent << 23).to(tl.float32, bitcast=True)  # scale: the float 2^(byte − 127)
         rope = tl.load(rope_ptr + rows[:, None] * ROPE_STRIDE + ROPE_OFF + (dims[None, :] - NOPE),
                        mask=mask & (~nope & (dims < D))[None, :], other=0.0)
         return tl.where(nope[None, :], value, rope.to(tl.float32))

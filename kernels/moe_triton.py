@@ -8,6 +8,10 @@ down projection times the pair's weight — one program per (expert, output tile
 expert's pairs in tiles, so every expert's weights are read once per tile of its tokens. Each
 pair's result lands in its own row; a token's terms are then summed in choice order, never with
 atomics, so a token's output does not depend on its batch-mates.
+
+Packed expert stacks (`QuantizedWeight`, FP8 or FP4, as the checkpoints hold them) run the same
+grouped structure through their own pair of kernels, whose inner loop is `quant_linear_triton`'s
+`packed_dot`: each weight tile is decoded from its codes and scales in registers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import triton.language as tl
 
 from v4serve.kernels.launches import interpreting, launch
 from v4serve.kernels.moe import SCORE_FUNCS
+from v4serve.kernels.quant_linear import QuantizedWeight
+from v4serve.kernels.quant_linear_triton import kernel_operands, packed_dot, precision_of, upcast
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -101,6 +107,25 @@ def _pairs_of(order_ptr, m0, end, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _store_swiglu(gate, up, limit, h_ptr, pair, ok, cols, col_ok, INTER, HAS_LIMIT: tl.constexpr):
+    """The up kernels' epilogue: h = silu(clamped gate) · clamped up, into each pair's row."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + pair[:, None] * INTER + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _store_weighted(acc, weights_ptr, y_ptr, pair, ok, cols, col_ok, D):
+    """The down kernels' epilogue: each pair's row times its routing weight."""
+    acc = acc * tl.load(weights_ptr + pair, mask=ok, other=0.0)[:, None]
+    tl.store(y_ptr + pair[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, order_ptr, ends_ptr, h_ptr, D, INTER, limit, KS: tl.constexpr,
                HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PRECISION: tl.constexpr):
@@ -118,12 +143,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, order_ptr, ends_ptr, h_ptr, D, INTER, limi
             w_ok = col_ok[:, None] & k_ok[None, :]
             gate += tl.dot(xk, tl.trans(tl.load(w1_ptr + w_at, mask=w_ok, other=0.0)), input_precision=PRECISION)
             up += tl.dot(xk, tl.trans(tl.load(w3_ptr + w_at, mask=w_ok, other=0.0)), input_precision=PRECISION)
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate * tl.sigmoid(gate) * up
-        tl.store(h_ptr + pair[:, None] * INTER + cols[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=ok[:, None] & col_ok[None, :])
+        _store_swiglu(gate, up, limit, h_ptr, pair, ok, cols, col_ok, INTER, HAS_LIMIT)
 
 
 @triton.jit
@@ -140,32 +160,100 @@ def _down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, ends_ptr, y_ptr, D, INTE
             w = tl.load(w2_ptr + e * D * INTER + cols[:, None] * INTER + k[None, :],
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(hk, tl.trans(w), input_precision=PRECISION)
-        acc = acc * tl.load(weights_ptr + pair, mask=ok, other=0.0)[:, None]
-        tl.store(y_ptr + pair[:, None] * D + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=ok[:, None] & col_ok[None, :])
+        _store_weighted(acc, weights_ptr, y_ptr, pair, ok, cols, col_ok, D)
 
 
-def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            w3: torch.Tensor, limit: float) -> torch.Tensor:
+@triton.jit
+def _packed_up_kernel(x_ptr, w1_codes, w1_scale, w3_codes, w3_scale, codes_stride, scale_stride, order_ptr, ends_ptr,
+                      h_ptr, D, INTER, limit, KS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP4: tl.constexpr,
+                      E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """`_up_kernel` over packed stacks: expert e's codes and scales start e strides in."""
+    e, cols, col_ok, start, end = _expert_tile(ends_ptr, INTER, BLOCK_N)
+    codes_at, scale_at = e * codes_stride, e * scale_stride
+    for m0 in range(start, end, BLOCK_M):
+        pair, ok = _pairs_of(order_ptr, m0, end, BLOCK_M)
+        tok = pair // KS
+        gate = packed_dot(x_ptr, tok, ok, D, w1_codes + codes_at, w1_scale + scale_at, cols, col_ok, D, FP4, E8M0,
+                          BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        up = packed_dot(x_ptr, tok, ok, D, w3_codes + codes_at, w3_scale + scale_at, cols, col_ok, D, FP4, E8M0,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        _store_swiglu(gate, up, limit, h_ptr, pair, ok, cols, col_ok, INTER, HAS_LIMIT)
+
+
+@triton.jit
+def _packed_down_kernel(h_ptr, w2_codes, w2_scale, codes_stride, scale_stride, weights_ptr, order_ptr, ends_ptr, y_ptr,
+                        D, INTER, FP4: tl.constexpr, E8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """`_down_kernel` over a packed stack."""
+    e, cols, col_ok, start, end = _expert_tile(ends_ptr, D, BLOCK_N)
+    codes_at, scale_at = e * codes_stride, e * scale_stride
+    for m0 in range(start, end, BLOCK_M):
+        pair, ok = _pairs_of(order_ptr, m0, end, BLOCK_M)
+        acc = packed_dot(h_ptr, pair, ok, INTER, w2_codes + codes_at, w2_scale + scale_at, cols, col_ok, INTER, FP4,
+                         E8M0, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        _store_weighted(acc, weights_ptr, y_ptr, pair, ok, cols, col_ok, D)
+
+
+Stack = torch.Tensor | QuantizedWeight
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: Stack, w2: Stack, w3: Stack,
+            limit: float) -> torch.Tensor:
+    """Dense stacks or packed ones (`QuantizedWeight` [E+S, I, D] etc., FP8 or FP4: their tiles are
+    decoded in the kernels, never the whole stack); all three alike."""
     t, d = x.shape
-    ks, groups, inter = chosen.shape[1], w1.shape[0], w1.shape[1]
     if t == 0:
         return torch.zeros_like(x)
+    packed = [isinstance(w, QuantizedWeight) for w in (w1, w2, w3)]
+    if any(packed) and not all(packed):
+        raise TypeError("experts: w1, w2 and w3 must all be packed or all be dense")
+    ks, groups, inter = chosen.shape[1], w1.shape[0], w1.shape[1]
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
     ends = torch.cumsum(torch.bincount(flat, minlength=groups), 0)
     rows = torch.empty(t * ks * (inter + d), dtype=x.dtype, device=x.device)  # one allocation for both
     h, y = rows[:t * ks * inter].view(t * ks, inter), rows[t * ks * inter:].view(t * ks, d)
+    run = _packed_launches if all(packed) else _dense_launches
+    run(x.contiguous(), weights.contiguous().flatten(), order, ends, h, y, w1, w2, w3, limit, ks)
+    return y.view(t, ks, d).sum(dim=1)
+
+
+def _dense_launches(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, h: torch.Tensor,
+                    y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
+                    ks: int) -> None:
+    groups, inter, d = w1.shape
     big = interpreting()  # the interpreter pays per op, not per element: fewer, larger tiles
     block_m, block_k = 16, 64 if not big else 256
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    xc = x.contiguous()
+    precision = precision_of(x)
     block_n = min(triton.next_power_of_2(inter), 64 if not big else 256)
     launch(_up_kernel[(groups, triton.cdiv(inter, block_n))],
-           xc, w1, w3, order, ends, h, d, inter, float(limit), KS=ks, HAS_LIMIT=bool(limit), BLOCK_M=block_m,
+           x, w1, w3, order, ends, h, d, inter, float(limit), KS=ks, HAS_LIMIT=bool(limit), BLOCK_M=block_m,
            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
     block_n = min(triton.next_power_of_2(d), 64 if not big else 256)
     launch(_down_kernel[(groups, triton.cdiv(d, block_n))],
-           h, w2, weights.contiguous().flatten(), order, ends, y, d, inter, BLOCK_M=block_m, BLOCK_N=block_n,
+           h, w2, weights, order, ends, y, d, inter, BLOCK_M=block_m, BLOCK_N=block_n,
            BLOCK_K=block_k, PRECISION=precision)
-    return y.view(t, ks, d).sum(dim=1)
+
+
+def _packed_launches(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
+                     h: torch.Tensor, y: torch.Tensor, w1: QuantizedWeight, w2: QuantizedWeight, w3: QuantizedWeight,
+                     limit: float, ks: int) -> None:
+    groups, inter, d = w1.shape
+    c1, s1, fp4, e8m0 = kernel_operands(w1)
+    c3, s3, fp4_3, e8m0_3 = kernel_operands(w3)
+    c2, s2, fp4_2, e8m0_2 = kernel_operands(w2)
+    if (fp4, e8m0, s1.dtype) != (fp4_3, e8m0_3, s3.dtype):
+        raise ValueError("experts: w1 and w3 must be packed alike (one up kernel reads both)")
+    big = interpreting()
+    # BLOCK_K 128 at most: an FP8 K tile must lie inside one 128-wide scale block.
+    block_m, block_k = 16, 64 if not big else 128
+    common = dict(BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
+    block_n = max(16, min(triton.next_power_of_2(inter), 64 if not big else 256))  # a GPU dot needs N ≥ 16
+    launch(_packed_up_kernel[(groups, triton.cdiv(inter, block_n))],
+           x, c1, s1, c3, s3, c1.stride(0), s1.stride(0), order, ends, h, d, inter, float(limit), KS=ks,
+           HAS_LIMIT=bool(limit), FP4=fp4, E8M0=e8m0, BLOCK_N=block_n, **common)
+    block_n = max(16, min(triton.next_power_of_2(d), 64 if not big else 256))
+    launch(_packed_down_kernel[(groups, triton.cdiv(d, block_n))],
+           h, c2, s2, c2.stride(0), s2.stride(0), weights, order, ends, y, d, inter, FP4=fp4_2, E8M0=e8m0_2,
+           BLOCK_N=block_n, **common)

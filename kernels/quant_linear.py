@@ -73,7 +73,8 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
     """Scales as fp32: raw e8m0 bytes (uint8) decode to 2^(byte − 127), int32 holds fp32 bits,
     floats are cast."""
     if scale.dtype == torch.uint8:
-        return torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.to(torch.int32) - 127)
+        exponent = scale.to(torch.int32) - 127
+        return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
     if scale.dtype == torch.int32:
         return scale.view(torch.float32)
     return scale.float()

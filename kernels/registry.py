@@ -70,13 +70,20 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     per-row forms. Decode-step entries are pooled by the same torch code as prefill entries (on
     the Triton backend too): one pooling implementation, whichever path completes an entry. The
     experts run per row through the torch twin on both backends (the grouped Triton GEMM puts a
-    token in a tile beside other tokens); the Triton router is one program per token already."""
+    token in a tile beside other tokens); the Triton router is one program per token already. On
+    the Triton backend, packed weights (dense projections and each expert's) go through the Triton
+    quantized GEMM, batch-invariant by construction, in one launch; dense ones row by row."""
     from v4serve.kernels import compressor, invariant, mhc, moe
 
-    changes: dict[str, Any] = dict(batch_invariant=True, linear=invariant.linear_rows,
+    linear = invariant.linear_rows
+    if kernels.backend == "triton":
+        from v4serve.kernels import quant_linear_triton
+
+        linear = quant_linear_triton.linear_invariant
+    changes: dict[str, Any] = dict(batch_invariant=True, linear=linear,
                                    grouped_linear=invariant.grouped_linear_rows, rowwise=invariant.rowwise_rows,
                                    compress_decodes=compressor.compress_decodes,
-                                   experts=functools.partial(moe.experts, linear=invariant.linear_rows,
+                                   experts=functools.partial(moe.experts, linear=linear,
                                                              rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
         changes.update(sparse_attention=invariant.sparse_attention_rows, index_scores=invariant.index_scores_rows,
@@ -110,9 +117,11 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
         moe_triton,
         norm_rope_triton,
         paged_triton,
+        quant_linear_triton,
     )
 
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
                    compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window,
-                   invariant.linear, invariant.grouped_linear, invariant.rowwise, moe_triton.route, moe_triton.experts)
+                   quant_linear_triton.linear, invariant.grouped_linear, invariant.rowwise, moe_triton.route,
+                   moe_triton.experts)

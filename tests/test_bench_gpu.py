@@ -23,6 +23,11 @@ def test_gpu_bench_runs_at_smoke_sizes() -> None:
     assert set(kernels) == {"sparse_attention (CSA top-k)", "sparse_attention (CSA top-k, FP8 keys)",
                             "sparse_attention (HCA)", "mhc_pre", "rms_norm_rope (queries)"}
     assert all(k["torch_s"] > 0 and k["triton_s"] > 0 for k in kernels.values())
+    gemms = {(g["weight"], g["tokens"]) for g in results["quantized_gemm"]}
+    assert gemms == {(w, t) for w in ("wq_b", "wo_b", "expert w1") for t in (1, 4)}
+    assert all(g[f"{f}_s"] > 0 and g[f"{f}_ratio"] > 0 for g in results["quantized_gemm"] for f in ("fp8", "fp4"))
+    assert [m["tokens"] for m in results["quantized_moe"]] == [4, 16]
+    assert all(m["dense_s"] > 0 and m["fp4_s"] > 0 and m["ratio"] > 0 for m in results["quantized_moe"])
     rows = {(r["backend"], r["context"]): r for r in results["model"]}
     assert set(rows) == {(b, c) for b in ("torch", "triton") for c in (64, 256)}
     for row in rows.values():
