@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from v4serve.kernels import invariant
+from v4serve.kernels import quant_linear as twin
 from v4serve.kernels.codes_triton import e2m1, e4m3, e8m0
 from v4serve.kernels.launches import interpreting, launch
 from v4serve.kernels.quant_linear import FP4_GROUP, FP8_BLOCK, QuantizedWeight, Weight
@@ -201,6 +202,64 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
            x2, codes, scale, out, t, n, k, x2.stride(0), FP4=fp4, E8M0=is_e8m0, BLOCK_M=block_m, BLOCK_N=block_n,
            BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
     return out.view(*lead, n)
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, codes_ptr, scale_ptr, out_ptr, T, G, R, K, x_stride, FP4: tl.constexpr,
+                    E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Group g (program axis 2) of x [T, G, K] through rows [g·R, (g+1)·R) of the packed weight."""
+    g = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < T, cols < R
+    if FP4:
+        codes_at, scale_at = codes_ptr + g * R * (K // 2), scale_ptr + g * R * tl.cdiv(K, 32)
+    else:  # R is a whole number of 128-row scale blocks (checked by the wrapper)
+        codes_at, scale_at = codes_ptr + g * R * K, scale_ptr + g * (R // 128) * tl.cdiv(K, 128)
+    acc = packed_dot(x_ptr + g * K, rows, row_ok, x_stride, codes_at, scale_at, cols, col_ok, K, FP4, E8M0,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+    tl.store(out_ptr + rows[:, None] * (G * R) + g * R + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [T, G, K] with w [G·O, K] packed (the grouped output projection `wo_a`) → [T, G, O]: every
+    group in one launch. FP8 groups that split a 128-row scale block go through the twin."""
+    t, groups, k = x.shape
+    rows = w.shape[-2] // groups
+    if not _groups_fit(w, groups):
+        return twin.grouped_quant_linear(x, w)
+    xc = x if x.stride(-1) == 1 and x.stride(1) == k else x.contiguous()
+    out = torch.empty(t, groups, rows, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    codes, scale, fp4, is_e8m0 = kernel_operands(w)
+    block_m, block_n, block_k = tiles(rows)
+    launch(_grouped_kernel[(triton.cdiv(t, block_m), triton.cdiv(rows, block_n), groups)],
+           xc, codes, scale, out, t, groups, rows, k, xc.stride(0), FP4=fp4, E8M0=is_e8m0, BLOCK_M=block_m,
+           BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
+    return out
+
+
+def _groups_fit(w: QuantizedWeight, groups: int) -> bool:
+    """Whether each group's rows start on a scale row (always for FP4's per-row scales)."""
+    return w.fmt == "fp4" or (w.shape[-2] // groups) % FP8_BLOCK == 0
+
+
+def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [T, G, I] with weight [G, O, I] dense (one einsum) or [G·O, I] packed (one launch) → [T, G, O]."""
+    if isinstance(weight, QuantizedWeight):
+        return grouped_quant_linear(x, weight)
+    return invariant.grouped_linear(x, weight)
+
+
+def grouped_linear_invariant(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """`grouped_linear` for --batch-invariant: packed weights in the (batch-invariant) kernel, dense
+    ones row by row."""
+    if isinstance(weight, QuantizedWeight) and _groups_fit(weight, x.shape[1]):
+        return grouped_quant_linear(x, weight)
+    return invariant.grouped_linear_rows(x, weight)
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:

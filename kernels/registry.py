@@ -75,13 +75,14 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     quantized GEMM, batch-invariant by construction, in one launch; dense ones row by row."""
     from v4serve.kernels import compressor, invariant, mhc, moe
 
-    linear = invariant.linear_rows
+    linear, grouped_linear = invariant.linear_rows, invariant.grouped_linear_rows
     if kernels.backend == "triton":
         from v4serve.kernels import quant_linear_triton
 
         linear = quant_linear_triton.linear_invariant
+        grouped_linear = quant_linear_triton.grouped_linear_invariant
     changes: dict[str, Any] = dict(batch_invariant=True, linear=linear,
-                                   grouped_linear=invariant.grouped_linear_rows, rowwise=invariant.rowwise_rows,
+                                   grouped_linear=grouped_linear, rowwise=invariant.rowwise_rows,
                                    compress_decodes=compressor.compress_decodes,
                                    experts=functools.partial(moe.experts, linear=linear,
                                                              rowwise=invariant.rowwise_rows))
@@ -123,5 +124,5 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
                    compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window,
-                   quant_linear_triton.linear, invariant.grouped_linear, invariant.rowwise, moe_triton.route,
+                   quant_linear_triton.linear, quant_linear_triton.grouped_linear, invariant.rowwise, moe_triton.route,
                    moe_triton.experts)

@@ -302,3 +302,39 @@ def test_packed_model_on_triton_gives_the_torch_tokens() -> None:
         got, got_logits = run(load_kernels("triton", DEVICE, batch_invariant=batch_invariant))
         assert got == want
         assert all(rel_err(got_logits[r], want_logits[r]) <= FP32_TOL for r in prompts)
+
+
+# ---- the grouped output projection (wo_a) -----------------------------------------------------------
+# (groups, rows per group O, K): FP8 groups of whole 128-row scale blocks (a partial K block), FP8
+# groups that split a block (the twin), FP4 groups with a partial 32-group.
+GROUPED = [("fp8", 4, 128, 200), ("fp8", 2, 64, 128), ("fp4", 3, 40, 70)]
+
+
+@pytest.mark.parametrize(("fmt", "groups", "rows", "k"), GROUPED)
+def test_grouped_twin_equals_dequantize_then_einsum(fmt: str, groups: int, rows: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(groups * rows + k)
+    w, dense = quantized(groups * rows, k, fmt, E8M0, "resident", gen)
+    x = torch.randn(9, groups, k, generator=gen).to(DEVICE)
+    want = torch.einsum("tgi,goi->tgo", x, dense.view(groups, rows, k))
+    got = invariant.grouped_linear(x, w)
+    assert got.shape == (9, groups, rows) and rel_err(got, want) <= FP32_TOL
+    # Per-row (--batch-invariant) form: the same values.
+    assert rel_err(invariant.grouped_linear_rows(x, w), want) <= FP32_TOL
+
+
+@requires_triton
+@pytest.mark.parametrize(("fmt", "groups", "rows", "k"), GROUPED)
+def test_triton_grouped_linear_equals_its_twin_and_is_batch_invariant(fmt: str, groups: int, rows: int,
+                                                                       k: int) -> None:
+    from v4serve.kernels import quant_linear_triton
+
+    gen = torch.Generator().manual_seed(groups * rows + k + 1)
+    w, _ = quantized(groups * rows, k, fmt, torch.float32, "resident", gen)
+    x = torch.randn(6, groups, k, generator=gen).to(DEVICE)
+    got = quant_linear_triton.grouped_linear(x, w)
+    assert rel_err(got, quant_linear.grouped_quant_linear(x, w)) <= FP32_TOL
+    # --batch-invariant: a row alone equals, bitwise, the row in the batch (groups that split an FP8
+    # scale block run per row through the twin).
+    batched = quant_linear_triton.grouped_linear_invariant(x, w)
+    alone = quant_linear_triton.grouped_linear_invariant(x[4:5].clone(), w)
+    assert torch.equal(alone[0], batched[4])
