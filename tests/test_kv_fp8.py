@@ -22,18 +22,20 @@ from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import decode, encode
 from v4serve.kernels.registry import load_kernels
 
-try:  # a kernel around the attention kernel's e4m3 decoder (jit functions resolve module globals)
+try:  # only Triton itself may be missing: a moved or renamed decoder must fail loudly
     import triton
     import triton.language as tl
+except ImportError:  # no Triton wheel for this platform: requires_triton skips its tests
+    triton = None
 
-    from v4serve.kernels.attention_triton import _e4m3
+_decode_codes = None
+if triton is not None:  # a kernel around the attention kernel's e4m3 decoder (jit resolves module globals)
+    from v4serve.kernels.attention_triton import e4m3
 
     @triton.jit
     def _decode_codes(codes_ptr, out_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(out_ptr + i, _e4m3(tl.load(codes_ptr + i).to(tl.int32)))
-except ImportError:  # no Triton wheel for this platform: requires_triton skips its tests
-    _decode_codes = None
+        tl.store(out_ptr + i, e4m3(tl.load(codes_ptr + i).to(tl.int32)))
 
 REAL = KVRecord(head_dim=512, rope_dim=64, rope_dtype="bfloat16", rope_itemsize=2)
 TINY = KVRecord(head_dim=64, rope_dim=16, rope_dtype="float32", rope_itemsize=4)
