@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
+from v4serve.engine.model.config import ModelConfig  # noqa: E402
+from v4serve.engine.model.loader import read_config_json  # noqa: E402
+from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.packed import resident_bytes  # noqa: E402
 from v4serve.engine.model.single import SingleSequence  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
@@ -41,7 +44,16 @@ PROMPT = list(range(3, 3 + 200))
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """The process's RSS high-water mark since the last `reset_peak_rss` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def reset_peak_rss() -> None:
+    """Restart the high-water mark at the current RSS (Linux: writing 5 to clear_refs), so the
+    import-time peak does not hide the load's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def current_rss_bytes() -> int:
@@ -51,8 +63,12 @@ def current_rss_bytes() -> int:
 
 def child(folder: str, mode: str) -> None:
     """Runs in its own process: load once, print the figures as JSON."""
-    # Importing torch peaks above its steady state: the baseline is what the process holds now.
+    # Building the model imports the kernel modules (Triton among them): done once on the meta
+    # device first, so the baseline holds the code and the growth is the load's own.
+    with torch.device("meta"):
+        DeepseekV4(ModelConfig.from_dict(read_config_json(folder)))
     baseline = current_rss_bytes()
+    reset_peak_rss()
     t0 = time.perf_counter()
     model = load_model(folder, packed=MODES[mode], progress=False)
     elapsed = time.perf_counter() - t0
