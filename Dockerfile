@@ -1,16 +1,70 @@
-# v4serve daemon image. CPU wheel by default; for GPU nodes build with e.g.
-#   docker build --build-arg TORCH_SPEC="torch==2.13.0 --index-url <CUDA wheel index>" -t v4serve .
-FROM python:3.11-slim
+# v4serve daemon image, two targets:
+#   docker build -t v4serve:gpu .                  GPU nodes (the default, last stage): CUDA runtime,
+#                                                  a CUDA build of torch and Triton
+#   docker build --target cpu -t v4serve:cpu .     laptops and CI: CPU torch
+# Run: docker run --gpus all -p 8000:8000 -v /data/DeepSeek-V4-Flash:/models:ro \
+#        -v /data/v4serve-cache:/var/cache/v4serve v4serve:gpu --model /models
+# Arguments after the image name are `v4serve serve` flags.
 
-ARG TORCH_SPEC="torch==2.13.0"
-WORKDIR /opt/v4serve
+# ---- the package as a wheel (no torch needed to build it) ----------------------------------------
+FROM python:3.11-slim AS wheel
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server server
 COPY engine engine
 COPY cache cache
 COPY kernels kernels
-RUN pip install --no-cache-dir ${TORCH_SPEC} && pip install --no-cache-dir .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
+# ---- CPU target -----------------------------------------------------------------------------------
+FROM python:3.11-slim AS cpu
+ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir ${TORCH_SPEC} \
+    && pip install --no-cache-dir /wheels/*.whl \
+    && rm -rf /wheels \
+    && useradd --system --uid 10001 --create-home --home-dir /home/v4serve v4serve \
+    && mkdir -p /models /var/cache/v4serve && chown v4serve:v4serve /var/cache/v4serve
+ENV V4SERVE_KV_STORE_DIR=/var/cache/v4serve \
+    V4SERVE_SHUTDOWN_TIMEOUT=30 \
+    PYTHONUNBUFFERED=1
+VOLUME ["/models", "/var/cache/v4serve"]
+USER v4serve
+WORKDIR /home/v4serve
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=5s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"
-ENTRYPOINT ["v4serve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# Loading a large checkpoint takes minutes: failures during the start period do not count.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+# SIGTERM starts the graceful shutdown: running requests get V4SERVE_SHUTDOWN_TIMEOUT seconds, so
+# give `docker stop` (and compose's stop_grace_period) more than that: 45 s.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["v4serve", "serve"]
+
+# ---- GPU target (default) -------------------------------------------------------------------------
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS gpu
+ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+ARG TRITON_SPEC="triton==3.9.0"
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY --from=wheel /wheels /wheels
+# Triton compiles its kernels at first use with the C compiler and Python headers installed above.
+RUN pip install --no-cache-dir ${TORCH_SPEC} ${TRITON_SPEC} \
+    && pip install --no-cache-dir /wheels/*.whl \
+    && rm -rf /wheels \
+    && useradd --system --uid 10001 --create-home --home-dir /home/v4serve v4serve \
+    && mkdir -p /models /var/cache/v4serve && chown v4serve:v4serve /var/cache/v4serve
+ENV V4SERVE_KV_STORE_DIR=/var/cache/v4serve \
+    V4SERVE_SHUTDOWN_TIMEOUT=30 \
+    PYTHONUNBUFFERED=1 \
+    TRITON_CACHE_DIR=/var/cache/v4serve/triton
+VOLUME ["/models", "/var/cache/v4serve"]
+USER v4serve
+WORKDIR /home/v4serve
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["v4serve", "serve"]

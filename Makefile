@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench clean prometheus
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,13 +19,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# tests/test_prometheus.py runs a real Prometheus: Debian's package, installed when missing and
+# installable (apt-get as root); otherwise that test skips, naming why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's prometheus package for tests/test_prometheus.py"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+	    || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	         --no-install-recommends prometheus >/dev/null 2>&1; } \
+	    || echo "could not install prometheus: tests/test_prometheus.py will skip"; \
+	  else echo "prometheus is not installed and apt-get cannot run as root here: tests/test_prometheus.py will skip"; fi; }
+
 serve: $(STAMP)
 	$(VENV)/bin/v4serve serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint
+test: $(STAMP) lint prometheus
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
@@ -38,6 +50,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_conversations.py
 	$(PY) bench/bench_launches.py
 	$(PY) bench/bench_kv_fp8.py
+	$(PY) bench/bench_weights.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

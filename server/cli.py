@@ -188,6 +188,28 @@ def _add_plan_parser(sub: Any) -> None:
     plan.set_defaults(func=plan_main)
 
 
+def config_reference() -> str:
+    """The flags of `v4serve serve` as a Markdown table (README's configuration reference is this,
+    and a test keeps the two equal): flag, environment variable, default, meaning."""
+    from dataclasses import fields
+
+    from v4serve.server.serve import ServeConfig
+
+    defaults = {f.name: f.default for f in fields(ServeConfig)}
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for flag, kind, doc in SERVE_FLAGS:
+        name = flag[2:].replace("-", "_")
+        default = defaults.get(name)
+        shown = "off" if kind is bool and not default else "none" if default is None else f"`{default}`"
+        rows.append(f"| `{flag}` | `V4SERVE_{name.upper()}` | {shown} | {doc.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def config_reference_main(_args: argparse.Namespace) -> int:
+    print(config_reference(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="v4serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             serve.add_argument(flag, type=kind, help=doc)
     serve.set_defaults(func=serve_main)
+    reference = sub.add_parser("config-reference", help="print the serve flags as a Markdown table (README's)")
+    reference.set_defaults(func=config_reference_main)
     make = sub.add_parser("make-checkpoint", help="write the embedded tiny model as a checkpoint folder")
     make.add_argument("dir", help="output folder")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0, the served tiny model)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -90,10 +90,13 @@ def _histogram(metric: str, doc: str, labels: list[str], h: HistogramSnapshot) -
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(model_name, stats))
         r, label = self.registry, ["model_name"]
+        # The store's size bound (0 when off), so a dashboard or alert can show usage as a fraction.
+        Gauge("v4serve_kv_store_capacity_bytes", "Size bound of the SSD prefix store (--kv-store-max-bytes; 0: off)",
+              label, registry=r).labels(model_name=model_name).set(store_capacity_bytes)
         self.label = {"model_name": model_name}
         self.prompt_tokens = Counter("v4serve_prompt_tokens", "Prompt tokens of finished requests", label, registry=r)
         self.generation_tokens = Counter("v4serve_generation_tokens", "Generated tokens", label, registry=r)

@@ -48,9 +48,11 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Daemon:
-    """A healthy daemon (the tiny model unless args say otherwise); the caller stops it."""
-    port = free_port()
+def start_daemon(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+                 port: int | None = None) -> Daemon:
+    """A healthy daemon (the tiny model unless args say otherwise) on `port` (default: a free one);
+    the caller stops it."""
+    port = port or free_port()
     if "--kv-store-dir" not in args and "--no-kv-store" not in args:
         args = (*args, "--no-kv-store")  # tests never write to the user's cache folder
     cmd = [sys.executable, "-m", "v4serve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
