@@ -89,10 +89,27 @@ def _histogram(metric: str, doc: str, labels: list[str], h: HistogramSnapshot) -
     return family
 
 
+class HealthCollector:
+    """`v4serve_engine_healthy`: 1 while the engine takes requests, 0 once it has stopped or is
+    shutting down (what /health answers), read at scrape time. A dead engine leaves /metrics
+    answering, so `up` alone would not tell."""
+
+    def __init__(self, model_name: str, healthy: Callable[[], bool]) -> None:
+        self.model_name, self.healthy = model_name, healthy
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("v4serve_engine_healthy", "1 while the engine takes requests (/health 200), else 0",
+                                   labels=["model_name"])
+        family.add_metric([self.model_name], 1.0 if self.healthy() else 0.0)
+        yield family
+
+
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0,
+                 healthy: Callable[[], bool] = lambda: True) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(model_name, stats))
+        self.registry.register(HealthCollector(model_name, healthy))
         r, label = self.registry, ["model_name"]
         # The store's size bound (0 when off), so a dashboard or alert can show usage as a fraction.
         Gauge("v4serve_kv_store_capacity_bytes", "Size bound of the SSD prefix store (--kv-store-max-bytes; 0: off)",

@@ -191,7 +191,8 @@ def build(cfg: ServeConfig):  # -> (FastAPI, AsyncEngine)
     engine = LLMEngine(model, econf, eos_token_id=tokenizer.eos_token_id)
     async_engine = AsyncEngine(engine)
     metrics = Metrics(cfg.model_name, lambda: async_engine.stats,
-                      store_capacity_bytes=econf.kv_store_max_bytes if econf.kv_store_dir else 0)
+                      store_capacity_bytes=econf.kv_store_max_bytes if econf.kv_store_dir else 0,
+                      healthy=lambda: async_engine.unavailable_reason() is None)
     server = ServerConfig(cfg.model_name, econf.max_model_len, api_key=cfg.api_key,
                           protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
                           version_info=version_info(model, econf))

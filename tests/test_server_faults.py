@@ -51,17 +51,24 @@ def test_one_failed_forward_fails_its_step_and_the_engine_serves_on():
 def test_a_forward_that_keeps_failing_marks_the_engine_dead():
     with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=2)) as (url, engine):
         inject_forward_faults(engine, lambda n: n > 3)
+        assert healthy_gauge(url) == 1
         for _ in range(3):  # each request's step fails; the third failure in a row is fatal
             lines = stream_lines(url, {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True})
             assert lines[-1] == "data: [DONE]"
             assert "injected device fault" in json.loads(lines[-2][6:])["error"]["message"]
         health = httpx.get(url + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert healthy_gauge(url) == 0  # /metrics still answers: the gauge is what alerts on it
         assert "3 times in a row" in health.json()["error"]["message"]
         after = httpx.post(url + "/v1/completions", json={"prompt": [70], "max_tokens": 2}, timeout=5)
         assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
         reset = httpx.post(url + "/reset_prefix_cache", timeout=5)  # never hangs on a dead loop
         assert reset.status_code == 503 and reset.json()["error"]["code"] == "engine_dead"
+
+
+def healthy_gauge(url: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=5).text.splitlines()
+    return float(next(line for line in lines if line.startswith("v4serve_engine_healthy{")).rsplit(" ", 1)[1])
 
 
 def wait_for_gauge(url: str, name: str, value: float, timeout: float = 30.0) -> None:
