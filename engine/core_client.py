@@ -183,10 +183,11 @@ class EngineCoreClient:
 
     def submit(self, requests: list[Request], on_output: Sink) -> None:
         self.check(requests)
+        frame = self._send_channel.encode(Submit([WireRequest.of(r) for r in requests]))
         for i, r in enumerate(requests):
             self._open[r.request_id] = (on_output, i)
         try:
-            self._send(Submit([WireRequest.of(r) for r in requests]))
+            self._send_frame(frame)
         except EngineDead:
             for r in requests:
                 self._open.pop(r.request_id, None)
@@ -243,10 +244,13 @@ class EngineCoreClient:
 
     # ---- sending (event loop) ----------------------------------------------------------------------------
     def _send(self, message: Any) -> None:
+        self._send_frame(self._send_channel.encode(message))
+
+    def _send_frame(self, frame: bytes) -> None:
         if self._dead is not None:
             raise EngineDead(self._dead)
         try:
-            self._to_core.send(self._send_channel.encode(message), zmq.NOBLOCK, copy=False)
+            self._to_core.send(frame, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # not connected (the process is gone) or already closed
             raise EngineDead(f"the engine process cannot be reached: {exc}") from exc
 

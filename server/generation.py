@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 
 from v4serve.engine.client import EngineClient, TokenOutput
-from v4serve.engine.request import GrammarSpec, SamplingParams
+from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
 from v4serve.server.config import DEFAULT_MAX_REQUEST_BYTES
 from v4serve.server.errors import ApiError
@@ -117,7 +117,8 @@ class FrontEnd:
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k in (None, 0) else min(body.top_k, MAX_TOP_K),
             min_p=body.min_p or 0.0, seed=None if body.seed is None else body.seed + seed_offset,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,

@@ -42,3 +42,11 @@ def fail_sampling_with_seed_4242(engine: LLMEngine) -> None:
         return real(request, logits)
 
     sampler.sample = sample
+
+
+def exit_while_loading(spec: object, addresses: object, parent_pid: int) -> None:
+    """An engine-process target that dies before reporting anything (as a crash in a native
+    library or the OOM killer would)."""
+    import os
+
+    os._exit(3)
