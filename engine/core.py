@@ -53,6 +53,8 @@ SEND_LINGER_MS = 2000  # at exit, how long the last messages may take to leave
 # engine thread, which cannot cross a process boundary).
 COMMANDS: dict[str, Callable[..., object]] = {
     "reset_prefix_cache": lambda engine, store=False: engine.reset_prefix_cache(store=bool(store)),
+    # Raises if a block's refcount differs from the block tables that hold it (load tests, audits).
+    "check_cache_integrity": lambda engine: engine.kv.check_integrity([r.kv for r in engine.scheduler.running]),
 }
 
 Builder = Callable[[], tuple[LLMEngine, dict[str, Any]]]

@@ -199,8 +199,16 @@ class EngineCoreClient:
             self._send(Abort(request_ids))
 
     async def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
-        dropped, removed = await self._command("reset_prefix_cache", store=store)
+        dropped, removed = await self.command("reset_prefix_cache", store=store)
         return dropped, removed
+
+    async def command(self, name: str, **kwargs: Any) -> Any:
+        """Run a named engine command (`engine.core.COMMANDS`) between steps and return its result;
+        callable from any event loop (the socket is only ever used from the client's own)."""
+        assert self._loop is not None
+        if asyncio.get_running_loop() is self._loop:
+            return await self._command(name, **kwargs)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.command(name, **kwargs), self._loop))
 
     def _command(self, name: str, **kwargs: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()

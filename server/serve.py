@@ -57,8 +57,9 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
 
         engine, info = build_engine(cfg, tokenizer.vocabulary_json(), tokenizer.eos_token_id)
         return AsyncEngine(engine), info
-    client = EngineCoreClient(main, EngineSpec(cfg, tokenizer.vocabulary_json(), tokenizer.eos_token_id),
-                              tokenizer.vocabulary_json(), tokenizer.eos_token_id)
+    vocabulary = tokenizer.vocabulary_json()
+    client = EngineCoreClient(main, EngineSpec(cfg, vocabulary, tokenizer.eos_token_id), vocabulary,
+                              tokenizer.eos_token_id)
     client.wait_ready()
     return client, client.info
 
