@@ -1,18 +1,16 @@
 """Serving throughput through HTTP, in two tables.
 
 1. The front end's cost (the 30M-parameter config unless `--set` says otherwise): HTTP output
-   tokens/s at concurrency 1/4/16 with the engine in its own process (the default) and on a thread
-   of the HTTP process (`--engine-in-process`, how v4serve ran before the split), each as a ratio
-   to the engine-level rate at the same batch size, measured in the same run by driving `LLMEngine`
-   directly on the same checkpoint: `workload` runs the very requests the HTTP clients send (same
-   prompts and lengths, the same number at a time), `decode` is the steady decode rate at that
-   batch once every prompt is in. TTFT p50/p99 for each. Goal: at concurrency 16 the split daemon
-   keeps >= 0.9 of the engine's workload rate.
+   tokens/s at concurrency 1/4/16 with the engine in its own process (the default: "after") and on
+   a thread of the HTTP process (`--engine-in-process`, how v4serve ran before the split:
+   "before"), each as a ratio to the engine's decode rate at the same batch size, measured in the
+   same run by driving `LLMEngine` directly on the same checkpoint; TTFT p50/p99. Goal: at
+   concurrency 16 the engine process keeps >= 0.9 of the engine's rate.
 2. The tiny model against transformers' `generate` on the same weights (batch = concurrency).
    Target: at concurrency 16, v4serve's output throughput >= 6x its concurrency-1 throughput.
 
-    python bench/bench_serve.py [--concurrency 1,4,16] [--prompt 64] [--output 128] [--rounds 3]
-                                [--set KEY=VALUE ...] [--skip-transformers]
+    python bench/bench_serve.py [--concurrency 1,4,16] [--prompt 16] [--output 192] [--rounds 2]
+                                [--repeats 2] [--set KEY=VALUE ...] [--skip-transformers]
 
 The HTTP clients run in this process on the same cores as the daemon; they read only the first
 token's chunk and the usage chunk of each stream, so they cost the daemon as little as they can.
@@ -90,37 +88,11 @@ async def http_load(url: str, concurrency: int, prompts: list[list[int]], output
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run(p) for p in prompts))
         elapsed = time.perf_counter() - t0
-    tokens = sum(n for _, n in results)
-    return {"output_tok_s": tokens / elapsed, **latency([t for t, _ in results]), "tokens": tokens,
-            "seconds": elapsed}
+    tokens, ttfts = sum(n for _, n in results), [t for t, _ in results]
+    return {"output_tok_s": tokens / elapsed, **latency(ttfts), "ttfts": ttfts, "tokens": tokens, "seconds": elapsed}
 
 
 # ---- the engine driven directly -------------------------------------------------------------------------
-def engine_workload(engine: LLMEngine, concurrency: int, prompts: list[list[int]], output: int) -> dict[str, float]:
-    """The HTTP clients' requests, `concurrency` at a time, straight into the engine."""
-    queue = [Request(f"w{concurrency}-{i}", p, SamplingParams(max_tokens=output, ignore_eos=True))
-             for i, p in enumerate(prompts)]
-    running: list[Request] = []
-    ttfts: list[float] = []
-    t0 = time.perf_counter()
-    while queue or running:
-        while queue and len(running) < concurrency:
-            request = queue.pop(0)
-            request.arrival_time = time.perf_counter()
-            engine.add_request(request)
-            running.append(request)
-        engine.step()
-        now = time.perf_counter()
-        for r in [r for r in running if r.status.finished or r.output_token_ids]:
-            if r.first_token_time is None:
-                r.first_token_time = now
-                ttfts.append(now - r.arrival_time)
-            if r.status.finished:
-                running.remove(r)
-    elapsed = time.perf_counter() - t0
-    return {"output_tok_s": len(prompts) * output / elapsed, **latency(ttfts), "seconds": elapsed}
-
-
 def engine_decode(engine: LLMEngine, batch: int, prompts: list[list[int]], output: int) -> float:
     """Decode tokens/s of `batch` requests, timed once every prompt has its first token."""
     reqs = [Request(f"d{batch}-{i}", p, SamplingParams(max_tokens=output, ignore_eos=True))
@@ -136,50 +108,54 @@ def engine_decode(engine: LLMEngine, batch: int, prompts: list[list[int]], outpu
 
 
 def front_end_cost(folder: Path, levels: list[int], args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Per concurrency, in turns (engine, before, after; `--repeats` times, so drift from a shared
+    machine lands on all three alike): medians of tok/s, TTFT percentiles over every request."""
     gen = torch.Generator().manual_seed(1)
     workloads = {c: [torch.randint(64, vocab, (args.prompt,), generator=gen).tolist()
                      for _ in range(c * args.rounds)] for c in levels}
     warm = [torch.randint(64, vocab, (16,), generator=gen).tolist()] * 2
     flags = ("--model", str(folder), "--max-num-seqs", str(max(levels)), "--no-prefix-caching")
-
     cfg = ServeConfig(model=str(folder), max_num_seqs=max(levels), no_prefix_caching=True, no_kv_store=True)
     model: DeepseekV4 = load(cfg)  # as the daemon loads it: same weights, dtype and kernels
     engine = LLMEngine(model, engine_config(cfg, model, None))
-    engine_workload(engine, 2, warm, 4)
-    direct = {c: {**engine_workload(engine, c, workloads[c], args.output),
-                  "decode_tok_s": engine_decode(engine, c, workloads[c], args.output)} for c in levels}
-    del engine, model
+    engine_decode(engine, 2, warm, 4)
 
-    http: dict[str, dict[int, dict[str, float]]] = {}
-    for mode, extra in (("split", ()), ("in_process", ("--engine-in-process",))):
-        with daemon(*flags, *extra, timeout=180) as url:
+    modes = ("before", "after")  # --engine-in-process, then the engine process
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {m: {c: [] for c in levels} for m in modes}
+    decode: dict[int, list[float]] = {c: [] for c in levels}
+    with daemon(*flags, "--engine-in-process", timeout=180) as before, daemon(*flags, timeout=180) as after:
+        urls = {"before": before, "after": after}
+        for url in urls.values():
             asyncio.run(http_load(url, 2, warm, 4))
-            http[mode] = {c: asyncio.run(http_load(url, c, workloads[c], args.output)) for c in levels}
+        for c in levels:
+            for _ in range(args.repeats):
+                decode[c].append(engine_decode(engine, c, workloads[c], args.output))
+                for mode in modes:
+                    runs[mode][c].append(asyncio.run(http_load(urls[mode], c, workloads[c], args.output)))
 
+    results: dict[str, Any] = {"engine_decode_tok_s": {}, **{m: {} for m in modes}}
     rows = []
     for c in levels:
-        e = direct[c]
-        row: list[Any] = [c, e["decode_tok_s"], e["output_tok_s"]]
-        for mode in ("in_process", "split"):
-            h = http[mode][c]
-            h["ratio_to_engine_workload"] = h["output_tok_s"] / e["output_tok_s"]
-            h["ratio_to_engine_decode"] = h["output_tok_s"] / e["decode_tok_s"]
-            row += [h["output_tok_s"], h["ratio_to_engine_workload"], h["ratio_to_engine_decode"]]
-        row += [e["ttft_p50_s"], http["in_process"][c]["ttft_p50_s"], http["split"][c]["ttft_p50_s"],
-                e["ttft_p99_s"], http["in_process"][c]["ttft_p99_s"], http["split"][c]["ttft_p99_s"]]
+        engine_rate = statistics.median(decode[c])
+        results["engine_decode_tok_s"][str(c)] = engine_rate
+        row: list[Any] = [c, engine_rate]
+        for mode in modes:
+            rate = statistics.median(r["output_tok_s"] for r in runs[mode][c])
+            ttfts = [t for r in runs[mode][c] for t in r["ttfts"]]
+            results[mode][str(c)] = {"output_tok_s": rate, "ratio_to_engine": rate / engine_rate, **latency(ttfts),
+                                     "runs": [r["output_tok_s"] for r in runs[mode][c]]}
+            row += [rate, rate / engine_rate]
+        row += [results[m][str(c)][k] for k in ("ttft_p50_s", "ttft_p99_s") for m in modes]
         rows.append(row)
     print_table(f"front end vs engine, {args.prompt}-token prompts, {args.output} output tokens, {args.rounds} "
-                "requests per client (tok/s; ratios = HTTP / engine workload, HTTP / engine decode; "
+                f"requests per client, median of {args.repeats} (tok/s; ratio = HTTP / engine decode at that batch; "
                 "before = --engine-in-process, after = engine process)",
-                ["conc", "engine decode", "engine workload", "before tok/s", "before ratio", "before/decode",
-                 "after tok/s", "after ratio", "after/decode", "TTFT p50 engine", "p50 before", "p50 after",
-                 "p99 engine", "p99 before", "p99 after"], rows)
-    top = max(levels)
-    goal = http["split"][top]["ratio_to_engine_workload"]
-    print(f"\nconcurrency {top}: the split daemon keeps {goal:.2f} of the engine's workload rate (goal >= 0.9); "
-          f"the in-process daemon {http['in_process'][top]['ratio_to_engine_workload']:.2f}")
-    return {"engine": {str(c): v for c, v in direct.items()},
-            **{mode: {str(c): v for c, v in per.items()} for mode, per in http.items()}}
+                ["conc", "engine decode", "before tok/s", "before ratio", "after tok/s", "after ratio",
+                 "TTFT p50 before", "p50 after", "p99 before", "p99 after"], rows)
+    after, before = (results[m][str(max(levels))]["ratio_to_engine"] for m in ("after", "before"))
+    print(f"\nconcurrency {max(levels)}: the engine process keeps {after:.2f} of the engine's decode rate "
+          f"(goal >= 0.9); the in-process engine kept {before:.2f}")
+    return results
 
 
 # ---- tiny model vs transformers ---------------------------------------------------------------------------
@@ -229,9 +205,11 @@ def against_transformers(levels: list[int], rounds: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (front-end table)")
-    parser.add_argument("--output", type=int, default=128, help="output tokens (front-end table)")
-    parser.add_argument("--rounds", type=int, default=3, help="requests per client")
+    # Short prompts, long outputs: the HTTP rate is then mostly decode, comparable to the engine's.
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (front-end table)")
+    parser.add_argument("--output", type=int, default=192, help="output tokens (front-end table)")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client")
+    parser.add_argument("--repeats", type=int, default=2, help="turns of engine / before / after per concurrency")
     parser.add_argument("--set", type=_parse_override, action="append", metavar="KEY=VALUE", default=[],
                         help="model size for the front-end table (default: the 30M-parameter config)")
     parser.add_argument("--skip-transformers", action="store_true", help="only the front-end table")
