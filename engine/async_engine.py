@@ -2,10 +2,13 @@
 
 A single background thread owns the `LLMEngine` (nothing else touches its scheduler or cache): it
 applies queued adds and aborts between steps, runs `step()`, hands each choice's new token ids to
-the submitter's callback on its event loop and, after every step, every batch of commands and every
-idle half second, publishes an immutable `EngineStats` snapshot. The asyncio side submits requests,
-receives token outputs and reads the latest snapshot; it speaks token ids only (text is the front
-end's job). Nothing waits on a stopped loop: queued work is failed when it stops.
+the submitter's sink and, after every step, every batch of commands and every idle half second,
+publishes an immutable `EngineStats` snapshot. It speaks token ids only (text is the front end's
+job). Nothing waits on a stopped loop: queued work is failed when it stops.
+
+Two users: the engine-core process (`engine.core`) drives it with sinks that batch outputs for the
+front end, sent by the `on_publish` hook once per step; an in-process server uses it directly as
+its `EngineClient` (`submit` delivers outputs on the caller's event loop).
 """
 
 from __future__ import annotations
@@ -18,45 +21,29 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from v4serve.engine.client import EngineDead, EngineOverloaded, TokenOutput, check_requests
 from v4serve.engine.engine import LLMEngine, RequestOutput
 from v4serve.engine.request import Request, RequestError
-from v4serve.engine.sampler import Sample
 from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineDead", "EngineOverloaded", "TokenOutput"]
 
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full; the client should retry later."""
-
-
-class EngineDead(RuntimeError):
-    """The engine loop has stopped after an error."""
-
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """What one choice of an API request produced since its last output."""
-
-    index: int  # the choice
-    token_ids: tuple[int, ...] = ()
-    samples: tuple[Sample, ...] = ()
-    finished: bool = False
-    finish_reason: str | None = None  # stop, length, abort or error
-    error: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose computation a cache hit skipped
-    prompt_logprobs: tuple | None = None  # with a choice's first output, when asked for
+Sink = Callable[[TokenOutput], None]
 
 
 @dataclass
 class _Choice:
     request: Request
     index: int
-    sink: Callable[[TokenOutput], None]
+    sink: Sink
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_publish: Callable[[EngineStats], None] | None = None) -> None:
+        """`on_publish` runs on the engine thread after every snapshot (the engine core sends the
+        step's outputs and the snapshot to the front end from there)."""
         self.engine = engine
         self.limits = engine.limits  # frozen: requests are validated on the asyncio side
         self.max_waiting = engine.config.max_waiting
@@ -67,6 +54,9 @@ class AsyncEngine:
         self._deferred: dict[str, list[_Choice]] = {}  # parent id → siblings waiting for its prefill
         self._lock = threading.Lock()
         self._pending = 0  # choices submitted that the loop has not yet counted in a snapshot
+        self.accepted = 0  # choices the loop has taken so far, counted in the snapshots from then on
+        self._on_publish = on_publish
+        self._death_callbacks: list[Callable[[str], None]] = []
         self._stats = engine.stats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -80,11 +70,17 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._commands.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.engine.close()  # queued SSD store writes land before exit
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` runs on the engine thread if the loop dies of an error."""
+        self._death_callbacks.append(callback)
 
     @property
     def alive(self) -> bool:
@@ -114,17 +110,18 @@ class AsyncEngine:
             return self._stats
 
     # ---- the asyncio side ---------------------------------------------------------------------------
-    def submit(self, requests: list[Request], on_output: Callable[[TokenOutput], None]) -> None:
+    def submit(self, requests: list[Request], on_output: Sink) -> None:
         """Submit the choices of one API request (n ≥ 1, same prompt). `on_output` runs on the
         caller's event loop for every output as it arrives; each choice ends with exactly one
-        finished output (stop, length, abort or error). Choices after the first start once the first
-        has finished its prefill, so they share its prompt blocks through the prefix cache."""
+        finished output (stop, length, abort or error)."""
         self.check(requests)
         loop = asyncio.get_running_loop()
+        self.enqueue(requests, lambda out: loop.call_soon_threadsafe(on_output, out))
 
-        def sink(out: TokenOutput) -> None:
-            loop.call_soon_threadsafe(on_output, out)
-
+    def enqueue(self, requests: list[Request], sink: Sink) -> None:
+        """Queue the choices of one API request without the admission check (the caller made it);
+        `sink` gets every output on the engine thread. Choices after the first start once the first
+        has finished its prefill, so they share its prompt blocks through the prefix cache."""
         choices = [_Choice(r, i, sink) for i, r in enumerate(requests)]
 
         def not_started(exc: BaseException) -> None:
@@ -146,14 +143,9 @@ class AsyncEngine:
         reason = self.unavailable_reason()
         if reason is not None:
             raise EngineDead(reason)
-        for r in requests:
-            self.limits.validate(r)
-            if r.sampling.grammar is not None:
-                self.engine.check_grammar(r.sampling.grammar)
         with self._lock:
             waiting = self._stats.waiting + self._pending
-        if waiting + len(requests) > self.max_waiting:
-            raise EngineOverloaded(f"{waiting} requests are already waiting")
+        check_requests(requests, self.limits, self.engine.check_grammar, waiting, self.max_waiting)
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their cache at once; each open choice ends with an
@@ -164,28 +156,39 @@ class AsyncEngine:
         with contextlib.suppress(EngineDead):  # a stopped loop holds nothing left to act on
             self._submit(run, lambda _: None)
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
-        """Run fn(engine) on the engine thread between steps (e.g. reset the prefix cache)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def settle(set_result: Callable[[object], None], value: object) -> None:
-            if not future.done():
-                set_result(value)
+    def run_on_engine(self, fn: Callable[[LLMEngine], object],
+                      done: Callable[[object, BaseException | None], None]) -> None:
+        """Run fn(engine) on the engine thread between steps; `done(result, error)` follows it there
+        (or gets EngineDead if the loop stops first). Raises EngineDead now if it has stopped."""
 
         def run() -> None:
             try:
                 result = fn(self.engine)
             except Exception as exc:  # handed back to the caller
-                loop.call_soon_threadsafe(settle, future.set_exception, exc)
+                done(None, exc)
             else:
-                loop.call_soon_threadsafe(settle, future.set_result, result)
+                done(result, None)
 
-        def stopped(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(settle, future.set_exception, EngineDead(f"the engine loop has stopped: {exc}"))
+        self._submit(run, lambda exc: done(None, EngineDead(f"the engine loop has stopped: {exc}")))
 
-        self._submit(run, stopped)
+    def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between steps (e.g. reset the prefix cache)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(result: object, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self.run_on_engine(fn, lambda result, error: loop.call_soon_threadsafe(settle, result, error))
         return future
+
+    async def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
+        return await self.call(lambda engine: engine.reset_prefix_cache(store=store))
 
     def _submit(self, run: Callable[[], None], if_stopped: Callable[[BaseException], None]) -> None:
         """Queue a command for the engine thread. If the loop has stopped (raises EngineDead now) or
@@ -219,6 +222,19 @@ class AsyncEngine:
             self._end(exc, f"engine failure: {exc}")
         else:
             self._end(EngineDead("the server is shutting down"), "the server is shutting down")
+        self._last_publish()
+        if self.error is not None:
+            for callback in self._death_callbacks:
+                callback(f"the engine loop has stopped: {self.error}")
+
+    def _last_publish(self) -> None:
+        """Hand out what the end produced (every open choice's error output) with a last snapshot."""
+        try:
+            self._publish()
+        except Exception:  # a broken engine may not even count; the outputs matter more
+            log.exception("the engine's last snapshot failed")
+            if self._on_publish is not None:
+                self._on_publish(self._stats)
 
     def _end(self, cause: BaseException, message: str) -> None:
         """Fail every open choice and every command still queued: nobody waits on a stopped loop."""
@@ -258,9 +274,12 @@ class AsyncEngine:
         with self._lock:
             self._stats = stats
             self._pending -= added
+        if self._on_publish is not None:
+            self._on_publish(stats)
 
     def _add(self, choices: list[_Choice]) -> None:
         first, rest = choices[0], choices[1:]
+        self.accepted += len(choices)
         if self._start(first):
             if rest:
                 self._deferred[first.request.request_id] = rest

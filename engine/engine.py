@@ -26,7 +26,7 @@ from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLi
 from v4serve.engine.sampler import Sample, Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.stats import EngineStats
-from v4serve.engine.structured import Grammars, RequestGrammar
+from v4serve.engine.structured import Grammars, RequestGrammar, require
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +165,11 @@ class LLMEngine:
         self.grammar_matcher(spec, check_only=True)
 
     def grammar_matcher(self, spec: GrammarSpec, check_only: bool = False) -> RequestGrammar | None:
-        if self.grammars is None:
-            raise RequestError("structured outputs need the model's tokenizer, which this engine was not given",
-                               param=spec.param)
+        grammars = require(self.grammars, spec)
         if check_only:
-            self.grammars.check(spec)
+            grammars.check(spec)
             return None
-        return self.grammars.matcher(spec)
+        return grammars.matcher(spec)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)

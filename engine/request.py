@@ -42,6 +42,9 @@ class GrammarSpec:
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1  # torch generators take seeds up to this
+# Any top_k past the vocabulary keeps every token; larger ones are clamped to this, which crosses
+# the engine-process boundary (64-bit integers) and means the same.
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass

@@ -7,22 +7,14 @@ generator, so the same seed gives the same output whatever else shares the batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from v4serve.engine.client import Sample
 from v4serve.engine.request import Request, SamplingParams
 
 
 class NonFiniteLogits(ValueError):
     """A row of logits (after bias and penalties) holds NaN or +inf."""
-
-
-@dataclass
-class Sample:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top `logprobs` alternatives, best first
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> None:

@@ -16,12 +16,15 @@ apply on a 129K vocabulary) are small next to a forward pass.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_np
-import torch
 
 from v4serve.engine.request import GrammarSpec, RequestError
+
+if TYPE_CHECKING:  # masks are applied through numpy: a front end checking grammars never imports torch
+    import torch
 
 
 class Grammars:
@@ -61,6 +64,14 @@ class Grammars:
             self.compiles += 1
             self._compiled.setdefault(key, template)
         return template
+
+
+def require(grammars: Grammars | None, spec: GrammarSpec) -> Grammars:
+    """The grammars of an engine that can enforce `spec`, or the 400 saying why it cannot."""
+    if grammars is None:
+        raise RequestError("structured outputs need the model's tokenizer, which this engine was not given",
+                           param=spec.param)
+    return grammars
 
 
 class RequestGrammar:

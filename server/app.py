@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from v4serve.engine.async_engine import AsyncEngine
+from v4serve.engine.client import EngineClient
 from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
 from v4serve.server.chat import chat_completions
 from v4serve.server.completions import completions
@@ -49,7 +49,7 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> FastAPI:
+def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -132,7 +132,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, m
         block and snapshot file of this model's namespace from the SSD store, including files other
         daemons sharing the folder wrote."""
         store = query_flag(raw, "store")
-        dropped, removed = await engine.call(lambda eng: eng.reset_prefix_cache(store=store))
+        dropped, removed = await engine.reset_prefix_cache(store=store)
         return {"status": "ok", "dropped_blocks": dropped, "store_cleared": store, "store_files_removed": removed}
 
     return app

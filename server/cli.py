@@ -76,6 +76,8 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--shutdown-timeout", float, "seconds running requests get to finish after SIGTERM (default 30)"),
     ("--seed", int, "seed of the embedded weights and of unseeded sampling"),
     ("--log-level", str, "debug, info, warning or error"),
+    ("--engine-in-process", bool, "run the engine on a thread of the HTTP process instead of its own process "
+                                  "(benchmarks, debugging)"),
 ]
 
 
@@ -122,15 +124,19 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[st
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from v4serve.server.serve import ServeConfig, run
+    from v4serve.engine.core_client import EngineStartupError
+    from v4serve.server.serve import EngineFailed, ServeConfig, run
 
     try:
         cfg = ServeConfig(**serve_settings(args, dict(os.environ)))
         logging.getLogger().setLevel(cfg.log_level.upper())
         run(cfg)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # a bad setting, found here or by the engine process
         print(f"v4serve serve: {exc}", file=sys.stderr)
         return 2
+    except (EngineStartupError, EngineFailed) as exc:
+        print(f"v4serve serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -240,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from v4serve.server.config import LOG_FORMAT
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -15,9 +15,10 @@ from typing import Any
 
 from fastapi import Request
 
-from v4serve.engine.async_engine import AsyncEngine, TokenOutput
-from v4serve.engine.request import GrammarSpec, SamplingParams
+from v4serve.engine.client import EngineClient, TokenOutput
+from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
+from v4serve.server.config import DEFAULT_MAX_REQUEST_BYTES
 from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
@@ -27,9 +28,6 @@ from v4serve.server.text.output import ChoiceText, Delta, OutputOptions
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ class Generation:
     stop string stops the engine request at once and latency is measured at arrival, however slowly
     the client consumes the stream."""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
+    def __init__(self, engine: EngineClient, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
                  options: OutputOptions) -> None:
         self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
@@ -99,7 +97,7 @@ class Generation:
 class FrontEnd:
     """Request handling shared by the endpoints, kept apart from routing."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> None:
         self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
         think_end = tokenizer.encode(THINK_END)
         self.think_end_id = think_end[0] if len(think_end) == 1 else None
@@ -119,7 +117,8 @@ class FrontEnd:
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k in (None, 0) else min(body.top_k, MAX_TOP_K),
             min_p=body.min_p or 0.0, seed=None if body.seed is None else body.seed + seed_offset,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,

@@ -17,7 +17,7 @@ from typing import IO
 
 import httpx
 
-from v4serve.engine.async_engine import AsyncEngine
+from v4serve.engine.client import EngineClient
 from v4serve.server.serve import ServeConfig, build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +86,9 @@ def daemon(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0)
 
 
 @contextmanager
-def in_process_server(cfg: ServeConfig) -> Iterator[tuple[str, AsyncEngine]]:
-    """The real app under uvicorn in a thread, so a fault can be injected into its engine."""
+def in_process_server(cfg: ServeConfig) -> Iterator[tuple[str, EngineClient]]:
+    """The real app under uvicorn in a thread of this process (the engine in its own process unless
+    cfg says otherwise), so a test can read its engine client; faults go in with cfg.engine_hook."""
     import uvicorn
 
     app, engine = build(cfg)

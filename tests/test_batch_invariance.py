@@ -17,7 +17,8 @@ from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels import invariant
 from v4serve.kernels.registry import load_kernels
-from v4serve.server.serve import ServeConfig, engine_config, load, version_info
+from v4serve.server.config import ServeConfig
+from v4serve.server.model_loading import engine_config, load, version_info
 
 PROMPT = tokens(33, 1)
 MATES = {"short": tokens(5, 2), "long": tokens(20, 3)}
@@ -120,11 +121,11 @@ def test_triton_backend_prefix_hit_is_bitwise_a_cold_run() -> None:
 
 def test_serve_config_turns_it_on_and_version_reports_it() -> None:
     cfg = ServeConfig(device="cpu", attention_backend="torch", batch_invariant=True, no_kv_store=True)
-    model, tokenizer = load(cfg)
+    model = load(cfg)
     assert model.kernels.batch_invariant and model.layers[0].ffn.gate.kernels is model.kernels
-    assert version_info(model, engine_config(cfg, model, tokenizer))["batch_invariant"] is True
-    plain, tokenizer = load(ServeConfig(device="cpu", attention_backend="torch", no_kv_store=True))
-    assert version_info(plain, engine_config(cfg, plain, tokenizer))["batch_invariant"] is False
+    assert version_info(model, engine_config(cfg, model, None))["batch_invariant"] is True
+    plain = load(ServeConfig(device="cpu", attention_backend="torch", no_kv_store=True))
+    assert version_info(plain, engine_config(cfg, plain, None))["batch_invariant"] is False
 
 
 def test_daemon_flag_shows_in_version() -> None:

@@ -149,17 +149,9 @@ def test_sweep_of_extreme_sampling_parameters(base_url: str, http: httpx.Client)
 
 # ---- faults injected into one request ------------------------------------------------------------------
 def test_a_sampling_fault_fails_only_its_request() -> None:
-    with in_process_server(ServeConfig(no_kv_store=True)) as (url, engine):
+    cfg = ServeConfig(no_kv_store=True, engine_hook="tests.faults:fail_sampling_with_seed_4242")
+    with in_process_server(cfg) as (url, engine):
         solo = stream_text(url, STEADY)[0]
-        sampler = engine.engine.sampler
-        real = sampler.sample
-
-        def sample(request, logits):  # noqa: ANN001, ANN202 - the sampler's own signature
-            if request.sampling.seed == 4242:
-                raise RuntimeError("injected sampling fault")
-            return real(request, logits)
-
-        sampler.sample = sample
         alongside = Alongside(url)
         alongside.start()
         bad = {"prompt": "doomed", "max_tokens": 5, "seed": 4242}

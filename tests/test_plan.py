@@ -35,9 +35,11 @@ from v4serve.engine.model.plan import (
 from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
 from v4serve.engine.model.resident import resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
-from v4serve.server import serve as serve_module
+from v4serve.server import model_loading
 from v4serve.server.cli import main
-from v4serve.server.serve import ServeConfig, check_capacity
+from v4serve.server.config import ServeConfig
+from v4serve.server.model_loading import check_capacity
+from v4serve.server.text.tokenizer import write_byte_tokenizer_files
 
 # The published shapes (config.json of deepseek-ai/DeepSeek-V4-Flash and -Pro).
 FLASH = dict(vocab=129280, hidden=4096, layers=43, heads=64, head_dim=512, rope=64, q_lora=1024, o_groups=8,
@@ -398,13 +400,16 @@ def test_serve_refuses_a_model_too_big_before_reading_weights(flash_folder, monk
         raise AssertionError("tensor data was read")
 
     monkeypatch.setattr(loader._Handles, "read", no_reading)
-    monkeypatch.setattr(serve_module, "load_model", no_reading)
+    monkeypatch.setattr(model_loading, "load_model", no_reading)
     with pytest.raises(ValueError, match="does not fit") as err:
-        serve_module.load(ServeConfig(model=str(flash_folder), device="cpu"))
+        model_loading.load(ServeConfig(model=str(flash_folder), device="cpu"))
     assert "Capacity plan: DeepSeek-V4-Flash" in str(err.value) and "Fits: no" in str(err.value)
 
 
 def test_serve_exits_with_the_table_in_seconds(flash_folder):
+    """The plan is made in the engine process; its refusal still ends the daemon (status 2) with the
+    table, before anything is served."""
+    write_byte_tokenizer_files(flash_folder)  # a real checkpoint folder has one; the front end loads it first
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--model", str(flash_folder),
                            "--device", "cpu", "--no-kv-store"], cwd=ROOT, capture_output=True, text=True, timeout=120)

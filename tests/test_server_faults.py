@@ -1,5 +1,5 @@
-"""Faults around the daemon: a dying engine (injected), a full waiting queue, n > 1 sharing the
-prompt's blocks, and resetting the SSD store over HTTP."""
+"""Faults around the daemon: a dying engine (injected into the engine process), a full waiting
+queue, n > 1 sharing the prompt's blocks, and resetting the SSD store over HTTP."""
 
 from __future__ import annotations
 
@@ -14,21 +14,6 @@ from tests.helpers import tokens
 from v4serve.server.serve import ServeConfig
 
 
-def inject_forward_faults(engine, fail_calls) -> None:
-    """Make the model's forward raise on the calls (1-based) that `fail_calls` says."""
-    model = engine.engine.model
-    calls = {"n": 0}
-    real_forward = model.forward
-
-    def forward(*args, **kwargs):
-        calls["n"] += 1
-        if fail_calls(calls["n"]):
-            raise RuntimeError("injected device fault")
-        return real_forward(*args, **kwargs)
-
-    model.forward = forward
-
-
 def stream_lines(url: str, body: dict) -> list[str]:
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
         assert resp.status_code == 200
@@ -36,8 +21,8 @@ def stream_lines(url: str, body: dict) -> list[str]:
 
 
 def test_one_failed_forward_fails_its_step_and_the_engine_serves_on():
-    with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=2)) as (url, engine):
-        inject_forward_faults(engine, lambda n: n == 4)
+    cfg = ServeConfig(no_kv_store=True, max_num_seqs=2, engine_hook="tests.faults:fail_fourth_forward")
+    with in_process_server(cfg) as (url, _):
         lines = stream_lines(url, {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True})
         assert lines[-1] == "data: [DONE]"
         error = json.loads(lines[-2][6:])
@@ -49,8 +34,8 @@ def test_one_failed_forward_fails_its_step_and_the_engine_serves_on():
 
 
 def test_a_forward_that_keeps_failing_marks_the_engine_dead():
-    with in_process_server(ServeConfig(no_kv_store=True, max_num_seqs=2)) as (url, engine):
-        inject_forward_faults(engine, lambda n: n > 3)
+    cfg = ServeConfig(no_kv_store=True, max_num_seqs=2, engine_hook="tests.faults:fail_forwards_after_third")
+    with in_process_server(cfg) as (url, _):
         assert healthy_gauge(url) == 1
         for _ in range(3):  # each request's step fails; the third failure in a row is fatal
             lines = stream_lines(url, {"prompt": [70, 71, 72], "max_tokens": 50, "ignore_eos": True})
@@ -118,8 +103,7 @@ def test_n_choices_share_the_prompt_blocks():
                                                           "temperature": 0, "ignore_eos": True}, timeout=60).json()
         texts = {c["text"] for c in reply["choices"]}
         assert len(reply["choices"]) == 3 and len(texts) == 1  # greedy: identical choices
-        stats = engine.engine.scheduler.stats
-        assert stats.prefix_hits == 2 * 384  # the second and third choice reuse the first's 3 blocks
+        assert engine.stats.prefix_hits_device == 2 * 384  # the second and third choice reuse the first's 3 blocks
 
 
 def test_reset_prefix_cache_with_store_empties_the_store(tmp_path):

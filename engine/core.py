@@ -1,0 +1,204 @@
+"""The engine-core process: the engine loop, fed and read over ZeroMQ.
+
+`run_engine_core` is what the process runs (the front end starts it with the `spawn` method and
+gives it a builder). Its main thread connects to the front end, builds the engine (reporting
+`Ready` or `StartupFailed`), then receives messages and hands them to the `AsyncEngine` loop,
+whose thread owns the engine. That thread sends one `Step` per engine step — the step's outputs,
+command results and the stats snapshot after it — and, if the loop dies, `Dead` with the cause.
+
+The process never outlives the front end: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C or a
+service manager reaches the whole group; the front end drives the graceful shutdown), and the
+parent pid is watched every half second, while loading too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from v4serve.engine.async_engine import AsyncEngine, TokenOutput
+from v4serve.engine.client import EngineDead
+from v4serve.engine.engine import LLMEngine
+from v4serve.engine.ipc import (
+    PROCESS_NAME,
+    Abort,
+    BeginShutdown,
+    Channel,
+    Command,
+    CommandResult,
+    CoreAddresses,
+    Dead,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    Step,
+    Submit,
+    ToCore,
+)
+from v4serve.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5  # how often the parent is looked for when no message arrives
+SEND_LINGER_MS = 2000  # at exit, how long the last messages may take to leave
+
+# Engine operations the front end may ask for by name (they replace running a function on the
+# engine thread, which cannot cross a process boundary).
+COMMANDS: dict[str, Callable[..., object]] = {
+    "reset_prefix_cache": lambda engine, store=False: engine.reset_prefix_cache(store=bool(store)),
+    # Raises if a block's refcount differs from the block tables that hold it (load tests, audits).
+    "check_cache_integrity": lambda engine: engine.kv.check_integrity([r.kv for r in engine.scheduler.running]),
+}
+
+Builder = Callable[[], tuple[LLMEngine, dict[str, Any]]]
+
+
+def run_engine_core(build: Builder, addresses: CoreAddresses, parent_pid: int) -> int:
+    """The process's life; returns its exit status (0 after a requested shutdown or once the front
+    end is gone, 1 after a startup error or a dead engine loop)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    name_process(PROCESS_NAME)
+    context = zmq.Context()
+    to_front = context.socket(zmq.PUSH)
+    to_front.setsockopt(zmq.SNDHWM, 0)  # never block the engine thread; the front end keeps up
+    to_front.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+    to_front.connect(addresses.outputs)
+    from_front = context.socket(zmq.PULL)
+    from_front.setsockopt(zmq.RCVHWM, 0)
+    from_front.setsockopt(zmq.LINGER, 0)
+    from_front.connect(addresses.inputs)
+    try:
+        built = _build(build, to_front, parent_pid)
+        if built is None:
+            return 1
+        core = EngineCore(built[0], to_front)
+        core.ready(built[1])
+        return core.serve(from_front, parent_pid)
+    finally:
+        to_front.close()
+        from_front.close()
+        context.term()
+
+
+def _build(build: Builder, to_front: zmq.Socket, parent_pid: int) -> tuple[LLMEngine, dict[str, Any]] | None:
+    """Build the engine while a watchdog ends the process if the front end goes away meanwhile."""
+    loaded = threading.Event()
+    threading.Thread(target=_watch_parent_while_loading, args=(parent_pid, loaded), daemon=True,
+                     name="v4serve-parent-watch").start()
+    try:
+        return build()
+    except Exception as exc:  # reported to the front end, which exits with it
+        invalid = isinstance(exc, (ValueError, OSError))
+        if not invalid:
+            log.exception("the engine could not start")
+        to_front.send(Channel(ToCore).encode(StartupFailed(str(exc), invalid)))
+        return None
+    finally:
+        loaded.set()
+
+
+def _watch_parent_while_loading(parent_pid: int, loaded: threading.Event) -> None:
+    while not loaded.wait(POLL_SECONDS):
+        if os.getppid() != parent_pid:  # nothing to save yet: leave at once
+            os._exit(1)
+
+
+def name_process(name: str) -> None:
+    """Set the kernel's name of this process (Linux; elsewhere nothing happens)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+class EngineCore:
+    """The engine loop with the front end at the other end of two sockets."""
+
+    def __init__(self, engine: LLMEngine, to_front: zmq.Socket) -> None:
+        self.engine = engine
+        self.loop = AsyncEngine(engine, on_publish=self._flush)
+        self.loop.on_death(self._died)
+        self._to_front = to_front
+        # One channel per thread: the main thread decodes what arrives, the engine thread encodes.
+        self._in = Channel(ToCore)
+        self._out = Channel(ToCore)
+        # Filled by sinks on the engine thread and sent from there: no lock needed.
+        self._outputs: list[tuple[str, TokenOutput]] = []
+        self._results: list[CommandResult] = []
+
+    def ready(self, info: dict[str, Any]) -> None:
+        self._send(Ready(self.engine.limits, self.engine.config.max_waiting, info, self.engine.stats(), os.getpid()))
+
+    def serve(self, from_front: zmq.Socket, parent_pid: int) -> int:
+        self.loop.start()
+        timeout_ms = int(POLL_SECONDS * 1000)
+        try:
+            while True:
+                if from_front.poll(timeout_ms) and self._receive(from_front):
+                    return 0
+                if os.getppid() != parent_pid:
+                    log.warning("the front end is gone; the engine process stops")
+                    return 0
+                if self.loop.error is not None:
+                    return 1
+        finally:
+            self.loop.shutdown()  # the loop's thread ends; queued SSD-store writes land
+
+    def _receive(self, from_front: zmq.Socket) -> bool:
+        """Handle every message waiting; True once the front end asked to stop."""
+        while True:
+            try:
+                frame = from_front.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            message = self._in.decode(frame.buffer)
+            if isinstance(message, Shutdown):
+                return True
+            try:
+                self._handle(message)
+            except EngineDead:
+                pass  # the loop has stopped; the front end hears it from `Dead`
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, Submit):
+            ids = [r.request_id for r in message.requests]
+            self.loop.enqueue([r.request() for r in message.requests],
+                              lambda out: self._outputs.append((ids[out.index], out)))
+        elif isinstance(message, Abort):
+            self.loop.abort(message.request_ids)
+        elif isinstance(message, Command):
+            self._command(message)
+        elif isinstance(message, BeginShutdown):
+            self.loop.begin_shutdown(message.timeout)
+
+    def _command(self, command: Command) -> None:
+        def done(value: object, error: BaseException | None) -> None:
+            text = None if error is None else (str(error) if isinstance(error, EngineDead) else repr(error))
+            self._results.append(CommandResult(command.id, None if error else value, text))
+
+        fn = COMMANDS.get(command.name)
+        if fn is None:
+            self._results.append(CommandResult(command.id, None, f"unknown engine command {command.name!r}"))
+            return
+        self.loop.run_on_engine(lambda engine: fn(engine, **command.kwargs), done)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _flush(self, stats: EngineStats) -> None:
+        outputs, self._outputs = self._outputs, []
+        results, self._results = self._results, []
+        self._send(Step(outputs, results, stats, self.loop.accepted))
+
+    def _died(self, reason: str) -> None:
+        self._send(Dead(reason))
+
+    def _send(self, message: Any) -> None:
+        self._to_front.send(self._out.encode(message), copy=False)

@@ -1,0 +1,97 @@
+"""The daemon's frozen configuration (every `v4serve serve` flag), shared by the front end and the
+engine-core process it starts. Light on purpose: torch is imported only where a device or dtype is
+resolved, which happens in the engine process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_STORE_BYTES = 32 << 30
+
+# --dtype names → torch dtype names.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    weight_dtype: str = "auto"
+    batch_invariant: bool = False
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    num_blocks: int | None = None
+    no_prefix_caching: bool = False
+    kv_store_dir: str | None = None
+    kv_store_max_bytes: int | None = None
+    no_kv_store: bool = False
+    swa_cache_mode: str = "periodic"
+    swa_checkpoint_interval: int | None = None
+    api_key: str | None = None
+    protect_metrics: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = 30.0
+    seed: int = 0
+    log_level: str = "info"
+    # The engine on a thread of the HTTP process instead of its own process (benchmarks, debugging).
+    engine_in_process: bool = False
+    # "module:function" called with the LLMEngine once it is built, in the process that runs it;
+    # not a flag: tests inject faults into a real engine process with it.
+    engine_hook: str | None = None
+
+    def resolved_device(self) -> torch.device:
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA device is available")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
+        from v4serve.engine.model.resident import check_weight_dtype
+
+        check_weight_dtype(self.weight_dtype)
+        if self.weight_dtype in ("bf16", "fp32"):
+            # Dequantized weights are the model's parameters: they are in the compute dtype.
+            wanted = DTYPES[self.weight_dtype]
+            if self.dtype not in ("auto", *[k for k, v in DTYPES.items() if v == wanted]):
+                raise ValueError(f"--weight-dtype {self.weight_dtype} dequantizes the weights to {self.weight_dtype}, "
+                                 f"which is also the compute dtype; it contradicts --dtype {self.dtype}")
+            return getattr(torch, wanted)
+        if self.dtype == "auto":
+            # CPUs without bf16 units run bf16 matmuls far slower than fp32.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return getattr(torch, DTYPES[self.dtype])
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "v4serve-tiny" if self.model == "tiny" else Path(self.model).name
+
+
+def default_store_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "v4serve", "kv-store")

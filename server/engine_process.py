@@ -1,0 +1,30 @@
+"""What the engine-core process runs: the spawn target. Light on purpose (the front end imports it
+to name the target); the model and torch are imported in the child only."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+from v4serve.engine.ipc import CoreAddresses
+from v4serve.server.config import LOG_FORMAT, ServeConfig
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the engine process needs, pickled across the spawn: the settings, and the
+    vocabulary as data (for structured outputs; the engine never tokenizes)."""
+
+    serve: ServeConfig
+    tokenizer_json: str | None
+    eos_token_id: int
+
+
+def main(spec: EngineSpec, addresses: CoreAddresses, parent_pid: int) -> None:
+    logging.basicConfig(level=spec.serve.log_level.upper(), format=LOG_FORMAT)
+    from v4serve.engine.core import run_engine_core
+    from v4serve.server.model_loading import build_engine
+
+    sys.exit(run_engine_core(lambda: build_engine(spec.serve, spec.tokenizer_json, spec.eos_token_id),
+                             addresses, parent_pid))

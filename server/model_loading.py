@@ -1,0 +1,131 @@
+"""The engine from the serve config: the model (or a capacity plan refusing it), the engine config,
+and what /version reports. Runs where the engine runs: in the engine-core process, or in the HTTP
+process under --engine-in-process."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from v4serve.cache.layout import check_kv_cache_dtype
+from v4serve.engine.engine import EngineConfig, LLMEngine
+from v4serve.engine.model.checkpoint import load_model
+from v4serve.engine.model.fingerprint import checkpoint_digest
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.packed import packed_count, resident_bytes
+from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
+from v4serve.engine.model.resident import resolve_weight_dtype
+from v4serve.engine.model.tiny import build_tiny
+from v4serve.kernels.registry import load_kernels, resolve_backend
+from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig, default_store_dir
+
+log = logging.getLogger("v4serve")
+
+
+def load(cfg: ServeConfig) -> DeepseekV4:
+    device = cfg.resolved_device()
+    dtype = cfg.resolved_dtype(device)
+    check_kv_cache_dtype(cfg.kv_cache_dtype)  # before minutes of loading
+    backend = resolve_backend(cfg.attention_backend, device)
+    kernels = load_kernels(backend, device, batch_invariant=cfg.batch_invariant)  # checked before loading
+    if cfg.model == "tiny":
+        model = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype)
+    else:
+        folder = Path(cfg.model)
+        if not folder.is_dir():
+            raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
+        check_capacity(cfg, folder, device, dtype)  # from headers, before any tensor data is read
+        # auto = checkpoint precision: FP8/FP4 weights stay packed (Triton kernels on a GPU, their
+        # torch twins elsewhere); bf16/fp32 dequantize them at load.
+        packed = resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint"
+        model = load_model(folder, device=device, dtype=dtype, packed=packed)
+    model.use_kernels(kernels)
+    return model
+
+
+def check_capacity(cfg: ServeConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """The capacity plan of a checkpoint folder on this device (engine/model/plan.py), logged; a
+    ValueError carrying its table when not even one sequence of --max-model-len fits, so a model too
+    big fails in seconds instead of running out of memory minutes into the load."""
+    memory = device_memory_bytes(device)
+    if memory is None:
+        log.info("capacity plan skipped: cannot tell how much memory %s has free", device)
+        return
+    settings = PlanSettings(
+        memory_bytes=memory, device=device.type, compute_dtype=str(dtype).removeprefix("torch."),
+        # Set by the parallelism and weight-dtype flags where this serve has them; one rank and auto otherwise.
+        tensor_parallel_size=getattr(cfg, "tensor_parallel_size", None) or 1,
+        expert_parallel=bool(getattr(cfg, "expert_parallel", False)),
+        weight_dtype=cfg.weight_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+        max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs)
+    plan = plan_checkpoint(folder, settings)
+    if not plan.fits:
+        raise ValueError(f"{folder} does not fit in the free memory of {device}; nothing was loaded.\n{plan.table()}")
+    log.info("%s", plan.table())
+    if cfg.max_num_seqs > plan.max_concurrent_sequences:
+        log.warning("--max-num-seqs %d: only %d sequences of %d tokens fit beside the weights; lower --max-num-seqs "
+                    "or --max-model-len", cfg.max_num_seqs, plan.max_concurrent_sequences, plan.max_model_len)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for the model: what CUDA reports free on the device, or MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return None
+    kib = next((line.split()[1] for line in lines if line.startswith("MemAvailable:")), None)
+    return int(kib) * 1024 if kib is not None else None
+
+
+def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool]:
+    param = next(model.parameters())
+    kv_cache_dtype = "fp8_e4m3" if econf.kv_cache_dtype == "fp8" else str(econf.kv_dtype).removeprefix("torch.")
+    return {"device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+            "attention_backend": model.kernels.backend, "batch_invariant": model.kernels.batch_invariant,
+            "kv_cache_dtype": kv_cache_dtype,
+            "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch.")}
+
+
+def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | None) -> EngineConfig:
+    block = model.cfg.block_size
+    max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
+    interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
+    store_dir = None if cfg.no_kv_store or cfg.no_prefix_caching else (cfg.kv_store_dir or default_store_dir())
+    digest = None
+    if store_dir is not None and cfg.model != "tiny":  # the files' bytes, cached beside the store
+        digest = checkpoint_digest(cfg.model, Path(store_dir) / "weights-digests.json")
+    return EngineConfig(kv_store_dir=store_dir, kv_store_max_bytes=cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES,
+                        weights_digest=digest, tokenizer_json=tokenizer_json,
+                        max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
+                        enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
+                        swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype,
+                        kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed)
+
+
+def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, dict[str, Any]]:
+    """The engine, and what the front end needs to know of it: /version's fields and max_model_len."""
+    model = load(cfg)
+    econf = engine_config(cfg, model, tokenizer_json)
+    engine = LLMEngine(model, econf, eos_token_id=eos_token_id)
+    if cfg.engine_hook:
+        module, _, name = cfg.engine_hook.partition(":")
+        getattr(importlib.import_module(module), name)(engine)
+    device = next(model.parameters()).device
+    log.info("model %s (%s): %d layers, %.1f MB of weights (%d in checkpoint precision), %s on %s, %s kernels%s",
+             cfg.model_name, cfg.model, model.cfg.num_layers, resident_bytes(model) / 1e6, packed_count(model),
+             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
+             " (batch-invariant)" if model.kernels.batch_invariant else "")
+    log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
+             "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
+             econf.max_model_len)
+    log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
+             if econf.kv_store_dir else "off")
+    return engine, {"version_info": version_info(model, econf), "max_model_len": econf.max_model_len}

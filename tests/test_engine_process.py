@@ -1,0 +1,134 @@
+"""The engine core in its own process: killing it, stopping the daemon, losing the front end, and
+failing to start all end cleanly — an error or a 503 with the cause, an exit, no orphan process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.daemon import ROOT, Daemon, start_daemon
+from v4serve.engine.core_client import EngineCoreClient, EngineStartupError
+from v4serve.engine.ipc import PROCESS_NAME
+
+ENDLESS = {"prompt": "a stream that outlives its engine", "max_tokens": 20000, "ignore_eos": True, "stream": True}
+
+
+def engine_pid(parent: int) -> int:
+    """The engine process the daemon `parent` started (by its kernel name and parent pid)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if name == PROCESS_NAME and int(fields[1]) == parent:
+            return int(stat.parent.name)
+    raise AssertionError(f"no {PROCESS_NAME} process under {parent}")
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped by whoever adopted it counts as exited)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2] == "Z"
+
+
+def wait_until(condition, timeout: float) -> float:  # noqa: ANN001 - any callable
+    """Seconds until `condition()` held; fails after `timeout`."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def stream_in_background(running: Daemon) -> tuple[threading.Thread, list[str], threading.Event]:
+    lines: list[str] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        with httpx.stream("POST", running.url + "/v1/completions", json=ENDLESS, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    started.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(60)
+    return thread, lines, started
+
+
+def test_a_killed_engine_process_is_a_503_with_the_cause_then_an_exit() -> None:
+    running = start_daemon()
+    try:
+        pid = engine_pid(running.proc.pid)
+        thread, lines, _ = stream_in_background(running)
+        os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert "killed by SIGKILL" in error["message"] and error["code"] == "generation_failed"
+        health = httpx.get(running.url + "/health", timeout=5)
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]["message"]
+        refused = httpx.post(running.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+        assert "killed by SIGKILL" in refused.json()["error"]["message"]
+        wait_until(lambda: running.proc.poll() is not None, timeout=15)
+        assert running.proc.returncode == 1
+    finally:
+        running.stop(signal.SIGKILL)
+    assert "engine process exited unexpectedly" in Path(running.log.name).read_text()
+
+
+def test_sigterm_exits_0_and_leaves_no_engine_process() -> None:
+    running = start_daemon()
+    pid = engine_pid(running.proc.pid)
+    assert running.stop(signal.SIGTERM, timeout=30) == 0
+    wait_until(lambda: gone(pid), timeout=5)
+
+
+def test_the_engine_process_exits_when_the_front_end_is_killed() -> None:
+    running = start_daemon()
+    pid = engine_pid(running.proc.pid)
+    running.stop(signal.SIGKILL)
+    assert wait_until(lambda: gone(pid), timeout=10) < 5
+
+
+def test_an_engine_startup_error_ends_the_daemon_with_its_message(tmp_path: Path) -> None:
+    folder = tmp_path / "broken"
+    done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "make-checkpoint", str(folder)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}..")
+    done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--model", str(folder),
+                           "--no-kv-store", "--port", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("v4serve serve: ") and "model.safetensors" in last
+
+
+def test_an_engine_process_dying_while_loading_is_a_startup_error() -> None:
+    from tests.faults import exit_while_loading
+
+    client = EngineCoreClient(exit_while_loading, None, None, 1)
+    with pytest.raises(EngineStartupError, match=r"exited while starting \(exit status 3\)"):
+        client.wait_ready()
+
+
+def test_the_front_end_never_imports_torch() -> None:
+    code = "import sys, v4serve.server.serve; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
