@@ -31,9 +31,10 @@ RTOL = 1e-4
 
 CONFIGS = {
     "tiny": tiny_config(),
-    # More heads, groups and experts than ranks several times over.
+    # More heads, groups and experts than ranks several times over; an odd vocabulary (rank 0 holds
+    # one row more: the logits' all-gather pads rank 1's).
     "wide": tiny_config(num_heads=8, head_dim=32, o_groups=4, o_lora_rank=32, n_routed_experts=16,
-                        index_n_heads=8, moe_intermediate_size=32),
+                        index_n_heads=8, moe_intermediate_size=32, vocab_size=321),
     # Quantized shards that fall on whole scale blocks at TP 2: 128 rows of wq_b, wo_a and the FP8
     # shared expert per rank, 128 columns of wo_b and of the shared w2, 32-value groups of the FP4 w2.
     "packed": tiny_config(o_lora_rank=128, moe_intermediate_size=256),
@@ -80,6 +81,8 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(folders, two_ranks,
     assert got.logits.shape == want.logits.shape == (len(PROMPT) + DECODES, CONFIGS[name].vocab_size)
     assert rel_err(got.logits, want.logits) <= RTOL
     assert got.tokens == want.tokens
+    # One latent KV head: every rank holds the whole KV cache, and the same bytes in it.
+    assert len(got.kv_digests) == RANKS and len(set(got.kv_digests)) == 1
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'ep' if c[1] else 'tp'}")

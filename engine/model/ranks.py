@@ -8,6 +8,7 @@ rank 0's results come back. Several cases share one spawn: starting ranks costs 
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class SequenceResult:
     logits: torch.Tensor  # [len(prompt) + decode_steps, V]: prompt rows, then each decode's
     tokens: list[int]  # the greedy tokens of the decode steps
     resident_bytes: list[int]  # each rank's parameters and buffers
+    kv_digests: list[str]  # each rank's whole DeviceKV (sha256): every rank must hold the same bytes
     prefill_seconds: float = 0.0  # wall time of the chunked prompt (rank 0)
     decode_seconds: float = 0.0  # mean wall time of one decode step (rank 0)
     decode_traffic: dict[str, int] = field(default_factory=dict)  # rank 0's collective bytes per decode step
@@ -65,7 +67,16 @@ def run_sequence(model: torch.nn.Module, case: SequenceCase) -> SequenceResult:
     steps = max(case.decode_steps, 1)
     traffic = {"all_reduce": TRAFFIC.all_reduce_bytes // steps, "all_gather": TRAFFIC.all_gather_bytes // steps,
                "calls": TRAFFIC.calls // steps}
-    return SequenceResult(torch.cat(parts), tokens, [resident_bytes(model)], prefill, elapsed / steps, traffic)
+    return SequenceResult(torch.cat(parts), tokens, [resident_bytes(model)], [_kv_digest(seq)], prefill,
+                          elapsed / steps, traffic)
+
+
+def _kv_digest(seq: SingleSequence) -> str:
+    h = hashlib.sha256()
+    for layer in seq.device_kv.layers:
+        for t in (*layer.slot_tensors(), *layer.block_tensors()):
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def run_on_ranks(cases: list[SequenceCase], ranks: int, threads: int | None = None) -> list[SequenceResult]:
@@ -87,9 +98,10 @@ def _rank_main(rank: int, ranks: int, port: int, cases: list[SequenceCase], out:
             parallel = ParallelConfig(ranks, case.expert_parallel, rank)
             model = load_model(case.folder, packed=case.packed, parallel=parallel, progress=False)
             result = run_sequence(model, case)
-            sizes: list[list[int] | None] = [None] * ranks
-            dist.all_gather_object(sizes, result.resident_bytes)
-            result.resident_bytes = [size for rank_sizes in sizes for size in rank_sizes or []]
+            facts: list[tuple[list[int], list[str]] | None] = [None] * ranks
+            dist.all_gather_object(facts, (result.resident_bytes, result.kv_digests))
+            result.resident_bytes = [rank_facts[0][0] for rank_facts in facts if rank_facts]
+            result.kv_digests = [rank_facts[1][0] for rank_facts in facts if rank_facts]
             results.append(result)
         if rank == 0:
             torch.save(results, out)
