@@ -6,14 +6,16 @@ scale block. Every two-rank case runs in one spawn (starting ranks costs seconds
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from v4serve.engine.model import loader
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint
+from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
 from v4serve.engine.model.loader import CheckpointError
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
@@ -115,8 +117,12 @@ def test_shards_put_together_are_the_whole_checkpoint(folders, name, ep, packed)
     """Loaded in one process rank by rank (no process group is needed to load): every tensor is
     whole on each rank, or the ranks' parts concatenate to it (codes and scales alike), or under
     expert parallelism exactly one rank holds it."""
-    whole = load_model(folders[name], packed=packed, progress=False).state_dict()
-    models = [load_model(folders[name], packed=packed, progress=False, parallel=ParallelConfig(RANKS, ep, rank))
+    check_shards(folders[name], ep, packed)
+
+
+def check_shards(folder: Path, ep: bool, packed: bool) -> None:
+    whole = load_model(folder, packed=packed, progress=False).state_dict()
+    models = [load_model(folder, packed=packed, progress=False, parallel=ParallelConfig(RANKS, ep, rank))
               for rank in range(RANKS)]
     assert all((packed_count(model) > 0) == packed for model in models)
     shards = [model.state_dict() for model in models]
@@ -130,6 +136,35 @@ def test_shards_put_together_are_the_whole_checkpoint(folders, name, ep, packed)
             axis = next(i for i, (a, b) in enumerate(zip(parts[0].shape, tensor.shape, strict=True)) if a != b)
             assert torch.equal(torch.cat(parts, dim=axis), tensor), key
     assert set().union(*shards) == set(whole)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_merged_expert_tensors_and_fp32_scales_shard_alike(tmp_path, ep) -> None:
+    """transformers' spelling: experts merged into `gate_up_proj` [E, 2I, D] / `down_proj` (one
+    expert's region of them read per rank, the gate and up halves each sliced) with fp32
+    `weight_scale_inv` scales."""
+    model = build_tiny(CONFIGS["packed"])
+    state = quantize_checkpoint_state({k: v.contiguous() for k, v in model.state_dict().items()}, "fp8")
+    renamed: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".scale"):
+            renamed["model." + name.removesuffix(".scale") + ".weight_scale_inv"] = tensor.float()
+        else:
+            renamed["model." + name] = tensor
+    for layer in range(model.cfg.num_layers):
+        p = f"model.layers.{layer}"
+        for suffix, tail in ((".weight", ""), (".weight_scale_inv", "_scale_inv")):
+            def expert(e: int, w: str, suffix: str = suffix, p: str = p) -> torch.Tensor:
+                return renamed.pop(f"{p}.ffn.experts.{e}.{w}{suffix}")
+
+            experts = range(model.cfg.n_routed_experts)
+            renamed[f"{p}.mlp.experts.gate_up_proj{tail}"] = torch.stack(
+                [torch.cat([expert(e, "w1"), expert(e, "w3")]) for e in experts])
+            renamed[f"{p}.mlp.experts.down_proj{tail}"] = torch.stack([expert(e, "w2") for e in experts])
+    save_file(renamed, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(model.cfg.to_official_dict()))
+    for packed in (True, False):
+        check_shards(tmp_path, ep, packed)
 
 
 def test_expert_parallel_ranks_keep_the_checkpoint_names_of_their_experts(folders) -> None:
