@@ -505,10 +505,14 @@ class _Handles:
         self._open: dict[Path, Any] = {}
         self._whole: tuple[_Stored, torch.Tensor] | None = None
 
-    def read(self, entry: _Stored, expert: int | None = None) -> torch.Tensor:
+    def _handle(self, entry: _Stored) -> Any:
         handle = self._open.get(entry.file)
         if handle is None:
             handle = self._open[entry.file] = safe_open(entry.file, framework="pt")
+        return handle
+
+    def read(self, entry: _Stored, expert: int | None = None) -> torch.Tensor:
+        handle = self._handle(entry)
         if expert is None:
             return handle.get_tensor(entry.key)
         # Slicing one expert out of a merged tensor avoids materialising all experts at once.
@@ -521,10 +525,7 @@ class _Handles:
 
     def read_region(self, entry: _Stored, expert: int | None, region: tuple[slice, ...]) -> torch.Tensor:
         """Part of a stored tensor (of one expert), in stored indices: only these bytes are read."""
-        handle = self._open.get(entry.file)
-        if handle is None:
-            handle = self._open[entry.file] = safe_open(entry.file, framework="pt")
-        return handle.get_slice(entry.key)[region if expert is None else (expert, *region)]
+        return self._handle(entry).get_slice(entry.key)[region if expert is None else (expert, *region)]
 
 
 def _materialize(
