@@ -6,6 +6,9 @@ The shared expert rides along as expert E (E+S−1 when it is S experts wide) wi
 weights of routed and shared experts live in one stack, so one launch of `experts` runs them all.
 Choices are [T, k + S]: the k routed experts in the gate's order, then the S shared ones.
 
+Under expert parallelism a rank's stack holds only its experts, and a choice equal to the stack's
+length marks a pair whose expert another rank holds (`remote=True`): it adds nothing here.
+
 Shapes: T = tokens, D = hidden size, E = routed experts, S = shared experts, I = expert width,
 k = routed experts per token, V = vocabulary.
 """
@@ -59,13 +62,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, rowwise: Elementw
 
 def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             w3: torch.Tensor, limit: float, linear: Callable[..., torch.Tensor] = quant_linear.linear,
-            rowwise: Elementwise = _batched) -> torch.Tensor:
+            rowwise: Elementwise = _batched, remote: bool = False) -> torch.Tensor:
     """x [T, D], weights/chosen [T, k + S], w1/w3 [E+S, I, D], w2 [E+S, D, I] → Σ_j weight_j · expert_j(x) [T, D].
     Tokens are grouped by expert (one matmul per expert in use); each token's terms are added in
     expert order. `linear`/`rowwise` may be per-row forms (--batch-invariant): a token's result then
-    does not depend on which other tokens chose the same expert."""
+    does not depend on which other tokens chose the same expert. `remote`: choices equal to the
+    stack's length are other ranks' experts, skipped."""
     out = torch.zeros_like(x)
     for e in chosen.unique().tolist():
+        if remote and e == w1.shape[0]:
+            continue
         token, which = torch.where(chosen == e)
         rows = x[token]
         y = linear(swiglu(linear(rows, w1[e]), linear(rows, w3[e]), limit, rowwise), w2[e])

@@ -199,9 +199,11 @@ Stack = torch.Tensor | QuantizedWeight
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: Stack, w2: Stack, w3: Stack,
-            limit: float) -> torch.Tensor:
+            limit: float, remote: bool = False) -> torch.Tensor:
     """Dense stacks or packed ones (`QuantizedWeight` [E+S, I, D] etc., FP8 or FP4: their tiles are
-    decoded in the kernels, never the whole stack); all three alike."""
+    decoded in the kernels, never the whole stack); all three alike. `remote`: choices equal to the
+    stack's length (other ranks' experts) sort after every real pair, no program runs them, and
+    their rows of y are zeros."""
     t, d = x.shape
     if t == 0:
         return torch.zeros_like(x)
@@ -213,6 +215,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: St
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
     ends = torch.cumsum(torch.bincount(flat, minlength=groups), 0)
     rows = torch.empty(t * ks * (inter + d), dtype=x.dtype, device=x.device)  # one allocation for both
+    if remote:
+        rows[t * ks * inter:].zero_()  # the skipped pairs' results: summed below, so they must be zero
     h, y = rows[:t * ks * inter].view(t * ks, inter), rows[t * ks * inter:].view(t * ks, d)
     run = _packed_launches if all(packed) else _dense_launches
     run(x.contiguous(), weights.contiguous().flatten(), order, ends, h, y, w1, w2, w3, limit, ks)

@@ -133,3 +133,25 @@ def test_stacked_experts_keep_the_checkpoint_names_and_round_trip(shared: int) -
     other = build_tiny(cfg, seed=2)
     other.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), state.values(), strict=True))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+def test_remote_choices_add_nothing(backend: str) -> None:
+    """Expert parallelism: a rank's stack holds some experts; a choice equal to the stack's length
+    (another rank's expert) contributes zero, so the ranks' outputs sum to the whole MoE's."""
+    from v4serve.kernels import moe_triton
+
+    run = moe.experts if backend == "torch" else moe_triton.experts
+    gen = torch.Generator().manual_seed(11)
+    tokens, d, inter, experts, k = 9, 64, 32, 6, 2
+    x = rand(tokens, d, gen=gen)
+    weights, chosen = moe.route(rand(tokens, experts, gen=gen), rand(experts, gen=gen), None, "softmax", k, 1.0, 0)
+    w1, w2, w3 = stack(experts, 0, inter, d, gen)
+    want = moe.experts(x, weights, chosen, w1, w2, w3, 0.0)
+    halves = []
+    for lo in (0, experts // 2):
+        here = chosen - lo
+        here = here.masked_fill((here < 0) | (here >= experts // 2), experts // 2)
+        part = slice(lo, lo + experts // 2)
+        halves.append(run(x, weights, here, w1[part], w2[part], w3[part], 0.0, remote=True))
+    assert (halves[0] + halves[1] - want).abs().max() <= 2e-6 * want.abs().max()

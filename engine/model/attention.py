@@ -9,6 +9,10 @@ Per layer: project; feed the compressors and write the entries they finish (Bloc
 the indexer's top-k; attend (`kernels.sparse_attention`, over the whole ragged batch); then store
 the new window keys in the State Cache rings. Host-side loops here treat decoding sequences in one
 batched pass, since per-sequence overhead is what bounds decode throughput.
+
+Under tensor parallelism (engine/model/parallel.py) a rank holds H/N heads and o_groups/N output
+groups; the KV (one latent head) and everything before `wq_b` are whole on every rank, and the
+output projection's partial sums are all-reduced.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary, SharedInput
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.packed import weight_of
+from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
 from v4serve.kernels.kv_fp8 import Record, decode, encode
 from v4serve.kernels.paged import read_entries, write_entries
@@ -29,28 +34,31 @@ from v4serve.kernels.registry import load_kernels
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratios[layer]
-        h, d = cfg.num_heads, cfg.head_dim
+        ranks = parallel.size if parallel is not None else 1
+        h, d = cfg.num_heads // ranks, cfg.head_dim  # this rank's heads
         self.n_heads, self.head_dim, self.window = h, d, cfg.window
+        self.o_groups = cfg.o_groups // ranks  # this rank's output groups (each H/G heads wide)
         self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
         self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.wo_a = nn.Linear(cfg.num_heads * d // cfg.o_groups, self.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.reduce = all_reduce_sum if ranks > 1 else None  # wo_b's partial sums over the ranks' groups
         self.kernels = load_kernels("torch")
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.ratio:
             self.compressor = Compressor(cfg.hidden_size, d, self.ratio, self.kind == "csa", cfg.rms_norm_eps)
         if self.kind == "csa":
-            self.indexer = Indexer(cfg, self.ratio)
+            self.indexer = Indexer(cfg, self.ratio, parallel)
         # Projections of the same input, one GEMM each once fused (`fuse_projections`).
         self.x_inputs = SharedInput([self.wq_a, self.wkv, *(self.compressor.inputs() if self.compressor else []),
                                      *(self.indexer.inputs() if self.indexer else [])])
@@ -88,11 +96,12 @@ class Attention(nn.Module):
                                  self.attn_sink, self.head_dim**-0.5, record)
         k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
         out = k.rope(out, cos, sin, inverse=True, out=q)  # V = K carried RoPE: rotate back; q is dead by now
-        groups = out.reshape(t, self.cfg.o_groups, -1)  # [T, G, H·d/G]
+        groups = out.reshape(t, self.o_groups, -1)  # [T, G, H·d/G]
         wo_a = weight_of(self.wo_a)
         if isinstance(wo_a, torch.Tensor):
-            wo_a = wo_a.view(self.cfg.o_groups, self.cfg.o_lora_rank, -1)  # [G, O, H·d/G]
-        return k.linear(k.grouped_linear(groups, wo_a).flatten(1), weight_of(self.wo_b))
+            wo_a = wo_a.view(self.o_groups, self.cfg.o_lora_rank, -1)  # [G, O, H·d/G]
+        out = k.linear(k.grouped_linear(groups, wo_a).flatten(1), weight_of(self.wo_b))  # [T, D]
+        return out if self.reduce is None else self.reduce(out)
 
     # ---- compressed entries ----------------------------------------------------------------------------
     def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], positions: torch.Tensor,
@@ -143,7 +152,8 @@ class Attention(nn.Module):
         """Top-k of R queries by `kernels.index_scores` → [R, min(k, n)] (−1 past each one's count;
         `mask=False` when every count is at least k, so no pick can be past it)."""
         assert self.indexer is not None
-        scores = self.kernels.index_scores(iq, iw, index_keys, tables, counts, n, self.indexer.w_scale)
+        scores = self.indexer.summed(self.kernels.index_scores(iq, iw, index_keys, tables, counts, n,
+                                                               self.indexer.w_scale))
         top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
         return top.masked_fill(top >= counts[:, None], -1) if mask else top
 

@@ -16,6 +16,7 @@ from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.loader import packed_formats, read_config_json, stream_checkpoint
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import pack_model, resident_bytes
+from v4serve.engine.model.parallel import ParallelConfig, RankShard, local
 from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
 
 QUANTIZE_MODES = ("fp8", "fp4", "mixed")
@@ -99,22 +100,26 @@ def _shard(tensors: dict[str, torch.Tensor], limit: int | None) -> list[dict[str
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True, packed: bool = False) -> DeepseekV4:
+               progress: bool = True, packed: bool = False, parallel: ParallelConfig | None = None) -> DeepseekV4:
     """Build the model a checkpoint folder describes and load its weights, each tensor put on `device`
     as it is read. `packed`: FP8/FP4 weights whose layers can compute from them stay in checkpoint
     precision (`--weight-dtype checkpoint`); the rest, and everything when not `packed`, is
-    dequantized to `dtype`."""
+    dequantized to `dtype`. `parallel`: build and read only that rank's shard (engine/model/parallel.py);
+    the process group is needed only to run it, not to load it."""
     cfg = ModelConfig.from_dict(read_config_json(folder))
     formats = packed_formats(folder) if packed else {}
+    parallel = local(parallel)
+    sharding = RankShard(cfg, parallel) if parallel is not None else None
     with torch.device("meta"):
-        model = DeepseekV4(cfg).to(dtype)  # packed buffers are bytes: the cast leaves them alone
+        model = DeepseekV4(cfg, parallel).to(dtype)  # packed buffers are bytes: the cast leaves them alone
         pack_model(model, formats)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     model = model.to_empty(device=device)
     # Views of the model's own storage (stacked experts included): each tensor is copied straight in.
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, tensor in stream_checkpoint(folder, expected, dtype=dtype, progress=progress, packed=formats):
+        for name, tensor in stream_checkpoint(folder, expected, dtype=dtype, progress=progress, packed=formats,
+                                               sharding=sharding):
             targets[name].copy_(tensor)
     log.info("loaded %s: %d layers, %.1f MB resident (%d weights in checkpoint precision)", folder,
              cfg.num_layers, resident_bytes(model) / 1e6, len(formats))

@@ -20,6 +20,7 @@ from torch import nn
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import SeqChunk
+from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
 from v4serve.kernels.compressor import pool
 from v4serve.kernels.norm_rope import rope
 from v4serve.kernels.paged import ring_read, ring_write
@@ -99,11 +100,16 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning Indexer: I[t,s] = Σ_h relu(qI[t,h]·kI[s]) · w[t,h]; top-k picks CSA entries."""
+    """Lightning Indexer: I[t,s] = Σ_h relu(qI[t,h]·kI[s]) · w[t,h]; top-k picks CSA entries. Under
+    tensor parallelism a rank holds hI/N heads: its scores are partial sums over heads, all-reduced
+    (`summed`) before any top-k so that every rank picks the same entries."""
 
-    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
+    def __init__(self, cfg: ModelConfig, ratio: int, parallel: ParallelConfig | None = None) -> None:
         super().__init__()
-        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        ranks = parallel.size if parallel is not None else 1
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads // ranks, cfg.index_head_dim, cfg.index_topk
+        self.total_heads = cfg.index_n_heads  # the scale averages over all heads, not this rank's
+        self.reduce = all_reduce_sum if ranks > 1 else None
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
@@ -124,14 +130,19 @@ class Indexer(nn.Module):
     @property
     def w_scale(self) -> float:
         """Both of the indexer's scales: the heads' mean and the dot product's."""
-        return self.n_heads**-0.5 * self.head_dim**-0.5
+        return self.total_heads**-0.5 * self.head_dim**-0.5
+
+    def summed(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores [..., N] over this rank's heads → over all heads (−inf where not visible: the
+        same entries on every rank, and −inf + −inf stays −inf)."""
+        return scores if self.reduce is None else self.reduce(scores)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, n, hI, dI], w [B, n, hI] (unscaled), keys [B, N, dI], visible [B, n, N] →
         (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
         logits = torch.einsum("bnhc,bsc->bnhs", q, keys).relu_()  # [B, n, hI, N]
-        scores = ((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2)  # Σ_h w·relu(q·k) → [B, n, N]
+        scores = self.summed(((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2))  # Σ_h w·relu(q·k) [B, n, N]
         scores = scores.masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
         return top, visible.gather(-1, top)

@@ -14,6 +14,12 @@ Every header is read and checked against `expected` before any tensor data is, s
 checkpoint fails in seconds rather than after reading 100 GB. Tensors are then read one by one
 (merged experts one expert slab at a time) and dequantized as they come, keeping peak memory
 close to the size of the result.
+
+Under tensor or expert parallelism (engine/model/parallel.py) a rank passes its `Sharding`: only the
+tensors it holds are read, each through safetensors' `get_slice`, so a rank reads its rows or
+columns and never a whole split tensor. Quantized weights are sliced as stored (codes with the
+scales that cover them), so they can stay packed; a slice that would cut an FP8 128x128 scale block
+or an FP4 32-value group is refused before any tensor data is read.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -133,6 +139,24 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class TensorSlice:
+    """The part of an official tensor one rank holds: [start, stop) along `axis` of its logical shape
+    (FP4 unpacked, one expert; 0 = rows, 1 = columns of a weight)."""
+
+    axis: int
+    start: int
+    stop: int
+
+
+class Sharding(Protocol):
+    """Which official tensors a rank holds, and which slice of each (None: all of it)."""
+
+    def holds(self, name: str) -> bool: ...
+
+    def slice_of(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None: ...
+
+
+@dataclass(frozen=True)
 class _Stored:
     """One tensor as the safetensors header describes it."""
 
@@ -158,6 +182,7 @@ class _Unit:
     scale: _Stored | None = None
     expert: int | None = None
     outputs: list[tuple[str, slice | None]] = field(default_factory=list)
+    parts: dict[str, TensorSlice] = field(default_factory=dict)  # a rank's slice of some outputs
 
     @property
     def quant(self) -> str:
@@ -172,11 +197,24 @@ class _Unit:
             shape = (*shape[:-1], shape[-1] * 2)
         return shape[1:] if self.expert is not None else shape
 
-    def output_shape(self, rows: slice | None) -> tuple[int, ...]:
+    def output_shape(self, rows: slice | None, part: TensorSlice | None = None) -> tuple[int, ...]:
         shape = self.logical_shape()
-        if rows is None:
-            return shape
-        return (len(range(*rows.indices(shape[0]))), *shape[1:])
+        if rows is not None:
+            shape = (len(range(*rows.indices(shape[0]))), *shape[1:])
+        if part is not None:
+            shape = (*shape[:part.axis], part.stop - part.start, *shape[part.axis + 1:])
+        return shape
+
+    def region(self, rows: slice | None, part: TensorSlice | None) -> tuple[slice, ...]:
+        """Where one output lies in the stored tensor (its expert), in logical indices per dim."""
+        shape = self.logical_shape()
+        region = [slice(0, n) for n in shape]
+        if rows is not None:
+            region[0] = slice(*rows.indices(shape[0])[:2])
+        if part is not None:
+            at = region[part.axis].start
+            region[part.axis] = slice(at + part.start, at + part.stop)
+        return tuple(region)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +422,8 @@ def _check(plan: _Plan, expected: Mapping[str, tuple[Any, torch.dtype]]) -> list
             if name in expected:
                 shapes.extend(_check_shape(unit, name, rows, tuple(expected[name][0])))
                 dtypes.extend(_check_dtype(unit, name, expected[name][1]))
+            if name in unit.parts:
+                problems.extend(_check_part(unit, name, rows))
     if shapes:
         problems.append(f"{len(shapes)} shape mismatch(es):" + _short(shapes, sep="\n    ", lead="\n    "))
     if dtypes:
@@ -394,7 +434,7 @@ def _check(plan: _Plan, expected: Mapping[str, tuple[Any, torch.dtype]]) -> list
 
 
 def _check_shape(unit: _Unit, name: str, rows: slice | None, want: tuple[int, ...]) -> list[str]:
-    found = unit.output_shape(rows)
+    found = unit.output_shape(rows, unit.parts.get(name))
     if found == want:
         return []
     return [f"{name}: expected {list(want)}, found {list(found)} ({unit.weight.where()})"]
@@ -408,6 +448,28 @@ def _check_dtype(unit: _Unit, name: str, want: torch.dtype | None) -> list[str]:
     elif unit.scale is None and stored not in _FLOAT_DTYPES:
         return [f"{name} must be a floating tensor, found {stored} without a scale ({unit.weight.where()})"]
     return []
+
+
+def _check_part(unit: _Unit, name: str, rows: slice | None) -> list[str]:
+    """A rank's slice of a quantized tensor must hold whole scale blocks: FP8 128x128 tiles (rows and
+    columns), FP4 32-value groups (columns; rows are free). A slice may end at the tensor's edge."""
+    part = unit.parts[name]
+    if unit.quant == "none":
+        return []
+    if unit.weight.dtype in _FP4_DTYPES:
+        return [f"{name}: safetensors cannot read part of float4 tensor {unit.weight.where()}; "
+                "store FP4 codes as int8 pairs (the official layout) to shard it"]
+    last = part.axis == len(unit.logical_shape()) - 1
+    if unit.quant == "fp8":
+        block, what = FP8_BLOCK[part.axis], f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} scale block"
+    else:
+        block, what = (FP4_GROUP if last else 1), f"{FP4_GROUP}-value scale group"
+    span = unit.region(rows, part)[part.axis]
+    if span.start % block == 0 and (span.stop % block == 0 or span.stop == unit.logical_shape()[part.axis]):
+        return []
+    return [f"{name}: this rank's {'columns' if last else 'rows'} [{span.start}, {span.stop}) of "
+            f"{unit.weight.where()} would split an {unit.quant.upper()} {what}; choose a tensor-parallel size "
+            "whose shards hold whole blocks, or store the checkpoint unquantized"]
 
 
 def _check_scale_shape(unit: _Unit) -> list[str]:
@@ -443,10 +505,14 @@ class _Handles:
         self._open: dict[Path, Any] = {}
         self._whole: tuple[_Stored, torch.Tensor] | None = None
 
-    def read(self, entry: _Stored, expert: int | None = None) -> torch.Tensor:
+    def _handle(self, entry: _Stored) -> Any:
         handle = self._open.get(entry.file)
         if handle is None:
             handle = self._open[entry.file] = safe_open(entry.file, framework="pt")
+        return handle
+
+    def read(self, entry: _Stored, expert: int | None = None) -> torch.Tensor:
+        handle = self._handle(entry)
         if expert is None:
             return handle.get_tensor(entry.key)
         # Slicing one expert out of a merged tensor avoids materialising all experts at once.
@@ -457,11 +523,17 @@ class _Handles:
             self._whole = (entry, handle.get_tensor(entry.key))
         return self._whole[1][expert]
 
+    def read_region(self, entry: _Stored, expert: int | None, region: tuple[slice, ...]) -> torch.Tensor:
+        """Part of a stored tensor (of one expert), in stored indices: only these bytes are read."""
+        return self._handle(entry).get_slice(entry.key)[region if expert is None else (expert, *region)]
+
 
 def _materialize(
     unit: _Unit, handles: _Handles, dtype: torch.dtype, int_dtypes: dict[str, torch.dtype],
     packed: Mapping[str, PackedFormat],
 ) -> list[tuple[str, torch.Tensor]]:
+    if unit.parts:
+        return _sliced_outputs(unit, handles, dtype, int_dtypes, packed)
     tensor = handles.read(unit.weight, unit.expert)
     if unit.scale is not None and unit.outputs[0][0] in packed:
         return _packed_outputs(unit, tensor, handles.read(unit.scale, unit.expert), packed)
@@ -485,15 +557,65 @@ def _materialize(
     return out
 
 
-def _packed_outputs(unit: _Unit, codes: torch.Tensor, scale: torch.Tensor, packed: Mapping[str, PackedFormat]
-                    ) -> list[tuple[str, torch.Tensor]]:
-    """Codes and scales as stored (bytes; fp32 scales as int32 bits: see engine/model/packed.py),
-    split by rows where a merged tensor holds two weights."""
+def _sliced_outputs(
+    unit: _Unit, handles: _Handles, dtype: torch.dtype, int_dtypes: dict[str, torch.dtype],
+    packed: Mapping[str, PackedFormat],
+) -> list[tuple[str, torch.Tensor]]:
+    """A rank's outputs of one unit, each read on its own: its region of the codes, and of the scales
+    the region's whole blocks (`_check_part` made sure it holds whole ones), as the unsliced path
+    would give them for a tensor of that shape."""
+    out = []
+    for name, rows in unit.outputs:
+        region = unit.region(rows, unit.parts.get(name))
+        tensor = handles.read_region(unit.weight, unit.expert, _stored_region(unit, region))
+        if unit.scale is None:
+            out.append((name, tensor.to(int_dtypes.get(name, dtype))))
+            continue
+        scale = handles.read_region(unit.scale, unit.expert, _scale_region(unit, region))
+        if name in packed:
+            codes, scale = _as_resident(tensor, scale)
+            out += [(name, codes), (_scale_name(name), scale)]
+        elif unit.quant == "fp8":
+            out.append((name, dequant_fp8_block(tensor, scale, FP8_BLOCK, dtype)))
+        else:
+            out.append((name, dequant_fp4_packed(tensor, scale, FP4_GROUP, dtype)))
+    return out
+
+
+def _stored_region(unit: _Unit, region: tuple[slice, ...]) -> tuple[slice, ...]:
+    """Logical indices → stored ones: packed FP4 holds two columns per byte."""
+    if unit.quant != "fp4" or unit.weight.dtype not in _PACKED_FP4_DTYPES:
+        return region
+    cols = region[-1]
+    return (*region[:-1], slice(cols.start // 2, -(-cols.stop // 2)))
+
+
+def _scale_region(unit: _Unit, region: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The scales covering a region: FP8 one per 128x128 tile, FP4 one per 32 columns of a row."""
+    def blocks(span: slice, size: int) -> slice:
+        return slice(span.start // size, -(-span.stop // size))
+
+    if unit.quant == "fp8":
+        return (*region[:-2], blocks(region[-2], FP8_BLOCK[0]), blocks(region[-1], FP8_BLOCK[1]))
+    return (*region[:-1], blocks(region[-1], FP4_GROUP))
+
+
+def _as_resident(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales as a packed layer holds them: bytes, fp32 scales as int32 bits (see
+    engine/model/packed.py)."""
     codes = codes.contiguous().view(torch.uint8)
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
         scale = scale.view(torch.uint8)
     elif scale.dtype != torch.uint8:
         scale = scale.to(torch.float32).view(torch.int32)
+    return codes, scale
+
+
+def _packed_outputs(unit: _Unit, codes: torch.Tensor, scale: torch.Tensor, packed: Mapping[str, PackedFormat]
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Codes and scales as stored (bytes; fp32 scales as int32 bits: see engine/model/packed.py),
+    split by rows where a merged tensor holds two weights."""
+    codes, scale = _as_resident(codes, scale)
     out = []
     for name, rows in unit.outputs:
         if rows is None:
@@ -598,6 +720,7 @@ def stream_checkpoint(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     packed: Mapping[str, PackedFormat] | None = None,
+    sharding: Sharding | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(official name, tensor) for every tensor of `expected`, read one at a time, so the caller can
     put each on its device before the next is read (no whole-model copy in host memory).
@@ -608,11 +731,14 @@ def stream_checkpoint(
     come back as stored instead: their codes as bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales
     as int32 bits). Multi-token-prediction tensors (`mtp.*`) are skipped. Raises CheckpointError
     naming the offending tensors, before any tensor data is read, when the checkpoint does not match.
+    `sharding`: one rank's part (module docstring); `expected` then holds that rank's shapes.
     """
     path = Path(path)
     packed = dict(packed or {})
     files, weight_map = _shard_files(path)
     plan = _plan(_scan(files, weight_map))
+    if sharding is not None:
+        _shard_plan(plan, sharding)
     problems = _check(plan, _as_dequantized(expected, packed))
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
@@ -629,6 +755,21 @@ def stream_checkpoint(
             raise CheckpointError(f"{name}: the model expects {list(want[0])}, the checkpoint gives "
                                   f"{list(tensor.shape)}")
         yield name, tensor
+
+
+def _shard_plan(plan: _Plan, sharding: Sharding) -> None:
+    """Keep only the tensors a rank holds, each with the slice of it the rank holds."""
+    units = []
+    for unit in plan.units:
+        unit.outputs = [(name, rows) for name, rows in unit.outputs if sharding.holds(name)]
+        for name, rows in unit.outputs:
+            part = sharding.slice_of(name, unit.output_shape(rows))
+            if part is not None:
+                unit.parts[name] = part
+        if unit.outputs:
+            units.append(unit)
+    plan.units = units
+    plan.sources = {name: unit for name, unit in plan.sources.items() if sharding.holds(name)}
 
 
 def _as_dequantized(expected: Mapping[str, tuple[Any, torch.dtype]], packed: Mapping[str, PackedFormat]

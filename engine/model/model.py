@@ -8,6 +8,10 @@ hc = residual streams. The attention (window, CSA, HCA, compressors, indexer) is
 The forward pass takes a flattened batch of new tokens from several sequences plus an
 `AttentionMetadata` describing each sequence (its State Cache slot, block table, start
 position); all KV is read from and written to a `DeviceKV`.
+
+`DeepseekV4(cfg, parallel)` builds one rank's shard under tensor/expert parallelism
+(engine/model/parallel.py says which weights split and how the parts are summed); without it, or at
+size 1, the modules and the computation are exactly the single-process ones.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.engine.model.packed import weight_of
+from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum, embed_shard, gather_vocab, local
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.moe import swiglu
 from v4serve.kernels.norm_rope import rms_norm
@@ -77,19 +82,30 @@ class MoE(nn.Module):
     """Routed experts (and, when there is exactly one, the shared expert) in one stack of weights,
     [E (+1), ...], so one kernel runs them all (kernels/moe.py). The state dict keeps the
     checkpoint's names (`experts.{e}.w1.weight`, `shared_experts.w1.weight`, ...), with `.scale`
-    companions when the experts stay packed (`pack_experts`)."""
+    companions when the experts stay packed (`pack_experts`).
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    Under tensor parallelism every expert's width I is split (a rank holds I/N channels of each);
+    under expert parallelism a rank holds E/N whole routed experts (`first_expert` on) and the
+    shared experts' I/N channels, so the shared expert leaves the stack (its width differs). The
+    router is whole on every rank; the output is a partial sum, all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig | None = None) -> None:
         super().__init__()
         self.gate = Gate(cfg, hashed=layer < cfg.num_hash_layers)
         self.kernels = load_kernels("torch")
-        self.num_routed, self.limit = cfg.n_routed_experts, cfg.swiglu_limit
-        inter, dim = cfg.moe_intermediate_size, cfg.hidden_size
-        self.stacked_shared = cfg.n_shared_experts == 1
+        self.limit = cfg.swiglu_limit
+        ranks = parallel.size if parallel is not None else 1
+        self.split_experts = parallel is not None and parallel.splits_experts
+        first, stop = parallel.span(cfg.n_routed_experts) if self.split_experts else (0, cfg.n_routed_experts)
+        self.first_expert, self.num_routed = first, stop - first  # this rank's routed experts
+        inter, dim = cfg.moe_intermediate_size // (1 if self.split_experts else ranks), cfg.hidden_size
+        self.stacked_shared = cfg.n_shared_experts == 1 and not self.split_experts
         self.shared_experts: SharedExperts | None = None
-        if cfg.n_shared_experts > 1:
-            self.shared_experts = SharedExperts(dim, cfg.n_shared_experts * inter, self.limit)
+        if cfg.n_shared_experts and not self.stacked_shared:
+            width = cfg.n_shared_experts * cfg.moe_intermediate_size // ranks
+            self.shared_experts = SharedExperts(dim, width, self.limit)
             self.gate.num_shared = 0
+        self.reduce = all_reduce_sum if ranks > 1 else None
         n = self.num_routed + int(self.stacked_shared)
         self.formats: dict[str, str] = {}  # stacked weight → "fp8"/"fp4" once packed
         self.w1 = nn.Parameter(torch.zeros(n, inter, dim))  # gate projections
@@ -120,8 +136,20 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(x, input_ids)  # [T, k (+1)]
         k = self.kernels
-        out = k.experts(x, weights, chosen, self.stacked("w1"), self.stacked("w2"), self.stacked("w3"), self.limit)
-        return out if self.shared_experts is None else out + self.shared_experts(x, k)
+        w1, w2, w3 = self.stacked("w1"), self.stacked("w2"), self.stacked("w3")
+        if self.split_experts:
+            out = k.experts(x, weights, self._on_this_rank(chosen), w1, w2, w3, self.limit, remote=True)
+        else:
+            out = k.experts(x, weights, chosen, w1, w2, w3, self.limit)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, k)
+        return out if self.reduce is None else self.reduce(out)  # the combine: one all-reduce
+
+    def _on_this_rank(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, k] → this rank's stack indices; experts another rank holds become
+        `num_routed` (one past the stack), which `kernels.experts(remote=True)` skips."""
+        here = chosen - self.first_expert
+        return here.masked_fill((here < 0) | (here >= self.num_routed), self.num_routed)
 
 
 # Which dim of an expert weight holds its intermediate channels: rows of w1/w3, columns of w2.
@@ -136,7 +164,7 @@ def _checkpoint_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, _me
             if stack is None:
                 continue
             for e in range(moe.num_routed):
-                state[f"{prefix}experts.{e}.{w}.{suffix}"] = stack[e]
+                state[f"{prefix}experts.{moe.first_expert + e}.{w}.{suffix}"] = stack[e]
             if moe.stacked_shared:
                 state[f"{prefix}shared_experts.{w}.{suffix}"] = stack[moe.num_routed]
 
@@ -145,7 +173,7 @@ def _stacked_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, *_: ob
     """Checkpoint names → the stacked weights (the inverse of `_checkpoint_names`)."""
     for w in _CHANNEL_DIM:
         for suffix, key in (("weight", w), ("scale", f"{w}_scale")):
-            names = [f"{prefix}experts.{e}.{w}.{suffix}" for e in range(moe.num_routed)]
+            names = [f"{prefix}experts.{moe.first_expert + e}.{w}.{suffix}" for e in range(moe.num_routed)]
             if moe.stacked_shared:
                 names.append(f"{prefix}shared_experts.{w}.{suffix}")
             if any(name not in state for name in names):
@@ -154,13 +182,13 @@ def _stacked_names(moe: MoE, state: dict[str, torch.Tensor], prefix: str, *_: ob
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
         self.kernels = load_kernels("torch")
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer)
+        self.attn = Attention(cfg, layer, parallel)
+        self.ffn = MoE(cfg, layer, parallel)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
@@ -187,13 +215,19 @@ class Block(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None) -> None:
         super().__init__()
+        if parallel is not None:
+            parallel.check(cfg)
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.parallel = local(parallel)
+        # Vocabulary rows of the embedding and head this rank holds (all of them in one process).
+        self.vocab_rows = self.parallel.span(cfg.vocab_size) if self.parallel else (0, cfg.vocab_size)
+        rows = self.vocab_rows[1] - self.vocab_rows[0]
+        self.embed = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, self.parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
@@ -221,14 +255,23 @@ class DeepseekV4(nn.Module):
         positions = batch.row_pos
         cs_main = self.rotary_main.cos_sin(positions)
         cs_comp = self.rotary_compress.cos_sin(positions)
-        h = self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        h = self._embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for block, layer_kv in zip(self.layers, kv.layers, strict=True):
             rotary, (cos, sin) = ((self.rotary_main, cs_main) if block.attn.kind == "swa"
                                   else (self.rotary_compress, cs_comp))
             h = block(h, input_ids, positions, meta, batch, layer_kv, rotary, cos, sin)
         h = h[meta.logits_rows]
         x = self.norm(self._hc_head(h))
-        return self.kernels.linear(x.float(), self.head.weight.float())
+        logits = self.kernels.linear(x.float(), self.head.weight.float())  # [R, V] (this rank's V_r)
+        if self.parallel is None:
+            return logits
+        return gather_vocab(logits, self.cfg.vocab_size, -(-self.cfg.vocab_size // self.parallel.size))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] → [T, D]; a rank holds some vocabulary rows: the lookup is summed over the ranks."""
+        if self.parallel is None:
+            return self.embed(input_ids)
+        return embed_shard(input_ids, self.embed.weight, self.vocab_rows[0])
 
     def _hc_head(self, h: torch.Tensor) -> torch.Tensor:
         eps = self.cfg.hc_eps

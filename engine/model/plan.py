@@ -387,6 +387,18 @@ def weight_kind(name: str) -> str:
     return "other"  # router, norms, mHC parameters
 
 
+def tp_split_axis(name: str) -> int | None:
+    """The axis along which tensor parallelism splits an official tensor (0 rows, 1 columns), or
+    None when every rank holds all of it (the rules of the module docstring)."""
+    return _name_facts(_INDEX.sub(".0.", name))[1]
+
+
+def routed_expert_of(name: str) -> int | None:
+    """The routed expert an official tensor belongs to (`layers.3.ffn.experts.7.w1.weight` → 7)."""
+    match = _ROUTED_EXPERT.search(name)
+    return None if match is None else int(match.group(1))
+
+
 @lru_cache(maxsize=1024)
 def _name_facts(template: str) -> tuple[str, int | None, bool]:
     """(table line, tensor-parallel split axis or None, may stay packed) of a name whose layer and
@@ -423,9 +435,9 @@ class _Residency:
 
     def rank_bytes(self, tensor: StoredTensor, axis: int | None, packable: bool) -> int:
         """Bytes of `tensor` on the largest rank (rank 0: it gets the ceil of every split)."""
-        expert = _ROUTED_EXPERT.search(tensor.name) if self.ep else None
+        expert = routed_expert_of(tensor.name) if self.ep else None
         if expert is not None:
-            held = int(expert.group(1)) < self.experts_per_rank
+            held = expert < self.experts_per_rank
             return self.resident_bytes(tensor, tensor.shape, packable) if held else 0
         shape = tensor.shape
         if axis is not None and self.tp > 1:
