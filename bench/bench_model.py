@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import interleaved, print_table, write_results  # noqa: E402
+from bench.common import decode_seconds, interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
@@ -124,14 +123,7 @@ def decode_tok_s(model: DeepseekV4, batch: int) -> float:
     gen = torch.Generator().manual_seed(batch)
     reqs = [Request(f"r{i}", torch.randint(64, model.cfg.vocab_size, (INVARIANCE_CONTEXT,), generator=gen).tolist(),
                     SamplingParams(max_tokens=INVARIANCE_STEPS + 1, ignore_eos=True)) for i in range(batch)]
-    for r in reqs:
-        engine.add_request(r)
-    while not all(r.output_token_ids for r in reqs):
-        engine.step()
-    t0 = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    return batch * INVARIANCE_STEPS / (time.perf_counter() - t0)
+    return batch * INVARIANCE_STEPS / decode_seconds(engine, reqs)
 
 
 def batch_invariance_cost(model: DeepseekV4, repeats: int) -> list[dict[str, float]]:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import decode_seconds, print_table, write_results  # noqa: E402
 from tests.daemon import daemon  # noqa: E402
 from v4serve.engine.engine import LLMEngine  # noqa: E402
 from v4serve.engine.model.checkpoint import write_checkpoint  # noqa: E402
@@ -97,14 +97,7 @@ def engine_decode(engine: LLMEngine, batch: int, prompts: list[list[int]], outpu
     """Decode tokens/s of `batch` requests, timed once every prompt has its first token."""
     reqs = [Request(f"d{batch}-{i}", p, SamplingParams(max_tokens=output, ignore_eos=True))
             for i, p in enumerate(prompts[:batch])]
-    for r in reqs:
-        engine.add_request(r)
-    while not all(r.output_token_ids for r in reqs):
-        engine.step()
-    t0 = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    return batch * (output - 1) / (time.perf_counter() - t0)
+    return batch * (output - 1) / decode_seconds(engine, reqs)
 
 
 def front_end_cost(folder: Path, levels: list[int], args: argparse.Namespace, vocab: int) -> dict[str, Any]:

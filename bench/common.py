@@ -27,6 +27,19 @@ def time_to_first_token(engine: Any, request: Any) -> float:
     return elapsed
 
 
+def decode_seconds(engine: Any, requests: list[Any]) -> float:
+    """Add `requests` to an engine, run until each has its first token (prefill done), then time the
+    steps until all have finished: the seconds of pure decoding."""
+    for r in requests:
+        engine.add_request(r)
+    while not all(r.output_token_ids for r in requests):
+        engine.step()
+    t0 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t0
+
+
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median seconds of each function, run in turns (A B A B ...) so that noise from a shared
     machine lands on all of them alike."""
