@@ -113,6 +113,8 @@ FromCore = Ready | StartupFailed | Step | Dead
 
 
 def _encode_extra(obj: Any) -> Any:
+    """msgspec's `enc_hook`: convert what msgpack cannot carry as is. Raising NotImplementedError is
+    msgspec's protocol for "unsupported type" (it reports it as a TypeError naming the type)."""
     if isinstance(obj, MappingProxyType):  # the snapshots' read-only mappings
         return dict(obj)
     raise NotImplementedError(f"cannot send {type(obj).__name__} to the other process")
