@@ -46,7 +46,8 @@ from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.5  # how often the parent is looked for when no message arrives
+POLL_SECONDS = 0.5  # how often the parent (and the other ranks) are looked for when no message arrives
+RANK_DIED = -1  # `serve`'s answer when another rank of a parallel engine has exited
 SEND_LINGER_MS = 2000  # at exit, how long the last messages may take to leave
 
 # Engine operations the front end may ask for by name (they replace running a function on the
@@ -55,6 +56,8 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "reset_prefix_cache": lambda engine, store=False: engine.reset_prefix_cache(store=bool(store)),
     # Raises if a block's refcount differs from the block tables that hold it (load tests, audits).
     "check_cache_integrity": lambda engine: engine.kv.check_integrity([r.kv for r in engine.scheduler.running]),
+    # Every rank's DeviceKV digest, rank 0 first (under parallelism they must all be equal).
+    "kv_digests": lambda engine: engine.kv_digests(),
 }
 
 Builder = Callable[[], tuple[LLMEngine, dict[str, Any]]]
@@ -81,7 +84,14 @@ def run_engine_core(build: Builder, addresses: CoreAddresses, parent_pid: int) -
             return 1
         core = EngineCore(built[0], to_front)
         core.ready(built[1])
-        return core.serve(from_front, parent_pid)
+        code = core.serve(from_front, parent_pid)
+        if code == RANK_DIED:  # the engine thread may be stuck in a collective: leave without it
+            to_front.close(linger=SEND_LINGER_MS)
+            from_front.close()
+            context.term()  # waits for `Dead` to leave
+            built[0].ranks.kill()
+            os._exit(1)
+        return code
     finally:
         to_front.close()
         from_front.close()
@@ -134,6 +144,7 @@ class EngineCore:
         # Filled by sinks on the engine thread and sent from there: no lock needed.
         self._outputs: list[tuple[str, TokenOutput]] = []
         self._results: list[CommandResult] = []
+        self._send_lock = threading.Lock()  # the main thread sends too when a rank dies
 
     def ready(self, info: dict[str, Any]) -> None:
         self._send(Ready(self.engine.limits, self.engine.config.max_waiting, info, self.engine.stats(), os.getpid()))
@@ -150,8 +161,13 @@ class EngineCore:
                     return 0
                 if self.loop.error is not None:
                     return 1
+                if (dead := self.engine.dead_rank()) is not None:
+                    log.error("%s; the engine stops", dead)
+                    self._send(Dead(f"{dead}; the engine cannot run without it"))
+                    return RANK_DIED
         finally:
-            self.loop.shutdown()  # the loop's thread ends; queued SSD-store writes land
+            if self.engine.dead_rank() is None:
+                self.loop.shutdown()  # the loop's thread ends; queued SSD-store writes land
 
     def _receive(self, from_front: zmq.Socket) -> bool:
         """Handle every message waiting; True once the front end asked to stop."""
@@ -201,4 +217,5 @@ class EngineCore:
         self._send(Dead(reason))
 
     def _send(self, message: Any) -> None:
-        self._to_front.send(self._out.encode(message), copy=False)
+        with self._send_lock:
+            self._to_front.send(self._out.encode(message), copy=False)

@@ -22,6 +22,7 @@ from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
+from v4serve.engine.rank_group import KVShape, MirroredDeviceKV, RankGroup, StepPlan, kv_digest, step_threads
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus
 from v4serve.engine.sampler import Sample, Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -29,9 +30,6 @@ from v4serve.engine.stats import EngineStats
 from v4serve.engine.structured import Grammars, RequestGrammar, require
 
 log = logging.getLogger(__name__)
-
-# Steps with at least this many tokens use every intra-op CPU thread.
-PARALLEL_STEP_TOKENS = 128
 
 # Bumped whenever the meaning of stored KV changes (layout, pooling, rope placement).
 KV_FORMAT_VERSION = 1
@@ -92,6 +90,10 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     tags += "|batch-invariant" if model.kernels.batch_invariant else ""
     # Kernels reading packed weights round differently from GEMMs over dequantized ones.
     tags += "|weights=packed" if packed_count(model) else ""
+    # Partial sums added across ranks round differently from one process's sums: KV computed at one
+    # parallel layout is not bitwise the KV of another, so each layout has its own namespace.
+    if model.parallel is not None:
+        tags += f"|tp={model.parallel.size}" + ("|ep" if model.parallel.splits_experts else "")
     h.update(tags.encode())
     return h.digest()
 
@@ -106,8 +108,12 @@ def key_record(cfg: ModelConfig, kv_dtype: torch.dtype, kv_cache_dtype: str) -> 
 
 
 class LLMEngine:
-    def __init__(self, model: DeepseekV4, config: EngineConfig, eos_token_id: int | None = None) -> None:
+    def __init__(self, model: DeepseekV4, config: EngineConfig, eos_token_id: int | None = None,
+                 ranks: RankGroup | None = None) -> None:
+        """`ranks`: under tensor/expert parallelism, the other ranks this engine (rank 0) drives;
+        `model` is then rank 0's shard."""
         self.model = model
+        self.ranks = ranks
         self.config = config
         cfg = model.cfg
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
@@ -115,7 +121,10 @@ class LLMEngine:
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
-        self.device_kv = DeviceKV(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype, device)
+        kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
+        self.device_kv = kv_class(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype, device)
+        if ranks is not None:
+            ranks.start(KVShape(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype))
         self.cache_config = CacheConfig(
             block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
             num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
@@ -200,6 +209,10 @@ class LLMEngine:
         """Fail the requests of this step (their KV may be half written; it is private to them and
         freed) and go on, unless the forward pass keeps failing."""
         self._forward_failures += 1
+        if self.ranks is not None:  # the ranks may be mid-collective: the group cannot go on
+            self.ranks.broken = True
+            raise EngineUnhealthy(f"the forward pass failed on rank 0 ({self.ranks.dead_rank() or exc!r}); "
+                                  "the ranks cannot continue") from exc
         log.error("the forward pass failed (%d in a row); failing its %d requests", self._forward_failures,
                   len(chunks), exc_info=exc)
         if self._forward_failures >= MAX_FORWARD_FAILURES:
@@ -225,16 +238,14 @@ class LLMEngine:
                                  num_new=c.num_new, frozen_until=kv.frozen_until, window_from=kv.window_from))
             ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new))
         meta = AttentionMetadata.build(seqs, [self.logit_rows(c) for c in chunks])
+        threads = step_threads(len(ids), self._cpu_threads)
+        if self.ranks is not None:
+            assert isinstance(self.device_kv, MirroredDeviceKV)
+            self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
-        self._set_cpu_threads(len(ids))
+        if self.device_kv.device.type == "cpu":
+            torch.set_num_threads(threads)
         return self.model(input_ids, meta, self.device_kv)
-
-    def _set_cpu_threads(self, num_tokens: int) -> None:
-        """On CPU, small (decode) steps run on one intra-op thread: the others would only spin
-        against the serving threads; large (prefill) steps use them all."""
-        if self.device_kv.device.type != "cpu" or self._cpu_threads <= 1:
-            return
-        torch.set_num_threads(self._cpu_threads if num_tokens >= PARALLEL_STEP_TOKENS else 1)
 
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         # Row layout and completion are decided on the pre-step counts.
@@ -324,10 +335,22 @@ class LLMEngine:
             store_errors=MappingProxyType(dict(io.errors) if io else {}),
             store_read_seconds=s.load_seconds.snapshot())
 
+    def kv_digests(self) -> list[str]:
+        """sha256 of every rank's whole DeviceKV, rank 0 first: under parallelism they must be equal."""
+        if self.ranks is None:
+            return [kv_digest(self.device_kv)]
+        return self.ranks.kv_digests(self.device_kv)
+
+    def dead_rank(self) -> str | None:
+        """Which rank has died, if one has (the engine cannot run without it)."""
+        return self.ranks.dead_rank() if self.ranks is not None else None
+
     def close(self) -> None:
-        """Finish queued store writes and stop the store's threads."""
+        """Finish queued store writes and stop the store's threads, then the other ranks."""
         if self.kv.store is not None:
             self.kv.store.close()
+        if self.ranks is not None:
+            self.ranks.stop()
 
     # ---- convenience --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:

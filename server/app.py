@@ -97,7 +97,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         return JSONResponse({"status": "ok"})
 
     @app.get("/version", responses=error_responses(401))
-    async def get_version() -> dict[str, str | bool]:
+    async def get_version() -> dict[str, str | bool | int]:
         return {**config.version_info, "version": VERSION}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

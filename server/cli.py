@@ -59,6 +59,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--weight-dtype", str, "auto (= checkpoint), checkpoint (FP8/FP4 weights stay packed), bf16 or fp32 "
                             "(dequantized at load)"),
     ("--batch-invariant", bool, "a request's logits are bitwise the same alone or in any batch (slower)"),
+    ("--tensor-parallel-size", int, "ranks (GPUs) the model is split across (default 1); one node: the daemon "
+                                    "starts them; several nodes: launch with torchrun"),
+    ("--expert-parallel", bool, "with --tensor-parallel-size N, give each rank E/N whole routed experts "
+                                "instead of a slice of every expert"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),
@@ -125,11 +129,18 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[st
 
 def serve_main(args: argparse.Namespace) -> int:
     from v4serve.engine.core_client import EngineStartupError
+    from v4serve.server.config import check_parallel_flags, launched_rank
     from v4serve.server.serve import EngineFailed, ServeConfig, run
 
     try:
         cfg = ServeConfig(**serve_settings(args, dict(os.environ)))
         logging.getLogger().setLevel(cfg.log_level.upper())
+        launched = launched_rank()
+        if launched is not None and launched.rank != 0:  # a torchrun rank: the model shard, no HTTP
+            from v4serve.server.model_loading import run_worker_rank
+
+            check_parallel_flags(cfg, launched)
+            return run_worker_rank(cfg, launched)
         run(cfg)
     except (ValueError, OSError) as exc:  # a bad setting, found here or by the engine process
         print(f"v4serve serve: {exc}", file=sys.stderr)

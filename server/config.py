@@ -33,6 +33,8 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"
     weight_dtype: str = "auto"
     batch_invariant: bool = False
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -90,6 +92,39 @@ class ServeConfig:
         if self.served_model_name:
             return self.served_model_name
         return "v4serve-tiny" if self.model == "tiny" else Path(self.model).name
+
+
+@dataclass(frozen=True)
+class LaunchedRank:
+    """This process's place in a group a launcher (`torchrun`) started: from its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launched_rank(environ: dict[str, str] | os._Environ[str] = os.environ) -> LaunchedRank | None:
+    """The torchrun-style RANK/WORLD_SIZE/LOCAL_RANK of this process, or None when it was started alone."""
+    if "WORLD_SIZE" not in environ or "RANK" not in environ:
+        return None
+    try:
+        return LaunchedRank(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")))
+    except ValueError as exc:
+        raise ValueError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {exc}") from exc
+
+
+def check_parallel_flags(cfg: ServeConfig, launched: LaunchedRank | None) -> None:
+    """Clear errors for parallel settings that cannot work, before anything starts."""
+    if cfg.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {cfg.tensor_parallel_size}")
+    if cfg.expert_parallel and cfg.tensor_parallel_size == 1:
+        raise ValueError("--expert-parallel divides the experts across the ranks of --tensor-parallel-size; "
+                         "set --tensor-parallel-size 2 or more")
+    if cfg.tensor_parallel_size > 1 and cfg.engine_in_process:
+        raise ValueError("--engine-in-process runs one rank; it cannot be combined with --tensor-parallel-size")
+    if launched is not None and launched.world_size > 1 and launched.world_size != cfg.tensor_parallel_size:
+        raise ValueError(f"launched as {launched.world_size} ranks (WORLD_SIZE) but --tensor-parallel-size is "
+                         f"{cfg.tensor_parallel_size}; they must agree")
 
 
 def default_store_dir() -> str:

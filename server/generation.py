@@ -38,7 +38,7 @@ class ServerConfig:
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
-    version_info: dict[str, str | bool] = field(default_factory=dict)
+    version_info: dict[str, str | bool | int] = field(default_factory=dict)
 
 
 class Generation:

@@ -4,8 +4,13 @@ process under --engine-in-process."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib
 import logging
+import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +18,27 @@ import torch
 
 from v4serve.cache.layout import check_kv_cache_dtype
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.checkpoint import load_model
-from v4serve.engine.model.fingerprint import checkpoint_digest
+from v4serve.engine.model.checkpoint import load_model, write_checkpoint
+from v4serve.engine.model.fingerprint import checkpoint_digest, tensors_digest
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count, resident_bytes
+from v4serve.engine.model.parallel import ParallelConfig
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
 from v4serve.engine.model.resident import resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.rank_group import RankGroup, local_device, worker_loop
 from v4serve.kernels.registry import load_kernels, resolve_backend
-from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig, default_store_dir
+from v4serve.server.config import DEFAULT_STORE_BYTES, LaunchedRank, ServeConfig, default_store_dir, launched_rank
 
 log = logging.getLogger("v4serve")
 
 
-def load(cfg: ServeConfig) -> DeepseekV4:
+def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: int = 0) -> DeepseekV4:
+    """The model (under parallelism: the shard of `parallel.rank`, on GPU `local_rank` of this node),
+    its kernels chosen."""
     device = cfg.resolved_device()
+    if parallel is not None:
+        device = local_device(device, local_rank)
     dtype = cfg.resolved_dtype(device)
     check_kv_cache_dtype(cfg.kv_cache_dtype)  # before minutes of loading
     backend = resolve_backend(cfg.attention_backend, device)
@@ -38,13 +49,60 @@ def load(cfg: ServeConfig) -> DeepseekV4:
         folder = Path(cfg.model)
         if not folder.is_dir():
             raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
-        check_capacity(cfg, folder, device, dtype)  # from headers, before any tensor data is read
         # auto = checkpoint precision: FP8/FP4 weights stay packed (Triton kernels on a GPU, their
         # torch twins elsewhere); bf16/fp32 dequantize them at load.
         packed = resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint"
-        model = load_model(folder, device=device, dtype=dtype, packed=packed)
+        model = load_model(folder, device=device, dtype=dtype, packed=packed, parallel=parallel,
+                           progress=parallel is None or parallel.rank == 0)
     model.use_kernels(kernels)
     return model
+
+
+def load_ranks(cfg: ServeConfig) -> tuple[DeepseekV4, RankGroup | None, bytes | None]:
+    """Rank 0's model, the other ranks (None for one), and the weights digest when it is known here.
+    Under parallelism every rank loads only its shard of a checkpoint folder; the embedded tiny
+    model is first written to one (removed at exit) so it can be split the same way."""
+    device = cfg.resolved_device()
+    if cfg.model != "tiny":
+        check_capacity(cfg, Path(cfg.model), device, cfg.resolved_dtype(device))  # headers only, before any data
+    if cfg.tensor_parallel_size == 1:
+        return load(cfg), None, None
+    digest = None
+    if cfg.model == "tiny":
+        tiny = build_tiny(seed=cfg.seed)
+        digest = tensors_digest(tiny.state_dict().items())
+        folder = tempfile.mkdtemp(prefix="v4serve-tiny-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        write_checkpoint(tiny, folder)
+        cfg = replace(cfg, model=folder)
+    parallel = ParallelConfig(cfg.tensor_parallel_size, cfg.expert_parallel, rank=0)
+    shard = functools.partial(load, cfg)
+    launched = launched_rank()
+    if launched is not None and launched.world_size > 1:
+        group, model = RankGroup.join_from_env(parallel, shard, device)
+    else:
+        group, model = RankGroup.spawn(parallel, shard, device)
+    return model, group, digest
+
+
+def run_worker_rank(cfg: ServeConfig, launched: LaunchedRank) -> int:
+    """A rank other than 0 of a group torchrun started: no HTTP, only the model shard and the steps
+    rank 0 sends. Returns the exit status."""
+    import signal
+
+    import torch.distributed as dist
+
+    # The launcher signals every rank at once; rank 0 shuts down gracefully and then tells the others.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cfg.model == "tiny":
+        raise ValueError("torchrun ranks load their shard from a checkpoint folder: give --model a folder "
+                         "(v4serve make-checkpoint writes the tiny model to one)")
+    parallel = ParallelConfig(cfg.tensor_parallel_size, cfg.expert_parallel, launched.rank)
+    device = local_device(cfg.resolved_device(), launched.local_rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=launched.rank,
+                            world_size=launched.world_size)
+    return worker_loop(parallel, functools.partial(load, cfg), launched.local_rank)
 
 
 def check_capacity(cfg: ServeConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
@@ -57,9 +115,7 @@ def check_capacity(cfg: ServeConfig, folder: Path, device: torch.device, dtype: 
         return
     settings = PlanSettings(
         memory_bytes=memory, device=device.type, compute_dtype=str(dtype).removeprefix("torch."),
-        # Set by the parallelism and weight-dtype flags where this serve has them; one rank and auto otherwise.
-        tensor_parallel_size=getattr(cfg, "tensor_parallel_size", None) or 1,
-        expert_parallel=bool(getattr(cfg, "expert_parallel", False)),
+        tensor_parallel_size=cfg.tensor_parallel_size, expert_parallel=cfg.expert_parallel,
         weight_dtype=cfg.weight_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
         max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs)
@@ -84,13 +140,16 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(kib) * 1024 if kib is not None else None
 
 
-def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool]:
+def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool | int]:
     param = next(model.parameters())
+    parallel = model.parallel
     kv_cache_dtype = "fp8_e4m3" if econf.kv_cache_dtype == "fp8" else str(econf.kv_dtype).removeprefix("torch.")
     return {"device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
             "attention_backend": model.kernels.backend, "batch_invariant": model.kernels.batch_invariant,
             "kv_cache_dtype": kv_cache_dtype,
-            "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch.")}
+            "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch."),
+            "tensor_parallel_size": parallel.size if parallel is not None else 1,
+            "expert_parallel": parallel is not None and parallel.splits_experts}
 
 
 def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | None) -> EngineConfig:
@@ -112,17 +171,27 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
 
 def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, dict[str, Any]]:
     """The engine, and what the front end needs to know of it: /version's fields and max_model_len."""
-    model = load(cfg)
+    model, ranks, digest = load_ranks(cfg)
     econf = engine_config(cfg, model, tokenizer_json)
-    engine = LLMEngine(model, econf, eos_token_id=eos_token_id)
+    if digest is not None and econf.kv_store_dir is not None:
+        econf = replace(econf, weights_digest=digest)  # rank 0 holds a shard: its tensors are not the model's
+    try:
+        engine = LLMEngine(model, econf, eos_token_id=eos_token_id, ranks=ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.kill()
+        raise
     if cfg.engine_hook:
         module, _, name = cfg.engine_hook.partition(":")
         getattr(importlib.import_module(module), name)(engine)
     device = next(model.parameters()).device
-    log.info("model %s (%s): %d layers, %.1f MB of weights (%d in checkpoint precision), %s on %s, %s kernels%s",
-             cfg.model_name, cfg.model, model.cfg.num_layers, resident_bytes(model) / 1e6, packed_count(model),
+    split = (f", split over {cfg.tensor_parallel_size} ranks{' (experts whole)' if cfg.expert_parallel else ''}"
+             if ranks is not None else "")
+    log.info("model %s (%s): %d layers, %.1f MB of weights%s (%d in checkpoint precision), %s on %s, %s kernels%s",
+             cfg.model_name, cfg.model, model.cfg.num_layers, resident_bytes(model) / 1e6,
+             " on rank 0" if ranks is not None else "", packed_count(model),
              str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
-             " (batch-invariant)" if model.kernels.batch_invariant else "")
+             (" (batch-invariant)" if model.kernels.batch_invariant else "") + split)
     log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
              econf.max_model_len)

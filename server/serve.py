@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from v4serve.engine.client import EngineClient
 from v4serve.engine.core_client import EngineCoreClient
 from v4serve.server.app import build_app
-from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig
+from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig, check_parallel_flags, launched_rank
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
 from v4serve.server.metrics import Metrics
@@ -51,6 +51,7 @@ def load_front_tokenizer(cfg: ServeConfig) -> Tokenizer:
 
 def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, dict[str, Any]]:
     """The engine (loaded and ready) and what it reports of itself."""
+    check_parallel_flags(cfg, launched_rank())
     if cfg.engine_in_process:
         from v4serve.engine.async_engine import AsyncEngine
         from v4serve.server.model_loading import build_engine

@@ -1,0 +1,359 @@
+"""Serving under tensor/expert parallelism: rank 0's engine drives the other ranks.
+
+Rank 0 is the engine-core process: it owns the scheduler, the KV manager (block pool, hash chain,
+State Cache slots), the SSD store and the sampler. Every other rank is a *worker*: a model shard and a
+`DeviceKV` of the same shape as rank 0's, nothing else. Each engine step rank 0 broadcasts one
+`StepPlan` — the KV manager's device writes since the last step (slot clears, snapshot restores,
+blocks read from the SSD store, payload included) and the step's token ids and `AttentionMetadata` —
+and then every rank runs the same forward pass, whose collectives (engine/model/parallel.py) meet.
+So every rank holds the same block ids and slots and, since V4's single latent KV head is replicated,
+the same KV bytes (`kv_digests` checks it). Snapshots and blocks written to the SSD store are read
+from rank 0's copy.
+
+Two process groups: the default one carries the model's all-reduce/all-gather (NCCL on GPUs, gloo
+on CPUs); a gloo group of its own carries the plans, with a timeout long enough for an idle server
+(workers wait in a broadcast between requests).
+
+Launch: `RankGroup.spawn` starts the workers on this node (torch.multiprocessing, `spawn`) and
+meets them through a TCPStore it hosts, watching that none has died meanwhile. Under `torchrun` (several
+nodes) the processes already exist: `RankGroup.join_from_env` takes rank and world size from the
+environment, and ranks other than 0 run `worker_loop` without an HTTP server.
+
+A rank that dies breaks the group for good (a collective half done cannot be resumed): rank 0's
+engine turns any forward failure into `EngineUnhealthy`, and `dead_rank` tells the engine core
+which worker exited so it can report it and leave; workers leave when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from v4serve.cache.device_kv import DeviceKV
+from v4serve.cache.layout import KVLayout
+from v4serve.engine.model.metadata import AttentionMetadata
+from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.parallel import ParallelConfig, default_threads, free_port
+
+log = logging.getLogger(__name__)
+
+STARTUP_SECONDS = 600.0  # workers must join within this (importing torch and CUDA can take a while)
+STEP_TIMEOUT = timedelta(minutes=10)  # one collective of a step; a longer wait means a rank is stuck
+IDLE_TIMEOUT = timedelta(days=365)  # the plans' group: workers wait there while the server is idle
+POLL_SECONDS = 0.5
+PARALLEL_STEP_TOKENS = 128  # steps with at least this many tokens use every intra-op CPU thread
+
+# A model shard for a rank: (parallel config, local rank) → the model, kernels chosen.
+LoadShard = Callable[[ParallelConfig, int], DeepseekV4]
+
+
+def step_threads(num_tokens: int, max_threads: int) -> int:
+    """CPU intra-op threads for a step: small (decode) steps run on one, the others would only spin
+    against the serving threads; large (prefill) steps use them all."""
+    return max_threads if num_tokens >= PARALLEL_STEP_TOKENS else 1
+
+
+# ---- what crosses from rank 0 ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Enough for a worker to allocate a `DeviceKV` identical to rank 0's."""
+
+    layout: KVLayout
+    num_slots: int
+    num_blocks: int
+    dtype: torch.dtype
+
+
+@dataclass
+class StepPlan:
+    kv_writes: list[tuple[str, tuple[Any, ...]]]  # `MirroredDeviceKV` calls, in order
+    input_ids: list[int]
+    meta: AttentionMetadata
+    threads: int
+
+
+@dataclass(frozen=True)
+class DigestKV:
+    """Every rank answers with the sha256 of its whole DeviceKV."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+class MirroredDeviceKV(DeviceKV):
+    """Rank 0's DeviceKV: every write that does not come from the model (which every rank runs) is
+    also recorded, with host copies of its data, for the next `StepPlan`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.writes: list[tuple[str, tuple[Any, ...]]] = []
+
+    def clear_slot(self, slot: int) -> None:
+        super().clear_slot(slot)
+        self.writes.append(("clear_slot", (slot,)))
+
+    def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
+        super().write_slot(slot, state)
+        self.writes.append(("write_slot", (slot, [t.to("cpu") for t in state])))
+
+    def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
+        super().install_blocks(block_ids, stacked)
+        n = len(block_ids)  # `stacked` are views of a larger host matrix: send only these rows
+        self.writes.append(("install_blocks", (list(block_ids), [t[:n].to("cpu", copy=True) for t in stacked])))
+
+    def take_writes(self) -> list[tuple[str, tuple[Any, ...]]]:
+        writes, self.writes = self.writes, []
+        return writes
+
+
+def replay_writes(kv: DeviceKV, writes: list[tuple[str, tuple[Any, ...]]]) -> None:
+    for name, args in writes:
+        getattr(DeviceKV, name)(kv, *args)
+
+
+def kv_digest(kv: DeviceKV) -> str:
+    h = hashlib.sha256()
+    for layer in kv.layers:
+        for t in (*layer.slot_tensors(), *layer.block_tensors()):
+            h.update(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---- rank 0 ----------------------------------------------------------------------------------------
+
+
+class RankGroup:
+    """Rank 0's handle on the worker ranks, once every rank holds its shard."""
+
+    def __init__(self, parallel: ParallelConfig, control: Any, processes: list[Any]) -> None:
+        self.parallel = parallel
+        self._control = control
+        self._processes = processes  # empty under torchrun: the launcher owns the processes
+        self._stopped = False
+        self.broken = False  # a step failed part-way: the ranks may wait in different collectives
+
+    @classmethod
+    def spawn(cls, parallel: ParallelConfig, load_shard: LoadShard,
+              device: torch.device) -> tuple[RankGroup, DeepseekV4]:
+        """Start ranks 1..N-1 on this node, meet them, and load every shard (rank 0's is returned)."""
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, parallel.size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=STARTUP_SECONDS))
+        context = multiprocessing.get_context("spawn")
+        threads = default_threads(parallel.size) if device.type == "cpu" else torch.get_num_threads()
+        processes = [context.Process(target=_spawned_worker, name=f"v4serve-rank{rank}", daemon=True,
+                                     args=(ParallelConfig(parallel.size, parallel.expert_parallel, rank), port,
+                                           load_shard, device, threads, os.getpid()))
+                     for rank in range(1, parallel.size)]
+        for p in processes:
+            p.start()
+        try:
+            _wait_joined(store, processes)
+            local_device(device, 0)
+            dist.init_process_group(_backend(device), store=store, rank=0, world_size=parallel.size,
+                                    timeout=STEP_TIMEOUT)
+            torch.set_num_threads(threads)
+            return cls._load(parallel, load_shard, processes)
+        except BaseException:
+            for p in processes:
+                p.kill()
+            raise
+
+    @classmethod
+    def join_from_env(cls, parallel: ParallelConfig, load_shard: LoadShard,
+                      device: torch.device) -> tuple[RankGroup, DeepseekV4]:
+        """Rank 0 of a group `torchrun` launched (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
+        local_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(_backend(device), init_method="env://", rank=0, world_size=parallel.size,
+                                timeout=STEP_TIMEOUT)
+        return cls._load(parallel, load_shard, [])
+
+    @classmethod
+    def _load(cls, parallel: ParallelConfig, load_shard: LoadShard,
+              processes: list[Any]) -> tuple[RankGroup, DeepseekV4]:
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        group = cls(parallel, control, processes)
+        try:
+            model, error = load_shard(parallel, 0), None
+        except Exception as exc:  # the workers must hear it, or they would wait forever
+            model, error = None, exc
+        errors = group._gather(None if error is None else f"rank 0: {error}")
+        failed = [e for e in errors if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError("; ".join(failed))
+        assert model is not None
+        return group, model
+
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.parallel.size
+        try:
+            dist.all_gather_object(out, value, group=self._control)
+        except Exception as exc:
+            raise RuntimeError(f"a rank left the group while loading ({self.dead_rank() or exc})") from exc
+        return out
+
+    def _broadcast(self, message: object) -> None:
+        dist.broadcast_object_list([message], src=0, group=self._control)
+
+    def start(self, shape: KVShape) -> None:
+        """Workers allocate their DeviceKV like rank 0's."""
+        self._broadcast(shape)
+
+    def run_step(self, plan: StepPlan) -> None:
+        """Send the step; the caller then runs the same forward pass as every worker."""
+        self._broadcast(plan)
+
+    def kv_digests(self, kv: DeviceKV) -> list[str]:
+        self._broadcast(DigestKV())
+        out: list[str | None] = [None] * self.parallel.size
+        dist.gather_object(kv_digest(kv), out, dst=0, group=self._control)
+        return [d or "" for d in out]
+
+    def dead_rank(self) -> str | None:
+        """Which spawned worker has exited, and how; None while all run (or under torchrun)."""
+        for rank, p in enumerate(self._processes, start=1):
+            if p.exitcode is not None:
+                return f"rank {rank} (pid {p.pid}) exited: {_describe_exit(p.exitcode)}"
+        return None
+
+    def kill(self) -> None:
+        for p in self._processes:
+            if p.exitcode is None:
+                p.kill()
+
+    def stop(self) -> None:
+        """Workers leave their loop and exit; then the group is torn down."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.dead_rank() is None and not self.broken:
+            try:
+                self._broadcast(Stop())
+            except Exception:  # a rank is gone: nothing left to tell
+                log.warning("could not tell every rank to stop")
+            for p in self._processes:
+                p.join(timeout=10)
+        self.kill()
+        if not self.broken:
+            dist.destroy_process_group()
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def local_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's own device: GPU `local_rank` of this node, or the CPU."""
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(local_rank)  # before NCCL starts, so each rank's communicator uses its GPU
+    return torch.device("cuda", local_rank)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
+    return f"exit status {code}"
+
+
+def _wait_joined(store: Any, processes: list[Any]) -> None:
+    """Until every worker has said it joins the group; a worker that dies first is an error now,
+    not a rendezvous timeout minutes later."""
+    deadline = time.monotonic() + STARTUP_SECONDS
+    keys = [f"joined/{rank}" for rank in range(1, len(processes) + 1)]
+    while not store.check(keys):
+        for rank, p in enumerate(processes, start=1):
+            if p.exitcode is not None:
+                raise RuntimeError(f"rank {rank} exited while starting (exit status {p.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the ranks did not start within {STARTUP_SECONDS:.0f} s")
+        time.sleep(0.05)
+
+
+# ---- the other ranks ---------------------------------------------------------------------------------
+
+
+def _spawned_worker(parallel: ParallelConfig, port: int, load_shard: LoadShard, device: torch.device, threads: int,
+                    parent: int) -> None:
+    """A worker this node's rank 0 started: joins through rank 0's store, leaves when rank 0 does."""
+    from v4serve.engine.core import name_process  # the engine core's helper; imported late (spawn)
+
+    name_process(f"v4serve-rank{parallel.rank}")
+    # A terminal's Ctrl-C or a service manager reaches the whole group: rank 0 decides when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent(parent)
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, parallel.size, is_master=False, timeout=timedelta(seconds=STARTUP_SECONDS))
+    store.set(f"joined/{parallel.rank}", "1")
+    device = local_device(device, parallel.rank)
+    dist.init_process_group(_backend(device), store=store, rank=parallel.rank, world_size=parallel.size,
+                            timeout=STEP_TIMEOUT)
+    raise SystemExit(worker_loop(parallel, load_shard, parallel.rank))
+
+
+def worker_loop(parallel: ParallelConfig, load_shard: LoadShard, local_rank: int) -> int:
+    """A worker's life once the default group is up: load the shard, then run every step rank 0
+    sends until it says stop. Returns the exit status."""
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    try:
+        model, error = load_shard(parallel, local_rank), None
+    except Exception as exc:
+        log.exception("rank %d could not load its shard", parallel.rank)
+        model, error = None, f"rank {parallel.rank}: {exc}"
+    errors: list[str | None] = [None] * parallel.size
+    dist.all_gather_object(errors, error, group=control)
+    if model is None or any(errors):
+        dist.destroy_process_group()
+        return 1
+    max_threads = torch.get_num_threads()
+    kv: DeviceKV | None = None
+    device = next(model.parameters()).device
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        message = box[0]
+        if isinstance(message, Stop):
+            break
+        if isinstance(message, KVShape):
+            kv = DeviceKV(message.layout, message.num_slots, message.num_blocks, message.dtype, device)
+        elif isinstance(message, StepPlan):
+            assert kv is not None
+            replay_writes(kv, message.kv_writes)
+            if device.type == "cpu":
+                torch.set_num_threads(min(message.threads, max_threads))
+            model(torch.tensor(message.input_ids, dtype=torch.long, device=device), message.meta, kv)
+        elif isinstance(message, DigestKV):
+            assert kv is not None
+            dist.gather_object(kv_digest(kv), None, dst=0, group=control)
+    dist.destroy_process_group()
+    return 0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker never outlives rank 0's process (kill -9 of the engine core included)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="v4serve-parent-watch").start()

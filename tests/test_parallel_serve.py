@@ -1,0 +1,273 @@
+"""Tensor and expert parallelism through the daemon (two CPU ranks over gloo): the single process's
+greedy tokens over HTTP, prefix hits in every SWA mode and SSD-store restarts equal to cold runs at
+size 2 with every rank holding the same KV bytes, stores of one size never read at another, a dying
+rank or engine process ending the daemon cleanly, and torchrun as the launcher of the ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.daemon import ROOT, free_port, in_process_server, start_daemon
+from tests.helpers import SMALL, tokens
+from tests.test_engine_process import ENDLESS, engine_pid, gone, wait_until
+from tests.test_store_daemon import metric
+from v4serve.engine.model.checkpoint import write_checkpoint
+from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.server.config import LaunchedRank, ServeConfig, check_parallel_flags, launched_rank
+from v4serve.server.text.tokenizer import write_byte_tokenizer_files
+
+# Window 8, ratios 4/16, blocks of 16 tokens: short prompts cross every edge. 8 heads, 4 output
+# groups and 8 experts: several of each per rank, and an expert-parallel split of 4 + 4.
+WIDE = {**SMALL, "num_heads": 8, "o_groups": 4, "n_routed_experts": 8}
+# Around the block (16) and window (8) edges, and long enough for several compressed blocks.
+LENGTHS = (1, 7, 8, 9, 15, 16, 17, 33, 100)
+PROMPTS = [tokens(n, 40 + n) for n in LENGTHS]
+MAX_TOKENS = 6
+STARTUP = 120.0
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = write_checkpoint(build_tiny(tiny_config(**WIDE), seed=9), tmp_path_factory.mktemp("wide"))
+    write_byte_tokenizer_files(folder)
+    return str(folder)
+
+
+def complete(url: str, prompt: list[int], n: int = MAX_TOKENS) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def greedy(url: str, prompts: list[list[int]]) -> list[dict]:
+    """Every prompt at once (ragged batches of prefill chunks and decodes): tokens and logprobs."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: complete(url, p), prompts))
+    return [r["choices"][0]["logprobs"] for r in results]
+
+
+def cached(result: dict) -> int:
+    return result["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def kv_digests(engine: object) -> list[str]:
+    return asyncio.run(engine.command("kv_digests"))  # type: ignore[attr-defined]
+
+
+def serve_config(model: str, **kw: object) -> ServeConfig:
+    return ServeConfig(model=model, **{"no_kv_store": True, **kw})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def single(wide: str) -> list[dict]:
+    """One process's outputs: the reference."""
+    with in_process_server(serve_config(wide)) as (url, engine):
+        out = greedy(url, PROMPTS)
+        assert len(set(kv_digests(engine))) == 1
+    return out
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict], expert_parallel: bool) -> None:
+    cfg = serve_config(wide, tensor_parallel_size=2, expert_parallel=expert_parallel)
+    with in_process_server(cfg) as (url, engine):
+        version = httpx.get(url + "/version", timeout=10).json()
+        out = greedy(url, PROMPTS)
+        digests = kv_digests(engine)
+    assert version["tensor_parallel_size"] == 2 and version["expert_parallel"] is expert_parallel
+    assert version["attention_backend"] == "torch"
+    for got, want in zip(out, single, strict=True):
+        assert got["tokens"] == want["tokens"]
+        # Logits within 1e-4 relative of one process (tests/test_parallel.py); log-probs follow.
+        assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3)
+    assert len(digests) == 2 and digests[0] == digests[1]  # same KV bytes on both ranks
+
+
+@pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
+def test_prefix_hits_at_two_ranks_equal_cold_runs(wide: str, mode: str) -> None:
+    doc = tokens(100, 50)
+    # Shared prefixes ending just before, on and after a block edge (16 per block) and a window edge.
+    asks = [doc[:n] + tokens(5, 60 + n) for n in (47, 48, 49, 63, 64, 65, 100)]
+    cfg = serve_config(wide, tensor_parallel_size=2, swa_cache_mode=mode, swa_checkpoint_interval=32)
+    with in_process_server(cfg) as (url, engine):
+        cold = []
+        for prompt in asks:
+            httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            cold.append(complete(url, prompt))
+        httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+        complete(url, doc + tokens(3, 70))  # caches the document
+        warm = [complete(url, prompt) for prompt in asks]
+        again = complete(url, asks[-1])  # the whole prompt, then its own output
+        hits = metric(url, "v4serve_prefix_cache_hits_total", source="device")
+        digests = kv_digests(engine)
+    for c, w in zip(cold, warm, strict=True):
+        assert w["choices"][0]["logprobs"]["tokens"] == c["choices"][0]["logprobs"]["tokens"]
+    assert again["choices"][0]["logprobs"]["tokens"] == cold[-1]["choices"][0]["logprobs"]["tokens"]
+    assert all(cached(w) > 0 for w in warm[1:]) and cached(again) > 0 and hits > 0
+    assert digests[0] == digests[1]  # restores reached rank 1 too
+
+
+def test_a_store_is_never_read_across_sizes_and_restarts_at_two_ranks(wide: str, tmp_path: Path) -> None:
+    """KV computed at one parallel size differs from another's in the last bits: each size has its
+    own namespace in the store, so a store written at size 1 is a miss at size 2 (never read
+    wrongly), and a size-2 store serves the next size-2 daemon from disk."""
+    prompt = tokens(90, 80)
+    store = {"no_kv_store": False, "kv_store_dir": str(tmp_path), "swa_cache_mode": "periodic",
+             "swa_checkpoint_interval": 32}
+    with in_process_server(serve_config(wide, **store)) as (url, _):
+        one = complete(url, prompt)
+    written_at_one = set(tmp_path.rglob("*.blk"))
+    assert written_at_one
+    with in_process_server(serve_config(wide, tensor_parallel_size=2, **store)) as (url, _):
+        first = complete(url, prompt)
+        disk_first = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+    assert disk_first == 0 and cached(first) == 0  # the size-1 files were not read
+    assert first["choices"][0]["logprobs"]["tokens"] == one["choices"][0]["logprobs"]["tokens"]
+    assert set(tmp_path.rglob("*.blk")) > written_at_one  # size 2 wrote its own
+    with in_process_server(serve_config(wide, tensor_parallel_size=2, **store)) as (url, engine):
+        restarted = complete(url, prompt)
+        disk = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+        digests = kv_digests(engine)
+    assert disk > 0 and cached(restarted) > 0
+    assert restarted["choices"][0]["logprobs"]["tokens"] == first["choices"][0]["logprobs"]["tokens"]
+    assert digests[0] == digests[1]  # the blocks read from disk reached rank 1
+
+
+def process_children(parent: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+
+
+def rank_pid(engine: int) -> int:
+    for pid in process_children(engine):
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "v4serve-rank1":
+            return pid
+    raise AssertionError(f"no v4serve-rank1 under the engine process {engine}")
+
+
+def stream_until_cut(url: str, lines: list[str]) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json=ENDLESS, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+
+
+def test_a_killed_rank_is_a_503_then_an_exit_with_no_orphans(wide: str) -> None:
+    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", timeout=STARTUP)
+    try:
+        engine = engine_pid(running.proc.pid)
+        rank = rank_pid(engine)
+        lines: list[str] = []
+        reader = threading.Thread(target=stream_until_cut, args=(running.url, lines))
+        reader.start()
+        wait_until(lambda: len(lines) > 3, timeout=60)
+        os.kill(rank, signal.SIGKILL)
+        reader.join(timeout=30)
+        assert not reader.is_alive() and lines[-1] == "data: [DONE]" and "error" in lines[-2]
+        health = httpx.get(running.url + "/health", timeout=5)
+        assert health.status_code == 503 and "rank" in health.json()["error"]["message"]
+        wait_until(lambda: running.proc.poll() is not None, timeout=30)
+        assert running.proc.returncode == 1
+        wait_until(lambda: gone(engine) and gone(rank), timeout=10)
+    finally:
+        running.stop(signal.SIGKILL)
+
+
+def test_a_killed_engine_process_takes_its_ranks_with_it(wide: str) -> None:
+    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", timeout=STARTUP)
+    try:
+        engine = engine_pid(running.proc.pid)
+        rank = rank_pid(engine)
+        os.kill(engine, signal.SIGKILL)
+        wait_until(lambda: running.proc.poll() is not None, timeout=30)
+        assert running.proc.returncode == 1
+        wait_until(lambda: gone(rank), timeout=10)
+    finally:
+        running.stop(signal.SIGKILL)
+
+
+def test_sigterm_stops_every_rank_cleanly(wide: str) -> None:
+    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", "--expert-parallel", timeout=STARTUP)
+    engine = engine_pid(running.proc.pid)
+    rank = rank_pid(engine)
+    assert complete(running.url, tokens(20, 90))["choices"][0]["finish_reason"] == "length"
+    assert running.stop(signal.SIGTERM, timeout=60) == 0
+    wait_until(lambda: gone(engine) and gone(rank), timeout=10)
+
+
+def test_a_size_that_splits_a_head_is_refused_at_startup(wide: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--model", wide, "--no-kv-store",
+                           "--tensor-parallel-size", "3", "--port", str(free_port())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=STARTUP)
+    assert done.returncode == 2
+    assert "divide" in done.stderr.strip().splitlines()[-1]
+
+
+def test_torchrun_launches_the_ranks(wide: str, single: list[dict]) -> None:
+    """Several nodes are launched with torchrun (one process per GPU; rank 0 serves HTTP): here both
+    ranks on this machine, with torchrun's own rendezvous."""
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"v4serve-torchrun-{port}.log", "w")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "v4serve.server.cli", "serve", "--model", wide, "--tensor-parallel-size", "2", "--no-kv-store",
+           "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, f"torchrun exited with {proc.returncode}; see {log.name}"
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, timeout=STARTUP)
+        out = greedy(url, PROMPTS)
+        assert [o["tokens"] for o in out] == [s["tokens"] for s in single]
+        assert httpx.get(url + "/version", timeout=10).json()["tensor_parallel_size"] == 2
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank, then exits non-zero itself
+        proc.wait(timeout=60)
+        wait_until(lambda: not session_alive(proc.pid), timeout=30)  # every rank has ended
+        text = Path(log.name).read_text()
+        assert "Application shutdown complete" in text and "could not tell every rank" not in text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def session_alive(sid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_parallel_settings_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 or more"):
+        check_parallel_flags(ServeConfig(expert_parallel=True), None)
+    with pytest.raises(ValueError, match="engine-in-process"):
+        check_parallel_flags(ServeConfig(tensor_parallel_size=2, engine_in_process=True), None)
+    with pytest.raises(ValueError, match="must agree"):
+        check_parallel_flags(ServeConfig(tensor_parallel_size=2), LaunchedRank(0, 4, 0))
+    with pytest.raises(ValueError, match="at least 1"):
+        check_parallel_flags(ServeConfig(tensor_parallel_size=0), None)
+    check_parallel_flags(ServeConfig(tensor_parallel_size=2), LaunchedRank(1, 2, 1))
+    assert launched_rank({}) is None
+    assert launched_rank({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}) == LaunchedRank(3, 8, 3)
