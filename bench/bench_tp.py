@@ -1,5 +1,7 @@
 """Tensor parallelism on CPU ranks (gloo): the step time of 2 ranks against one process on the same
-checkpoint, and the bytes each rank puts into collectives per decode step.
+checkpoint, and the bytes each rank puts into collectives per decode step; then the serving engine
+itself (rank 0 scheduling and broadcasting each step's plan to the other ranks) decoding batches of
+1 and 16 against a single-process engine, with the plan's bytes per step.
 
     python bench/bench_tp.py [--ranks 2] [--prompt 512] [--decode 32] [--set KEY=VALUE ...]
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import pickle
 import sys
 import tempfile
 from pathlib import Path
@@ -24,11 +28,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import decode_seconds, print_table, write_results  # noqa: E402
+from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
+from v4serve.engine.model.parallel import ParallelConfig  # noqa: E402
 from v4serve.engine.model.ranks import SequenceCase, run_on_ranks, run_sequence  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.rank_group import RankGroup, StepPlan  # noqa: E402
+from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.server.cli import _parse_override  # noqa: E402
+from v4serve.server.config import ServeConfig  # noqa: E402
+from v4serve.server.model_loading import load  # noqa: E402
 
 MODEL_30M = dict(hidden_size=256, num_heads=8, compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), num_layers=8,
                  n_routed_experts=16, moe_intermediate_size=256, q_lora_rank=128, o_lora_rank=128)
@@ -69,7 +79,61 @@ def main() -> None:
                 f"{args.prompt} (chunks of 256), {args.decode} decodes, {os.cpu_count()} cores",
                 ["", "prefill s", "decode ms/step", "x best 1 process", "all-reduce B/step", "all-gather B/step",
                  "collectives/step", "MB per rank"], rows)
+    payload["engine"] = engine_section(folder, args, prompt)
     write_results("bench_tp", payload)
+
+
+def engine_section(folder: Path, args: argparse.Namespace, prompt: tuple[int, ...]) -> dict:
+    """The serving engine decoding batches of 1 and 16: one process (all cores) against N ranks."""
+    batches, out, rows = (1, 16), {}, []
+    torch.set_num_threads(os.cpu_count() or 1)
+    single = LLMEngine(load(ServeConfig(model=str(folder))), engine_config(max(batches)))
+    for batch in batches:
+        out[f"1 process, batch {batch}"] = {"decode_step_seconds": decode_step(single, batch, prompt, args.decode)}
+    single.close()
+    parallel = ParallelConfig(args.ranks, rank=0)
+    group, model = CountingRankGroup.spawn(parallel, functools.partial(load, ServeConfig(model=str(folder))),
+                                           torch.device("cpu"))
+    plans = group.plan_bytes
+    engine = LLMEngine(model, engine_config(max(batches)), ranks=group)
+    for batch in batches:
+        plans.clear()
+        seconds = decode_step(engine, batch, prompt, args.decode)
+        decode_plans = plans[-(args.decode - 1):]
+        out[f"TP {args.ranks}, batch {batch}"] = {"decode_step_seconds": seconds,
+                                                  "plan_bytes_per_step": sum(decode_plans) // len(decode_plans)}
+    engine.close()
+    for batch in batches:
+        base = out[f"1 process, batch {batch}"]["decode_step_seconds"]
+        tp = out[f"TP {args.ranks}, batch {batch}"]
+        rows.append([batch, 1e3 * base, 1e3 * tp["decode_step_seconds"], tp["decode_step_seconds"] / base,
+                     tp["plan_bytes_per_step"]])
+    print_table(f"the serving engine, {args.decode} decodes per request after a {len(prompt)}-token prompt",
+                ["batch", "1 process ms/step", f"TP {args.ranks} ms/step", "TP / 1", "plan B/step (broadcast)"], rows)
+    return out
+
+
+class CountingRankGroup(RankGroup):
+    """Records the pickled size of every step plan it broadcasts."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.plan_bytes: list[int] = []
+
+    def run_step(self, plan: StepPlan) -> None:
+        self.plan_bytes.append(len(pickle.dumps(plan)))
+        super().run_step(plan)
+
+
+def engine_config(max_seqs: int) -> EngineConfig:
+    return EngineConfig(max_num_seqs=max_seqs, max_model_len=4096, enable_prefix_caching=False)
+
+
+def decode_step(engine: LLMEngine, batch: int, prompt: tuple[int, ...], decode: int) -> float:
+    """Seconds per decode step of `batch` requests (distinct prompts: no sharing between them)."""
+    params = SamplingParams(max_tokens=decode, ignore_eos=True)
+    reqs = [Request(f"b{batch}-{i}", [(t + i) % 300 + 10 for t in prompt], params) for i in range(batch)]
+    return decode_seconds(engine, reqs) / (decode - 1)
 
 
 if __name__ == "__main__":

@@ -402,7 +402,7 @@ def test_serve_refuses_a_model_too_big_before_reading_weights(flash_folder, monk
     monkeypatch.setattr(loader._Handles, "read", no_reading)
     monkeypatch.setattr(model_loading, "load_model", no_reading)
     with pytest.raises(ValueError, match="does not fit") as err:
-        model_loading.load(ServeConfig(model=str(flash_folder), device="cpu"))
+        model_loading.load_ranks(ServeConfig(model=str(flash_folder), device="cpu"))
     assert "Capacity plan: DeepSeek-V4-Flash" in str(err.value) and "Fits: no" in str(err.value)
 
 

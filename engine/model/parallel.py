@@ -37,20 +37,17 @@ Partial sums are all-reduced in fp32 (bf16 partial sums would round once per ran
 all-reduce adds zeros to the one rank's rows that hold each id, exact in any dtype, so it runs in
 the model dtype.
 
-**How the engine will drive the ranks** (the next step). One engine process per rank; they form
-the default process group (the daemon spawns them on one node; `torchrun` on several). Rank 0 owns
-the scheduler, the KV manager (block pool, hash chain, State Cache slots), the SSD store and the
-sampler; worker ranks hold only a model shard and their own `DeviceKV`, and loop: receive a step,
-run it, repeat. What crosses from rank 0 each step (a broadcast of one small pickled object, before
-any tensor collective of the step):
+**How the engine drives the ranks** (engine/rank_group.py). One engine process per rank, in the
+default process group (the daemon spawns them on one node; `torchrun` starts them on several). Rank 0
+owns the scheduler, the KV manager (block pool, hash chain, State Cache slots), the SSD store and the
+sampler; worker ranks hold only a model shard and their own `DeviceKV`, and loop: receive a step, run
+it, repeat. Each step rank 0 broadcasts one small pickled `StepPlan` on a gloo group of its own,
+before any tensor collective of the step:
 
-1. the KV manager's device operations of that step, in order, so every rank's `DeviceKV` stays
-   bitwise identical to rank 0's: copies of State Cache slots (snapshot save/restore), blocks loaded
-   from the SSD store (the payload itself: rank 0 reads the file once and broadcasts the bytes, or
-   every rank reads it; the KV is unsharded, so a store written at any size is read at any other),
-   and slot resets;
-2. the step's token ids [T] and its `AttentionMetadata` (each sequence's slot, block table, start,
-   num_new, frozen_until, window_from, the logits rows);
+1. the KV manager's device writes since the last step, in order, so every rank's `DeviceKV` stays
+   bitwise identical to rank 0's: slot resets, snapshot restores and blocks read from the SSD store,
+   payload included (rank 0 reads the file once; the KV is unsharded);
+2. the step's token ids [T] and its `AttentionMetadata`;
 3. nothing else: every rank then runs `model(ids, meta, kv)`; the logits come back all-gathered,
    rank 0 samples and the next step's ids carry the sampled tokens.
 
