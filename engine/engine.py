@@ -211,8 +211,8 @@ class LLMEngine:
         self._forward_failures += 1
         if self.ranks is not None:  # the ranks may be mid-collective: the group cannot go on
             self.ranks.broken = True
-            raise EngineUnhealthy(f"the forward pass failed on rank 0 ({self.ranks.dead_rank() or exc!r}); "
-                                  "the ranks cannot continue") from exc
+            cause = self.ranks.dead_rank() or repr(exc)
+            raise EngineUnhealthy(f"a parallel step failed ({cause}); the ranks cannot continue") from exc
         log.error("the forward pass failed (%d in a row); failing its %d requests", self._forward_failures,
                   len(chunks), exc_info=exc)
         if self._forward_failures >= MAX_FORWARD_FAILURES:

@@ -196,6 +196,21 @@ def test_a_killed_engine_process_takes_its_ranks_with_it(wide: str) -> None:
         running.stop(signal.SIGKILL)
 
 
+def test_one_failed_step_ends_a_parallel_engine(wide: str) -> None:
+    """One process fails only the requests of a failed step and goes on; ranks that may be waiting in
+    different collectives cannot, so the engine stops at once with the cause (then 503s)."""
+    cfg = serve_config(wide, tensor_parallel_size=2, engine_hook="tests.faults:fail_fourth_forward")
+    with in_process_server(cfg) as (url, engine):
+        for _ in range(3):
+            complete(url, tokens(5, 91), n=1)  # one forward each
+        failed = httpx.post(url + "/v1/completions", json={"prompt": tokens(5, 92), "max_tokens": 2}, timeout=60)
+        wait_until(lambda: engine.unavailable_reason() is not None, timeout=30)
+        health = httpx.get(url + "/health", timeout=10)
+    assert failed.status_code == 500 and "injected device fault" in failed.text
+    assert health.status_code == 503
+    assert "a parallel step failed" in health.json()["error"]["message"]
+
+
 def test_sigterm_stops_every_rank_cleanly(wide: str) -> None:
     running = start_daemon("--model", wide, "--tensor-parallel-size", "2", "--expert-parallel", timeout=STARTUP)
     engine = engine_pid(running.proc.pid)
