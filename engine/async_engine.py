@@ -76,7 +76,8 @@ class AsyncEngine:
         self._commands.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.engine.close()  # queued SSD store writes land before exit
+        # Queued SSD store writes land before exit; a step still running holds the ranks' collectives.
+        self.engine.close(step_in_flight=self._thread is not None and self._thread.is_alive())
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """`callback(reason)` runs on the engine thread if the loop dies of an error."""

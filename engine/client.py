@@ -8,6 +8,7 @@ no torch, so neither does a front end that runs its engine in another process.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -98,3 +99,13 @@ def check_requests(requests: list[Request], limits: RequestLimits, check_grammar
             check_grammar(r.sampling.grammar)
     if waiting + len(requests) > max_waiting:
         raise EngineOverloaded(f"{waiting} requests are already waiting")
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        hint = " (the out-of-memory killer sends it too)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit status {code}"

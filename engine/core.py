@@ -86,7 +86,7 @@ def run_engine_core(build: Builder, addresses: CoreAddresses, parent_pid: int) -
         core.ready(built[1])
         code = core.serve(from_front, parent_pid)
         if code == RANK_DIED:  # the engine thread may be stuck in a collective: leave without it
-            to_front.close(linger=SEND_LINGER_MS)
+            to_front.close(linger=SEND_LINGER_MS)  # `_silence`d: the engine thread no longer sends
             from_front.close()
             context.term()  # waits for `Dead` to leave
             built[0].ranks.kill()
@@ -145,6 +145,7 @@ class EngineCore:
         self._outputs: list[tuple[str, TokenOutput]] = []
         self._results: list[CommandResult] = []
         self._send_lock = threading.Lock()  # the main thread sends too when a rank dies
+        self._silenced = False
 
     def ready(self, info: dict[str, Any]) -> None:
         self._send(Ready(self.engine.limits, self.engine.config.max_waiting, info, self.engine.stats(), os.getpid()))
@@ -152,22 +153,28 @@ class EngineCore:
     def serve(self, from_front: zmq.Socket, parent_pid: int) -> int:
         self.loop.start()
         timeout_ms = int(POLL_SECONDS * 1000)
+        code = 0
         try:
-            while True:
-                if from_front.poll(timeout_ms) and self._receive(from_front):
-                    return 0
-                if os.getppid() != parent_pid:
-                    log.warning("the front end is gone; the engine process stops")
-                    return 0
-                if self.loop.error is not None:
-                    return 1
-                if (dead := self.engine.dead_rank()) is not None:
-                    log.error("%s; the engine stops", dead)
-                    self._send(Dead(f"{dead}; the engine cannot run without it"))
-                    return RANK_DIED
+            code = self._watch(from_front, parent_pid, timeout_ms)
+            return code
         finally:
-            if self.engine.dead_rank() is None:
+            if code != RANK_DIED:  # else the engine thread may be stuck in a collective: not joined
                 self.loop.shutdown()  # the loop's thread ends; queued SSD-store writes land
+
+    def _watch(self, from_front: zmq.Socket, parent_pid: int, timeout_ms: int) -> int:
+        while True:
+            if from_front.poll(timeout_ms) and self._receive(from_front):
+                return 0
+            if os.getppid() != parent_pid:
+                log.warning("the front end is gone; the engine process stops")
+                return 0
+            if self.loop.error is not None:
+                return 1  # a failed parallel step has marked the ranks broken: shutdown kills them
+            if (dead := self.engine.dead_rank()) is not None:
+                log.error("%s; the engine stops", dead)
+                self._send(Dead(f"{dead}; the engine cannot run without it"))
+                self._silence()
+                return RANK_DIED
 
     def _receive(self, from_front: zmq.Socket) -> bool:
         """Handle every message waiting; True once the front end asked to stop."""
@@ -218,4 +225,10 @@ class EngineCore:
 
     def _send(self, message: Any) -> None:
         with self._send_lock:
-            self._to_front.send(self._out.encode(message), copy=False)
+            if not self._silenced:
+                self._to_front.send(self._out.encode(message), copy=False)
+
+    def _silence(self) -> None:
+        """Nothing more is sent (the socket is about to close under the engine thread)."""
+        with self._send_lock:
+            self._silenced = True

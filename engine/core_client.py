@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import threading
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from v4serve.engine.client import EngineDead, TokenOutput, check_requests
+from v4serve.engine.client import EngineDead, TokenOutput, check_requests, describe_exit
 from v4serve.engine.ipc import (
     PROCESS_NAME,
     Abort,
@@ -63,16 +62,6 @@ class EngineStartupError(RuntimeError):
 
 class EngineCommandError(RuntimeError):
     """A named engine command failed in the engine process."""
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-        hint = " (the out-of-memory killer sends it too)" if -code == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exit status {code}"
 
 
 class EngineCoreClient:

@@ -345,11 +345,13 @@ class LLMEngine:
         """Which rank has died, if one has (the engine cannot run without it)."""
         return self.ranks.dead_rank() if self.ranks is not None else None
 
-    def close(self) -> None:
-        """Finish queued store writes and stop the store's threads, then the other ranks."""
+    def close(self, step_in_flight: bool = False) -> None:
+        """Finish queued store writes and stop the store's threads, then the other ranks (killed, not
+        told, if a step is still running: they may be inside its collectives)."""
         if self.kv.store is not None:
             self.kv.store.close()
         if self.ranks is not None:
+            self.ranks.broken |= step_in_flight
             self.ranks.stop()
 
     # ---- convenience --------------------------------------------------------------------------------

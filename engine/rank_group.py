@@ -14,8 +14,9 @@ Two process groups: the default one carries the model's all-reduce/all-gather (N
 on CPUs); a gloo group of its own carries the plans, with a timeout long enough for an idle server
 (workers wait in a broadcast between requests).
 
-Launch: `RankGroup.spawn` starts the workers on this node (torch.multiprocessing, `spawn`) and
-meets them through a TCPStore it hosts, watching that none has died meanwhile. Under `torchrun` (several
+Launch: `RankGroup.spawn` starts the workers on this node (multiprocessing, `spawn`) and meets them
+through a TCPStore it hosts; until every shard is loaded a watchdog ends the engine process (and the
+workers) if a worker dies, so a startup fault is an exit, never a wait in a rendezvous. Under `torchrun` (several
 nodes) the processes already exist: `RankGroup.join_from_env` takes rank and world size from the
 environment, and ranks other than 0 run `worker_loop` without an HTTP server.
 
@@ -26,6 +27,7 @@ which worker exited so it can report it and leave; workers leave when rank 0's p
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import multiprocessing
@@ -43,9 +45,10 @@ import torch.distributed as dist
 
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
+from v4serve.engine.client import describe_exit
 from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.parallel import ParallelConfig, default_threads, free_port
+from v4serve.engine.model.parallel import ParallelConfig, default_threads
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +89,11 @@ class StepPlan:
     threads: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class DigestKV:
-    """Every rank answers with the sha256 of its whole DeviceKV."""
+    """Every rank applies the writes not yet sent, then answers with the sha256 of its whole DeviceKV."""
+
+    kv_writes: list[tuple[str, tuple[Any, ...]]]
 
 
 @dataclass(frozen=True)
@@ -98,24 +103,26 @@ class Stop:
 
 class MirroredDeviceKV(DeviceKV):
     """Rank 0's DeviceKV: every write that does not come from the model (which every rank runs) is
-    also recorded, with host copies of its data, for the next `StepPlan`."""
+    also recorded, with its host data (snapshots are never changed in place; store blocks are copied
+    out of their larger buffer), for the next `StepPlan`. Recorded even when the write fails part-way,
+    so the ranks attempt the same writes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.writes: list[tuple[str, tuple[Any, ...]]] = []
 
     def clear_slot(self, slot: int) -> None:
-        super().clear_slot(slot)
         self.writes.append(("clear_slot", (slot,)))
+        super().clear_slot(slot)
 
     def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
-        super().write_slot(slot, state)
         self.writes.append(("write_slot", (slot, [t.to("cpu") for t in state])))
+        super().write_slot(slot, state)
 
     def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
-        super().install_blocks(block_ids, stacked)
         n = len(block_ids)  # `stacked` are views of a larger host matrix: send only these rows
         self.writes.append(("install_blocks", (list(block_ids), [t[:n].to("cpu", copy=True) for t in stacked])))
+        super().install_blocks(block_ids, stacked)
 
     def take_writes(self) -> list[tuple[str, tuple[Any, ...]]]:
         writes, self.writes = self.writes, []
@@ -152,48 +159,58 @@ class RankGroup:
     def spawn(cls, parallel: ParallelConfig, load_shard: LoadShard,
               device: torch.device) -> tuple[RankGroup, DeepseekV4]:
         """Start ranks 1..N-1 on this node, meet them, and load every shard (rank 0's is returned)."""
-        port = free_port()
-        store = dist.TCPStore("127.0.0.1", port, parallel.size, is_master=True, wait_for_workers=False,
+        if device.type == "cuda" and torch.cuda.device_count() < parallel.size:
+            raise ValueError(f"--tensor-parallel-size {parallel.size} needs {parallel.size} GPUs on this node; "
+                             f"{torch.cuda.device_count()} are visible (several nodes: launch with torchrun)")
+        store = dist.TCPStore("127.0.0.1", 0, parallel.size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=STARTUP_SECONDS))
         context = multiprocessing.get_context("spawn")
-        threads = default_threads(parallel.size) if device.type == "cpu" else torch.get_num_threads()
+        threads = default_threads(parallel.size)
         processes = [context.Process(target=_spawned_worker, name=f"v4serve-rank{rank}", daemon=True,
-                                     args=(ParallelConfig(parallel.size, parallel.expert_parallel, rank), port,
+                                     args=(ParallelConfig(parallel.size, parallel.expert_parallel, rank), store.port,
                                            load_shard, device, threads, os.getpid()))
                      for rank in range(1, parallel.size)]
         for p in processes:
             p.start()
+        # Before multiprocessing's own exit hook, which would wait for workers that ignore SIGTERM.
+        atexit.register(_kill, processes)
+        loaded = threading.Event()
+        threading.Thread(target=_watch_startup, args=(processes, loaded), daemon=True,
+                         name="v4serve-rank-watch").start()
         try:
             _wait_joined(store, processes)
             local_device(device, 0)
             dist.init_process_group(_backend(device), store=store, rank=0, world_size=parallel.size,
                                     timeout=STEP_TIMEOUT)
             torch.set_num_threads(threads)
-            return cls._load(parallel, load_shard, processes)
+            return cls._load(parallel, load_shard, processes, 0, loaded)
         except BaseException:
-            for p in processes:
-                p.kill()
+            _kill(processes)
             raise
+        finally:
+            loaded.set()
 
     @classmethod
     def join_from_env(cls, parallel: ParallelConfig, load_shard: LoadShard,
                       device: torch.device) -> tuple[RankGroup, DeepseekV4]:
         """Rank 0 of a group `torchrun` launched (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
-        local_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_device(device, local_rank)
         dist.init_process_group(_backend(device), init_method="env://", rank=0, world_size=parallel.size,
                                 timeout=STEP_TIMEOUT)
-        return cls._load(parallel, load_shard, [])
+        return cls._load(parallel, load_shard, [], local_rank, threading.Event())
 
     @classmethod
-    def _load(cls, parallel: ParallelConfig, load_shard: LoadShard,
-              processes: list[Any]) -> tuple[RankGroup, DeepseekV4]:
+    def _load(cls, parallel: ParallelConfig, load_shard: LoadShard, processes: list[Any], local_rank: int,
+              loaded: threading.Event) -> tuple[RankGroup, DeepseekV4]:
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         group = cls(parallel, control, processes)
         try:
-            model, error = load_shard(parallel, 0), None
+            model, error = load_shard(parallel, local_rank), None
         except Exception as exc:  # the workers must hear it, or they would wait forever
             model, error = None, exc
         errors = group._gather(None if error is None else f"rank 0: {error}")
+        loaded.set()  # from here a worker exiting (after a load error of its own) is expected
         failed = [e for e in errors if e is not None]
         if error is not None:
             raise error
@@ -221,8 +238,8 @@ class RankGroup:
         """Send the step; the caller then runs the same forward pass as every worker."""
         self._broadcast(plan)
 
-    def kv_digests(self, kv: DeviceKV) -> list[str]:
-        self._broadcast(DigestKV())
+    def kv_digests(self, kv: MirroredDeviceKV) -> list[str]:
+        self._broadcast(DigestKV(kv.take_writes()))
         out: list[str | None] = [None] * self.parallel.size
         dist.gather_object(kv_digest(kv), out, dst=0, group=self._control)
         return [d or "" for d in out]
@@ -231,13 +248,11 @@ class RankGroup:
         """Which spawned worker has exited, and how; None while all run (or under torchrun)."""
         for rank, p in enumerate(self._processes, start=1):
             if p.exitcode is not None:
-                return f"rank {rank} (pid {p.pid}) exited: {_describe_exit(p.exitcode)}"
+                return f"rank {rank} (pid {p.pid}) exited: {describe_exit(p.exitcode)}"
         return None
 
     def kill(self) -> None:
-        for p in self._processes:
-            if p.exitcode is None:
-                p.kill()
+        _kill(self._processes)
 
     def stop(self) -> None:
         """Workers leave their loop and exit; then the group is torn down."""
@@ -268,10 +283,23 @@ def local_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
-    return f"exit status {code}"
+def _kill(processes: list[Any]) -> None:
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5)
+
+
+def _watch_startup(processes: list[Any], loaded: threading.Event) -> None:
+    """Until every shard is loaded: a worker that dies leaves rank 0 waiting in a rendezvous or a
+    group's first collective, which nothing interrupts. End the engine process (and the other
+    workers) instead; the front end reports its exit, and the worker's own error is in the log."""
+    while not loaded.wait(POLL_SECONDS):
+        for rank, p in enumerate(processes, start=1):
+            if p.exitcode is not None and not loaded.wait(1.0):  # not an error rank 0 is about to report
+                log.error("rank %d exited while starting (%s); the engine stops", rank, describe_exit(p.exitcode))
+                _kill(processes)
+                os._exit(1)
 
 
 def _wait_joined(store: Any, processes: list[Any]) -> None:
@@ -282,7 +310,7 @@ def _wait_joined(store: Any, processes: list[Any]) -> None:
     while not store.check(keys):
         for rank, p in enumerate(processes, start=1):
             if p.exitcode is not None:
-                raise RuntimeError(f"rank {rank} exited while starting (exit status {p.exitcode})")
+                raise RuntimeError(f"rank {rank} exited while starting ({describe_exit(p.exitcode)})")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the ranks did not start within {STARTUP_SECONDS:.0f} s")
         time.sleep(0.05)
@@ -343,6 +371,7 @@ def worker_loop(parallel: ParallelConfig, load_shard: LoadShard, local_rank: int
             model(torch.tensor(message.input_ids, dtype=torch.long, device=device), message.meta, kv)
         elif isinstance(message, DigestKV):
             assert kv is not None
+            replay_writes(kv, message.kv_writes)
             dist.gather_object(kv_digest(kv), None, dst=0, group=control)
     dist.destroy_process_group()
     return 0

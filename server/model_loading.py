@@ -4,11 +4,9 @@ process under --engine-in-process."""
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import logging
-import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -22,11 +20,11 @@ from v4serve.engine.model.checkpoint import load_model, write_checkpoint
 from v4serve.engine.model.fingerprint import checkpoint_digest, tensors_digest
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count, resident_bytes
-from v4serve.engine.model.parallel import ParallelConfig
+from v4serve.engine.model.parallel import ParallelConfig, default_threads
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
 from v4serve.engine.model.resident import resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
-from v4serve.engine.rank_group import RankGroup, local_device, worker_loop
+from v4serve.engine.rank_group import STEP_TIMEOUT, RankGroup, local_device, worker_loop
 from v4serve.kernels.registry import load_kernels, resolve_backend
 from v4serve.server.config import DEFAULT_STORE_BYTES, LaunchedRank, ServeConfig, default_store_dir, launched_rank
 
@@ -67,14 +65,16 @@ def load_ranks(cfg: ServeConfig) -> tuple[DeepseekV4, RankGroup | None, bytes | 
         check_capacity(cfg, Path(cfg.model), device, cfg.resolved_dtype(device))  # headers only, before any data
     if cfg.tensor_parallel_size == 1:
         return load(cfg), None, None
-    digest = None
-    if cfg.model == "tiny":
-        tiny = build_tiny(seed=cfg.seed)
-        digest = tensors_digest(tiny.state_dict().items())
-        folder = tempfile.mkdtemp(prefix="v4serve-tiny-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    if cfg.model != "tiny":
+        return (*_start_ranks(cfg, device), None)
+    tiny = build_tiny(seed=cfg.seed)
+    with tempfile.TemporaryDirectory(prefix="v4serve-tiny-") as folder:  # needed only while the ranks load
         write_checkpoint(tiny, folder)
-        cfg = replace(cfg, model=folder)
+        model, group = _start_ranks(replace(cfg, model=folder), device)
+    return model, group, tensors_digest(tiny.state_dict().items())
+
+
+def _start_ranks(cfg: ServeConfig, device: torch.device) -> tuple[DeepseekV4, RankGroup]:
     parallel = ParallelConfig(cfg.tensor_parallel_size, cfg.expert_parallel, rank=0)
     shard = functools.partial(load, cfg)
     launched = launched_rank()
@@ -82,7 +82,7 @@ def load_ranks(cfg: ServeConfig) -> tuple[DeepseekV4, RankGroup | None, bytes | 
         group, model = RankGroup.join_from_env(parallel, shard, device)
     else:
         group, model = RankGroup.spawn(parallel, shard, device)
-    return model, group, digest
+    return model, group
 
 
 def run_worker_rank(cfg: ServeConfig, launched: LaunchedRank) -> int:
@@ -100,8 +100,10 @@ def run_worker_rank(cfg: ServeConfig, launched: LaunchedRank) -> int:
                          "(v4serve make-checkpoint writes the tiny model to one)")
     parallel = ParallelConfig(cfg.tensor_parallel_size, cfg.expert_parallel, launched.rank)
     device = local_device(cfg.resolved_device(), launched.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(default_threads(launched.world_size))  # ranks sharing a node share its cores
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=launched.rank,
-                            world_size=launched.world_size)
+                            world_size=launched.world_size, timeout=STEP_TIMEOUT)
     return worker_loop(parallel, functools.partial(load, cfg), launched.local_rank)
 
 
@@ -169,21 +171,27 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed)
 
 
-def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, dict[str, Any]]:
-    """The engine, and what the front end needs to know of it: /version's fields and max_model_len."""
-    model, ranks, digest = load_ranks(cfg)
+def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,
+            tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, EngineConfig]:
     econf = engine_config(cfg, model, tokenizer_json)
     if digest is not None and econf.kv_store_dir is not None:
         econf = replace(econf, weights_digest=digest)  # rank 0 holds a shard: its tensors are not the model's
-    try:
-        engine = LLMEngine(model, econf, eos_token_id=eos_token_id, ranks=ranks)
-    except BaseException:
-        if ranks is not None:
-            ranks.kill()
-        raise
+    engine = LLMEngine(model, econf, eos_token_id=eos_token_id, ranks=ranks)
     if cfg.engine_hook:
         module, _, name = cfg.engine_hook.partition(":")
         getattr(importlib.import_module(module), name)(engine)
+    return engine, econf
+
+
+def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, dict[str, Any]]:
+    """The engine, and what the front end needs to know of it: /version's fields and max_model_len."""
+    model, ranks, digest = load_ranks(cfg)
+    try:
+        engine, econf = _engine(cfg, model, ranks, digest, tokenizer_json, eos_token_id)
+    except BaseException:
+        if ranks is not None:  # they wait for rank 0's first message; nothing else would end them
+            ranks.kill()
+        raise
     device = next(model.parameters()).device
     split = (f", split over {cfg.tensor_parallel_size} ranks{' (experts whole)' if cfg.expert_parallel else ''}"
              if ranks is not None else "")

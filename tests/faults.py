@@ -4,6 +4,7 @@ the hook crosses into the engine process by name)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from v4serve.engine.engine import LLMEngine
@@ -50,3 +51,24 @@ def exit_while_loading(spec: object, addresses: object, parent_pid: int) -> None
     import os
 
     os._exit(3)
+
+
+def shard_failing_on_rank_1(parallel: object, local_rank: int) -> object:
+    """A rank's loader (engine.rank_group.LoadShard) whose rank 1 raises, as on a bad shard."""
+    if parallel.rank == 1:  # type: ignore[attr-defined]
+        raise ValueError("injected: rank 1 cannot read its shard")
+    return _tiny_shard(parallel, local_rank)
+
+
+def shard_dying_on_rank_1(parallel: object, local_rank: int) -> object:
+    """Rank 1's process ends mid-load (the OOM killer, a segfault) without a word to the others."""
+    if parallel.rank == 1:  # type: ignore[attr-defined]
+        os._exit(3)
+    return _tiny_shard(parallel, local_rank)
+
+
+def _tiny_shard(parallel: object, local_rank: int) -> object:
+    from v4serve.server.config import ServeConfig
+    from v4serve.server.model_loading import load
+
+    return load(ServeConfig(model=os.environ["V4SERVE_TEST_CHECKPOINT"]), parallel, local_rank)  # type: ignore[arg-type]

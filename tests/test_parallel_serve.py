@@ -228,6 +228,27 @@ def test_a_size_that_splits_a_head_is_refused_at_startup(wide: str) -> None:
     assert "divide" in done.stderr.strip().splitlines()[-1]
 
 
+STARTUP_SCRIPT = """
+import sys, torch
+from tests import faults
+from v4serve.engine.model.parallel import ParallelConfig
+from v4serve.engine.rank_group import RankGroup
+RankGroup.spawn(ParallelConfig(2), getattr(faults, sys.argv[1]), torch.device("cpu"))
+print("started")
+"""
+
+
+@pytest.mark.parametrize(("shard", "message"), [
+    ("shard_failing_on_rank_1", "rank 1: injected: rank 1 cannot read its shard"),
+    ("shard_dying_on_rank_1", "exit status 3"),  # the watchdog (or the broken collective) names it
+])
+def test_a_rank_failing_to_load_is_a_startup_error_never_a_hang(wide: str, shard: str, message: str) -> None:
+    done = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT, shard], cwd=ROOT, capture_output=True, text=True,
+                          timeout=STARTUP, env={**os.environ, "V4SERVE_TEST_CHECKPOINT": wide})
+    assert done.returncode != 0 and "started" not in done.stdout
+    assert message in done.stderr
+
+
 def test_torchrun_launches_the_ranks(wide: str, single: list[dict]) -> None:
     """Several nodes are launched with torchrun (one process per GPU; rank 0 serves HTTP): here both
     ranks on this machine, with torchrun's own rendezvous."""
