@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,16 +23,21 @@ from v4serve.engine.ipc import PROCESS_NAME
 ENDLESS = {"prompt": "a stream that outlives its engine", "max_tokens": 20000, "ignore_eos": True, "stream": True}
 
 
-def engine_pid(parent: int) -> int:
-    """The engine process the daemon `parent` started (by its kernel name and parent pid)."""
+def processes() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, kernel name, the /proc/PID/stat fields after the name: state, ppid, pgrp, session, ...)"""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:
             continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        yield int(stat.parent.name), text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def engine_pid(parent: int) -> int:
+    """The engine process the daemon `parent` started (by its kernel name and parent pid)."""
+    for pid, name, fields in processes():
         if name == PROCESS_NAME and int(fields[1]) == parent:
-            return int(stat.parent.name)
+            return pid
     raise AssertionError(f"no {PROCESS_NAME} process under {parent}")
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.daemon import ROOT, free_port, in_process_server, start_daemon
 from tests.helpers import SMALL, tokens
-from tests.test_engine_process import ENDLESS, engine_pid, gone, wait_until
+from tests.test_engine_process import ENDLESS, engine_pid, gone, processes, wait_until
 from tests.test_store_daemon import metric
 from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.tiny import build_tiny, tiny_config
@@ -284,15 +284,8 @@ def test_torchrun_launches_the_ranks(wide: str, single: list[dict]) -> None:
 
 
 def session_alive(sid: int) -> bool:
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            return True
-    return False
+    """A process of session `sid` still runs (zombies waiting to be reaped do not count)."""
+    return any(int(fields[3]) == sid and fields[0] != "Z" for _, _, fields in processes())
 
 
 def test_parallel_settings_that_cannot_work_are_refused() -> None:
