@@ -35,6 +35,7 @@ from v4serve.engine.ipc import (
     CommandResult,
     CoreAddresses,
     Dead,
+    FromCore,
     Ready,
     Shutdown,
     StartupFailed,
@@ -109,7 +110,7 @@ def _build(build: Builder, to_front: zmq.Socket, parent_pid: int) -> tuple[LLMEn
         invalid = isinstance(exc, (ValueError, OSError))
         if not invalid:
             log.exception("the engine could not start")
-        to_front.send(Channel(ToCore).encode(StartupFailed(str(exc), invalid)))
+        to_front.send(Channel(FromCore).encode(StartupFailed(str(exc), invalid)))
         return None
     finally:
         loaded.set()
@@ -140,7 +141,7 @@ class EngineCore:
         self._to_front = to_front
         # One channel per thread: the main thread decodes what arrives, the engine thread encodes.
         self._in = Channel(ToCore)
-        self._out = Channel(ToCore)
+        self._out = Channel(FromCore)  # encodes only: the type names what it carries
         # Filled by sinks on the engine thread and sent from there: no lock needed.
         self._outputs: list[tuple[str, TokenOutput]] = []
         self._results: list[CommandResult] = []
