@@ -35,9 +35,17 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     pre_z, post_z, comb_z = z.split([hc, hc, hc * hc], dim=-1)
     pre = torch.sigmoid(pre_z) + hc_eps
     post = 2 * torch.sigmoid(post_z)
-    comb = torch.softmax(comb_z.unflatten(-1, (hc, hc)), dim=-1) + hc_eps
-    # Row and column sums plus eps as one baddbmm each (eps + comb·1, eps + 1ᵀ·comb): two ops per
-    # half-iteration instead of three, on a loop that dominates the layer's op count.
+    comb = sinkhorn(torch.softmax(comb_z.unflatten(-1, (hc, hc)), dim=-1) + hc_eps, iters, hc_eps)
+    x = torch.bmm(pre.unsqueeze(1), flat.view_as(h)).squeeze(1).to(h.dtype)  # Σ_k pre_k h_k
+    return (x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)), post, comb
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, hc_eps: float) -> torch.Tensor:
+    """comb [T, hc, hc] > 0 → near doubly-stochastic: column sums, then `iters − 1` times rows and
+    columns, each divided by its sum + eps. Row and column sums plus eps are one baddbmm each
+    (eps + comb·1, eps + 1ᵀ·comb): two ops per half-iteration instead of three, on a loop that
+    dominates the layer's op count."""
+    hc = comb.shape[-1]
     eps = comb.new_full((1,), hc_eps)
     ones_col = comb.new_ones(1, hc, 1).expand(len(comb), hc, 1)
     ones_row = comb.new_ones(1, 1, hc).expand(len(comb), 1, hc)
@@ -45,8 +53,7 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     for _ in range(iters - 1):
         comb = comb / torch.baddbmm(eps, comb, ones_col)
         comb = comb / torch.baddbmm(eps, ones_row, comb)
-    x = torch.bmm(pre.unsqueeze(1), flat.view_as(h)).squeeze(1).to(h.dtype)  # Σ_k pre_k h_k
-    return (x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)), post, comb
+    return comb
 
 
 def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
