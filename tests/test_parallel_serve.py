@@ -94,6 +94,35 @@ def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict]
     assert len(digests) == 2 and digests[0] == digests[1]  # same KV bytes on both ranks
 
 
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The released layout (FP4 routed experts, FP8 attention and shared expert), sized so each
+    rank's shard falls on whole 128-row scale blocks (as tests/test_parallel.py's packed config)."""
+    model = build_tiny(tiny_config(o_lora_rank=128, moe_intermediate_size=256), seed=5)
+    folder = write_checkpoint(model, tmp_path_factory.mktemp("packed"), quantize="mixed")
+    write_byte_tokenizer_files(folder)
+    return str(folder)
+
+
+def test_packed_weights_and_fp8_kv_at_two_ranks(packed: str) -> None:
+    """What a real deployment runs: checkpoint-precision weights split over the ranks, FP8 KV
+    records replicated on each, prefix hits included."""
+    prompts = [tokens(n, 100 + n) for n in (1, 127, 128, 129, 300)]
+    settings = {"kv_cache_dtype": "fp8", "swa_cache_mode": "full"}
+    with in_process_server(serve_config(packed, **settings)) as (url, _):
+        one = greedy(url, prompts)
+    with in_process_server(serve_config(packed, tensor_parallel_size=2, expert_parallel=True, **settings)) as (
+            url, engine):
+        version = httpx.get(url + "/version", timeout=10).json()
+        two = greedy(url, prompts)
+        hit = complete(url, prompts[-1])
+        digests = kv_digests(engine)
+    assert version["weight_dtype"] == "checkpoint" and version["kv_cache_dtype"] == "fp8_e4m3"
+    assert [o["tokens"] for o in two] == [o["tokens"] for o in one]
+    assert cached(hit) > 0 and hit["choices"][0]["logprobs"]["tokens"] == two[-1]["tokens"]
+    assert digests[0] == digests[1]
+
+
 @pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
 def test_prefix_hits_at_two_ranks_equal_cold_runs(wide: str, mode: str) -> None:
     doc = tokens(100, 50)
