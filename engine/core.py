@@ -67,9 +67,7 @@ Builder = Callable[[], tuple[LLMEngine, dict[str, Any]]]
 def run_engine_core(build: Builder, addresses: CoreAddresses, parent_pid: int) -> int:
     """The process's life; returns its exit status (0 after a requested shutdown or once the front
     end is gone, 1 after a startup error or a dead engine loop)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    name_process(PROCESS_NAME)
+    setup_subordinate(PROCESS_NAME)
     context = zmq.Context()
     to_front = context.socket(zmq.PUSH)
     to_front.setsockopt(zmq.SNDHWM, 0)  # never block the engine thread; the front end keeps up
@@ -120,6 +118,15 @@ def _watch_parent_while_loading(parent_pid: int, loaded: threading.Event) -> Non
     while not loaded.wait(POLL_SECONDS):
         if os.getppid() != parent_pid:  # nothing to save yet: leave at once
             os._exit(1)
+
+
+def setup_subordinate(name: str) -> None:
+    """Name this process and ignore SIGINT and SIGTERM: a terminal's Ctrl-C, a service manager or a
+    launcher reaches every process of the group at once, and the one in charge (the front end for
+    the engine process, rank 0 for the other ranks) decides when and in what order they stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    name_process(name)
 
 
 def name_process(name: str) -> None:

@@ -32,7 +32,6 @@ import hashlib
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -322,12 +321,9 @@ def _wait_joined(store: Any, processes: list[Any]) -> None:
 def _spawned_worker(parallel: ParallelConfig, port: int, load_shard: LoadShard, device: torch.device, threads: int,
                     parent: int) -> None:
     """A worker this node's rank 0 started: joins through rank 0's store, leaves when rank 0 does."""
-    from v4serve.engine.core import name_process  # the engine core's helper; imported late (spawn)
+    from v4serve.engine.core import setup_subordinate  # the engine core's helper; imported late (spawn)
 
-    name_process(f"v4serve-rank{parallel.rank}")
-    # A terminal's Ctrl-C or a service manager reaches the whole group: rank 0 decides when to stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup_subordinate(f"v4serve-rank{parallel.rank}")
     _exit_with_parent(parent)
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, parallel.size, is_master=False, timeout=timedelta(seconds=STARTUP_SECONDS))

@@ -88,13 +88,11 @@ def _start_ranks(cfg: ServeConfig, device: torch.device) -> tuple[DeepseekV4, Ra
 def run_worker_rank(cfg: ServeConfig, launched: LaunchedRank) -> int:
     """A rank other than 0 of a group torchrun started: no HTTP, only the model shard and the steps
     rank 0 sends. Returns the exit status."""
-    import signal
-
     import torch.distributed as dist
 
-    # The launcher signals every rank at once; rank 0 shuts down gracefully and then tells the others.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from v4serve.engine.core import setup_subordinate
+
+    setup_subordinate(f"v4serve-rank{launched.rank}")  # rank 0 stops gracefully, then tells the others
     if cfg.model == "tiny":
         raise ValueError("torchrun ranks load their shard from a checkpoint folder: give --model a folder "
                          "(v4serve make-checkpoint writes the tiny model to one)")
