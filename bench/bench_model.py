@@ -14,9 +14,13 @@ and 16, default kernels vs the batch-invariant set (`--only-batch-invariant` mea
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +64,7 @@ def main() -> None:
     ours.use_kernels(load_kernels("torch"))  # as `serve` runs it on a CPU (projections fused)
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     vocab = ours.cfg.vocab_size
+    torch.set_num_threads(os.cpu_count() or 1)  # prefill as the engine runs it: every core
     gen = torch.Generator().manual_seed(0)
     rows, results = [], {"prefill": [], "decode": {}}
 
@@ -79,37 +84,41 @@ def main() -> None:
         results["prefill"].append({"tokens": n, "v4serve_tok_s": ours_tps, "transformers_tok_s": hf_tps})
 
     prompt = torch.randint(0, vocab, (512,), generator=gen)
-    steps = torch.randint(0, vocab, (args.decode,), generator=gen).tolist()
-
-    def decode_ours() -> None:
-        seq = SingleSequence(ours, 512 + len(steps))
-        seq.step(prompt.tolist())
-        for tok in steps:
-            seq.step([tok])
-
-    def decode_hf() -> None:
-        with torch.no_grad():
-            out = hf(prompt[None], use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            for tok in steps:
-                cache = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
-
-    prefill_only = interleaved({
-        "v4serve": lambda: SingleSequence(ours, 512).step(prompt.tolist()),
-        "transformers": lambda: hf(prompt[None], logits_to_keep=1),
-    }, args.repeats)
-    t = interleaved({"v4serve": decode_ours, "transformers": decode_hf}, args.repeats)
-    ours_tps = len(steps) / max(t["v4serve"] - prefill_only["v4serve"], 1e-9)
-    hf_tps = len(steps) / max(t["transformers"] - prefill_only["transformers"], 1e-9)
-    rows.append([f"decode {len(steps)} @512", ours_tps, hf_tps, ours_tps / hf_tps])
-    results["decode"] = {"steps": len(steps), "context": 512, "v4serve_tok_s": ours_tps,
-                         "transformers_tok_s": hf_tps}
+    steps = torch.randint(0, vocab, (args.decode * args.repeats,), generator=gen).tolist()
+    ours_ms, hf_ms = decode_step_ms(ours, hf, prompt.tolist(), steps)
+    rows.append([f"decode {len(steps)} @512", 1e3 / ours_ms, 1e3 / hf_ms, hf_ms / ours_ms])
+    results["decode"] = {"steps": len(steps), "context": 512, "v4serve_tok_s": 1e3 / ours_ms,
+                         "transformers_tok_s": 1e3 / hf_ms, "threads": torch.get_num_threads()}
 
     results["parameters"] = params
     results["batch_invariant"] = invariance
-    print_table(f"{params / 1e6:.1f}M-parameter model, batch 1, fp32 CPU (tokens/s; ratio = v4serve / transformers)",
+    print_table(f"{params / 1e6:.1f}M-parameter model, batch 1, fp32 CPU, prefill on every core, decode on one "
+                "(tokens/s; ratio = v4serve / transformers)",
                 ["workload", "v4serve", "transformers", "ratio"], rows)
     write_results("bench_model", results)
+
+
+def decode_step_ms(ours: DeepseekV4, hf: Any, prompt: list[int], steps: list[int]) -> tuple[float, float]:
+    """Median milliseconds of one decode step of each model after the same prompt, teacher-forced
+    through the same tokens, on one intra-op thread (as the engine runs a decode step; more only
+    slows either model here). The two step in turns (one token of each, then the next), so a
+    shared machine's changing speed lands on both alike; the prefills are not timed."""
+    threads = torch.get_num_threads()
+    seq = SingleSequence(ours, len(prompt) + len(steps))
+    seq.step(prompt)
+    with torch.no_grad():
+        cache = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1).past_key_values
+        torch.set_num_threads(1)
+        ours_ms, hf_ms = [], []
+        for tok in steps:
+            t0 = time.perf_counter()
+            seq.step([tok])
+            t1 = time.perf_counter()
+            cache = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+            ours_ms.append((t1 - t0) * 1e3)
+            hf_ms.append((time.perf_counter() - t1) * 1e3)
+    torch.set_num_threads(threads)
+    return statistics.median(ours_ms), statistics.median(hf_ms)
 
 
 # Decode cost of --batch-invariant: a short context keeps the attention share small, so the table

@@ -19,6 +19,6 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     """q [R, hI, dI], w [R, hI] (times `w_scale`, applied here), keys [NB, P, dI], tables [R, nb],
     counts [R] (visible entries) → scores [R, n] (fp32)."""
     k = read_entries_batched(keys, tables, n)  # [R, n, dI]
-    logits = torch.einsum("rhc,rsc->rhs", q.float(), k).relu_()
+    logits = torch.bmm(q.float(), k.transpose(1, 2)).relu_()  # [R, hI, n]
     scores = ((w.float() * w_scale).unsqueeze(1) @ logits).squeeze(1)  # Σ_h w·relu(q·k)
     return scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= counts[:, None], float("-inf"))

@@ -70,7 +70,7 @@ def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     weight[g] (wo_a)."""
     if isinstance(weight, quant_linear.QuantizedWeight):
         return quant_linear.grouped_quant_linear(x, weight)
-    return torch.einsum("tgi,goi->tgo", x, weight)
+    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # per group: x_g · W_gᵀ
 
 
 def grouped_linear_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -124,6 +124,6 @@ def index_scores_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tabl
     for r, count in enumerate(counts.tolist()):
         if count:
             k = read_entries(keys, tables[r].tolist(), count).float()  # [count, dI]
-            logits = torch.einsum("hc,sc->hs", _own_row(q.float(), r)[0], k).relu_()
+            logits = torch.matmul(_own_row(q.float(), r)[0], k.t()).relu_()
             out[r, :count] = (_own_row(w.float() * w_scale, r) @ logits)[0]  # Σ_h w·relu(q·k)
     return out

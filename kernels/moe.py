@@ -64,16 +64,26 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: to
             w3: torch.Tensor, limit: float, linear: Callable[..., torch.Tensor] = quant_linear.linear,
             rowwise: Elementwise = _batched, remote: bool = False) -> torch.Tensor:
     """x [T, D], weights/chosen [T, k + S], w1/w3 [E+S, I, D], w2 [E+S, D, I] → Σ_j weight_j · expert_j(x) [T, D].
-    Tokens are grouped by expert (one matmul per expert in use); each token's terms are added in
-    expert order. `linear`/`rowwise` may be per-row forms (--batch-invariant): a token's result then
-    does not depend on which other tokens chose the same expert. `remote`: choices equal to the
-    stack's length are other ranks' experts, skipped."""
+    The (token, expert) pairs are sorted by expert, so each expert in use runs once on its tokens'
+    rows (in token order), and each token's terms are added in expert order. `linear`/`rowwise`
+    may be per-row forms (--batch-invariant): a token's result then does not depend on which other
+    tokens chose the same expert. `remote`: choices equal to the stack's length are other ranks'
+    experts, skipped."""
+    pairs = chosen.flatten()
+    order = pairs.argsort(stable=True)  # [P]: pairs grouped by expert, in token order within each
+    in_use, counts = pairs[order].unique_consecutive(return_counts=True)
+    in_use, counts = in_use.tolist(), counts.tolist()
+    if remote and in_use and in_use[-1] == w1.shape[0]:  # other ranks' pairs sort last
+        in_use.pop()
+        order = order[:len(order) - counts.pop()]
+    token = order // chosen.shape[1]
+    rows, terms, start = x[token], [], 0
+    for e, n in zip(in_use, counts, strict=True):
+        mine = rows[start:start + n]
+        terms.append(linear(swiglu(linear(mine, w1[e]), linear(mine, w3[e]), limit, rowwise), w2[e]))
+        start += n
     out = torch.zeros_like(x)
-    for e in chosen.unique().tolist():
-        if remote and e == w1.shape[0]:
-            continue
-        token, which = torch.where(chosen == e)
-        rows = x[token]
-        y = linear(swiglu(linear(rows, w1[e]), linear(rows, w3[e]), limit, rowwise), w2[e])
-        out.index_add_(0, token, y * weights[token, which, None].to(x.dtype))
+    if terms:
+        scaled = torch.cat(terms) * weights.flatten()[order, None].to(x.dtype)
+        out.index_add_(0, token, scaled)
     return out

@@ -88,7 +88,8 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
                                                              rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
         changes.update(sparse_attention=invariant.sparse_attention_rows, index_scores=invariant.index_scores_rows,
-                       mhc_pre=functools.partial(mhc.mhc_pre, linear=invariant.linear_rows),
+                       mhc_pre=functools.partial(mhc.mhc_pre, linear=invariant.linear_rows,
+                                                 mixing=mhc.mixing_matrix_per_token),
                        route=functools.partial(moe.route, rowwise=invariant.rowwise_rows))
     return dataclasses.replace(kernels, **changes)
 

@@ -141,7 +141,7 @@ class Indexer(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, n, hI, dI], w [B, n, hI] (unscaled), keys [B, N, dI], visible [B, n, N] →
         (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
-        logits = torch.einsum("bnhc,bsc->bnhs", q, keys).relu_()  # [B, n, hI, N]
+        logits = torch.bmm(q.flatten(1, 2), keys.transpose(1, 2)).unflatten(1, q.shape[1:3]).relu_()  # [B, n, hI, N]
         scores = self.summed(((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2))  # Σ_h w·relu(q·k) [B, n, N]
         scores = scores.masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
