@@ -28,6 +28,7 @@ from v4serve.engine.sampler import Sample, Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.stats import EngineStats
 from v4serve.engine.structured import Grammars, RequestGrammar, require
+from v4serve.kernels import kv_fp8
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     h.update(json.dumps(model.cfg.to_official_dict(), sort_keys=True).encode())
     h.update(weights_digest)
     tags = f"{kv_dtype}|format={KV_FORMAT_VERSION}"
-    tags += f"|keys={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
+    tags += f"|keys={kv_cache_dtype}|{kv_fp8.ENCODING}" if kv_cache_dtype != "auto" else ""
     tags += "|batch-invariant" if model.kernels.batch_invariant else ""
     # Kernels reading packed weights round differently from GEMMs over dequantized ones.
     tags += "|weights=packed" if packed_count(model) else ""

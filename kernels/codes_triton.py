@@ -1,9 +1,10 @@
-"""Decoders for the packed number formats of DeepSeek-V4 checkpoints, from their bits, shared by
-the Triton kernels (FP8 KV records in attention, FP8/FP4 weights in the linear layers and experts).
+"""Decoders for the packed number formats of DeepSeek-V4 checkpoints, and the encoders FP8 KV
+records need, from their bits, shared by the Triton kernels (FP8 KV records in attention and the
+cache writers, FP8/FP4 weights in the linear layers and experts).
 
-They build fp32 values with integer ops and bitcasts rather than fp8/fp4 dtypes: fp8 types need
-sm_89+, fp4 has no Triton type, and bit arithmetic gives every GPU and the interpreter the same,
-exact value for every code.
+They work with integer ops and bitcasts rather than fp8/fp4 dtypes: fp8 types need sm_89+, fp4 has
+no Triton type, and the interpreter's float→fp8 cast rounds unlike torch and the GPU; bit
+arithmetic gives every GPU and the interpreter the same, exact result for every value.
 """
 
 from __future__ import annotations
@@ -39,3 +40,37 @@ def e8m0(byte):
     """e8m0 scale bytes (int32) → fp32 2^(byte − 127). Byte 0 is 2^−127, an fp32 subnormal (bits
     0x400000), which the exponent field alone cannot hold; byte 255 gives inf, as torch.ldexp."""
     return tl.where(byte == 0, 0x400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_code(x):
+    """fp32 values of magnitude ≤ 448 → e4m3 (fn) codes (int32 holding a byte), rounded to nearest,
+    ties to even, as torch's float8_e4m3fn conversion. Magnitudes below 2^−6 are subnormal codes
+    round(|x|·2^9) (8 is the smallest normal, 2^−6: the same code either way); above, the fp32
+    mantissa's top 3 bits, rounded on the 20 below (a carry into the exponent is the right code)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 128
+    exp32 = (bits >> 23) & 255  # biased by 127
+    mant = bits & 0x7FFFFF
+    # Normals: code = ((exp32 − 120) << 3) + top 3 mantissa bits, + 1 when rounding up.
+    top = ((exp32 - 120) << 3) | (mant >> 20)
+    rest = mant & 0xFFFFF
+    normal = top + ((rest > 0x80000) | ((rest == 0x80000) & ((top & 1) == 1))).to(tl.int32)
+    # Subnormals: |x|·2^9 = (mant | 2^23) >> (14 − (exp32 − 127)) (zero once shifted 24 or more).
+    shift = tl.minimum(141 - exp32, 31)
+    full = mant | 0x800000
+    q = full >> shift
+    r = full & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((r > half) | ((r == half) & ((q & 1) == 1))).to(tl.int32)
+    sub = tl.where(exp32 == 0, 0, sub)  # fp32 zero (and subnormals, far below e4m3's least)
+    return sign | tl.where(exp32 >= 121, normal, sub)
+
+
+@triton.jit
+def ue8m0_exponent(amax):
+    """The exponent e of the power-of-two scale 2^e that maps a group's largest magnitude `amax`
+    (≥ 1e-4) into e4m3's range, as DeepSeek-V4 rounds it: ⌈log2(amax · (1/448))⌉ from the product's
+    bits (its exponent, plus one unless the mantissa is zero)."""
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 255) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)

@@ -32,8 +32,10 @@ class Kernels:
     rope: Callable[..., Any]
     rms_norm_rope: Callable[..., Any]
     compress_decodes: Callable[..., Any]
+    compress_chunk: Callable[..., Any]
     index_scores: Callable[..., Any]
     write_window: Callable[..., Any]
+    round_keys: Callable[..., Any]  # (keys [T, d], FP8 record) → as the record stores them
     linear: Callable[..., Any]  # (x [T, I], weight [O, I]) → [T, O]
     grouped_linear: Callable[..., Any]  # (x [T, G, I], weight [G, O, I]) → [T, G, O]
     rowwise: Callable[..., Any]  # (elementwise fn, x [T, ...]) → fn(x)
@@ -67,8 +69,8 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     """Per-row projections and per-row transcendental functions (MoE gate, SwiGLU, hc_head) on
     every backend. The Triton attention, indexer and mHC kernels already reduce each row on its
     own; the torch twins of attention, indexer scores and mHC's projection batch rows, so they get
-    per-row forms. Decode-step entries are pooled by the same torch code as prefill entries (on
-    the Triton backend too): one pooling implementation, whichever path completes an entry. The
+    per-row forms. Entries are pooled by the torch twins whether a decode step or a prefill chunk
+    completes them (on the Triton backend too): one pooling implementation, whichever path. The
     experts run per row through the torch twin on both backends (the grouped Triton GEMM puts a
     token in a tile beside other tokens); the Triton router is one program per token already. On
     the Triton backend, packed weights (dense projections and each expert's) go through the Triton
@@ -84,6 +86,7 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     changes: dict[str, Any] = dict(batch_invariant=True, linear=linear,
                                    grouped_linear=grouped_linear, rowwise=invariant.rowwise_rows,
                                    compress_decodes=compressor.compress_decodes,
+                                   compress_chunk=compressor.compress_chunk,
                                    experts=functools.partial(moe.experts, linear=linear,
                                                              rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
@@ -98,12 +101,12 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     from v4serve.kernels import invariant
 
     if backend == "torch":
-        from v4serve.kernels import attention, compressor, indexer, mhc, moe, norm_rope, paged
+        from v4serve.kernels import attention, compressor, indexer, kv_fp8, mhc, moe, norm_rope, paged
 
         return Kernels("torch", mhc.mhc_pre, mhc.mhc_post, attention.sparse_attention, norm_rope.rms_norm,
-                       norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, indexer.index_scores,
-                       paged.write_window, invariant.linear, invariant.grouped_linear, invariant.rowwise,
-                       moe.route, moe.experts)
+                       norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, compressor.compress_chunk,
+                       indexer.index_scores, paged.write_window, kv_fp8.round_keys, invariant.linear,
+                       invariant.grouped_linear, invariant.rowwise, moe.route, moe.experts)
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -115,6 +118,7 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
         attention_triton,
         compressor_triton,
         indexer_triton,
+        kv_fp8_triton,
         mhc_triton,
         moe_triton,
         norm_rope_triton,
@@ -124,6 +128,7 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
 
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
-                   compressor_triton.compress_decodes, indexer_triton.index_scores, paged_triton.write_window,
+                   compressor_triton.compress_decodes, compressor_triton.compress_chunk, indexer_triton.index_scores,
+                   paged_triton.write_window, kv_fp8_triton.round_keys,
                    quant_linear_triton.linear, quant_linear_triton.grouped_linear, invariant.rowwise, moe_triton.route,
                    moe_triton.experts)

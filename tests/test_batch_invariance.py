@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tests.daemon import daemon
 from tests.helpers import SMALL, engine_for, greedy, requires_triton, tokens
+from v4serve.engine.model import attention
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels import invariant
@@ -72,6 +73,16 @@ def test_torch_backend_logits_are_bitwise_the_same_alone_batched_and_chunked(key
         ({"long": MATES["long"], "a": PROMPT, "short": MATES["short"]}, 11),
         ({"a": PROMPT, **MATES}, 64),  # every prompt in one step
     ], kv_cache_dtype=keys)
+
+
+def test_indexer_chunk_rows_in_small_score_tiles_pick_the_same_entries(monkeypatch) -> None:
+    """A long chunk's rows are scored in tiles bounded by SCORE_BUDGET (long contexts); tiles of a
+    few rows, some before the first entry exists, give bitwise the logits of one tile."""
+    model = invariant_model("torch")
+    want_tokens, want_logits = run(model, {"a": PROMPT}, budget=2048)
+    monkeypatch.setattr(attention, "SCORE_BUDGET", 20)  # the 33-token chunk sees ≤ 8 entries: ≥ 2 rows a tile
+    got_tokens, got_logits = run(model, {"a": PROMPT}, budget=2048)
+    assert got_tokens == want_tokens and torch.equal(got_logits["a"], want_logits["a"])
 
 
 @pytest.mark.parametrize("keys", ["auto", "fp8"])

@@ -140,6 +140,40 @@ def test_compress_decodes_equals_its_twin(triton_kernels, overlap: bool, ratio: 
     close(got, want)
 
 
+# ---- compressor (prefill chunk) ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("overlap", "ratio", "dim", "rope_dim"), [(True, 4, 32, 8), (False, 8, 24, 8)])
+@pytest.mark.parametrize(("start", "length", "frozen"), [
+    (0, 1, 0), (0, 3, 0), (0, 4, 0), (0, 21, 0),  # from position 0: the first entries' empty windows
+    (5, 2, 0), (7, 1, 0), (7, 9, 0), (6, 30, 0),  # after pending rows: windows that start in the ring
+    (3, 40, 16),  # entries below frozen_until are cached: not written
+])
+def test_compress_chunk_equals_its_twin(triton_kernels, overlap: bool, ratio: int, dim: int, rope_dim: int,
+                                        start: int, length: int, frozen: int) -> None:
+    """Chunks that complete no entry, one, several; windows pooled from the ring, the chunk or both;
+    chunks shorter than the ring (its other rows must survive) and longer. The rings afterwards
+    must be identical too."""
+    gen = torch.Generator().manual_seed(ratio * 100 + start * 10 + length)
+    width, rows = (2 if overlap else 1) * dim, (2 if overlap else 1) * ratio
+    kv, score = rand(length, 2 * width + 8, gen=gen)[:, 8:].split(width, dim=1)  # column slices, as fused
+    ring_kv, ring_score = rand(rows, width, gen=gen), rand(rows, width, gen=gen)
+    table = torch.randperm(20, generator=gen)[:8].to(DEVICE)
+    weight, inv_freq = rand(dim, gen=gen), torch.rand(rope_dim // 2, generator=gen).to(DEVICE)
+    ape = rand(ratio, width, gen=gen)
+    outs = []
+    for kernels in (TWIN, triton_kernels):
+        rings, dest = (ring_kv.clone(), ring_score.clone()), torch.zeros(20, 4, dim, device=DEVICE)
+        kernels.compress_chunk(kv, score, *rings, start, frozen, table, dest, ratio, overlap, weight, 1e-6,
+                               inv_freq, ape)
+        outs.append((*rings, dest))
+    (want_kv, want_score, want), (got_kv, got_score, got) = outs
+    assert torch.equal(got_kv, want_kv)
+    close(got_score, want_score)
+    written = int((want != 0).any(-1).sum())
+    assert written == max((start + length) // ratio - max(start // ratio, frozen // ratio), 0)
+    assert int((got != 0).any(-1).sum()) == written
+    close(got, want)
+
+
 # ---- indexer scores ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("heads", "dim"), [(8, 32), (16, 16), (5, 24)])
 def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> None:
@@ -159,6 +193,15 @@ def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> 
     scaled = triton_kernels.index_scores(q, w, keys, tables, counts, 40, 0.125)
     close(scaled.masked_fill(hidden, 0.0), TWIN.index_scores(q, w * 0.125, keys, tables, counts, 40).masked_fill(
         hidden, 0.0), tol=1e-5)
+    # A prefill chunk's rows: one block table read by every row (row stride 0, not copied), each
+    # row seeing the entries finished before its own position.
+    chunk = tables[3][None].expand(5, -1)
+    assert chunk.stride(0) == 0
+    counts = torch.tensor([36, 37, 37, 38, 40], device=DEVICE)
+    got = triton_kernels.index_scores(q, w, keys, chunk, counts, 40)
+    hidden = torch.arange(40, device=DEVICE)[None, :] >= counts[:, None]
+    want = TWIN.index_scores(q, w, keys, tables[3][None].repeat(5, 1), counts, 40)
+    close(got.masked_fill(hidden, 0.0), want.masked_fill(hidden, 0.0), tol=1e-5)
 
 
 # ---- sparse attention ------------------------------------------------------------------------------------

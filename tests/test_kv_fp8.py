@@ -20,6 +20,7 @@ from v4serve.engine.engine import key_record
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import decode, encode
+from v4serve.kernels.kv_fp8 import ue8m0_exponent as twin_exponent
 from v4serve.kernels.registry import load_kernels
 
 try:  # only Triton itself may be missing: a moved or renamed decoder must fail loudly
@@ -28,15 +29,23 @@ try:  # only Triton itself may be missing: a moved or renamed decoder must fail 
 except ImportError:  # no Triton wheel for this platform: requires_triton skips its tests
     triton = None
 
-_decode_codes = None
-if triton is not None:  # a kernel around the attention kernel's e4m3 decoder (jit resolves module globals)
-    from v4serve.kernels.attention_triton import e4m3
+_decode_codes = _encode_values = None
+if triton is not None:  # kernels around the shared e4m3 decoder and encoders (jit resolves module globals)
+    from v4serve.kernels.codes_triton import e4m3, e4m3_code, ue8m0_exponent
 
     @triton.jit
     def _decode_codes(codes_ptr, out_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         tl.store(out_ptr + i, e4m3(tl.load(codes_ptr + i).to(tl.int32)))
 
+    @triton.jit
+    def _encode_values(x_ptr, codes_ptr, exps_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=1.0)
+        tl.store(codes_ptr + i, e4m3_code(x), mask=i < n)
+        tl.store(exps_ptr + i, ue8m0_exponent(tl.maximum(tl.abs(x), 1e-4)), mask=i < n)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton writer tests also run in gpu_check.sh
 REAL = KVRecord(head_dim=512, rope_dim=64, rope_dtype="bfloat16", rope_itemsize=2)
 TINY = KVRecord(head_dim=64, rope_dim=16, rope_dtype="float32", rope_itemsize=4)
 
@@ -111,6 +120,95 @@ def test_the_kernels_e4m3_decoding_is_exact_for_every_code() -> None:
     out = torch.empty(256)
     _decode_codes[(1,)](padded, out, N=256)
     assert torch.equal(out[:254], codes.view(torch.float8_e4m3fn).float())
+
+
+@requires_triton
+def test_the_writers_e4m3_encoding_rounds_as_torch_for_every_case() -> None:
+    """Every representable value, every midpoint between neighbours (ties go to the even code), one
+    fp32 step either side of each, zeros of both signs, values below half the least subnormal, and
+    random magnitudes over e4m3's whole range: the same code as torch's float8_e4m3fn cast."""
+    codes = torch.tensor([c for c in range(127)], dtype=torch.uint8)  # non-negative, not NaN
+    exact = codes.view(torch.float8_e4m3fn).float()
+    mids = (exact[:-1] + exact[1:]) / 2
+    edges = torch.cat([exact, mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, mids * 2),
+                       torch.tensor([0.0, 2.0**-10, 2.0**-11, 1e-30, 447.9, 448.0])])
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.rand(20000, generator=gen) * torch.exp2(torch.randint(-12, 9, (20000,), generator=gen).float())
+    x = torch.cat([edges, -edges, spread.clamp(max=448.0), -spread.clamp(max=448.0), torch.tensor([-0.0])])
+    got_codes, got_exps = (torch.empty(len(x), dtype=torch.int32, device=DEVICE) for _ in range(2))
+    _encode_values[(triton.cdiv(len(x), 1024),)](x.to(DEVICE), got_codes, got_exps, len(x), BLOCK=1024)
+    got_codes = got_codes.cpu()
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8).int()
+    wrong = (got_codes != want).nonzero().flatten()
+    assert len(wrong) == 0, f"{len(wrong)} codes differ, e.g. {x[wrong[:3]].tolist()}"
+    # The scale exponent from the same bits as the twin's, also where amax/448 is a power of two.
+    amax = torch.cat([x.abs().clamp(min=1e-4), 448.0 * torch.exp2(torch.arange(-20.0, 20.0))])
+    amax = torch.cat([amax, torch.nextafter(amax, amax * 2), torch.nextafter(amax, torch.zeros_like(amax))])
+    exps = torch.empty(len(amax), dtype=torch.int32, device=DEVICE)
+    _encode_values[(triton.cdiv(len(amax), 1024),)](amax.to(DEVICE), torch.empty_like(exps), exps, len(amax),
+                                                     BLOCK=1024)
+    exps = exps.cpu()
+    assert torch.equal(exps, twin_exponent(amax))
+    # And that exponent is the smallest that maps amax into e4m3's range (up to amax · (1/448)'s rounding).
+    assert (amax * 2.0 ** -exps.float() <= 448.0 * (1 + 2**-22)).all()
+    assert (amax * 2.0 ** -(exps.float() - 1) > 448.0 * (1 - 2**-22)).all()
+
+
+@requires_triton
+def test_triton_window_writes_store_the_twins_records_byte_for_byte() -> None:
+    w, d = 8, TINY.head_dim
+    batch = RaggedBatch.build([0, 1, 2], [0, 5, 30], [11, 1, 1], [0, 0, 0], [[0], [1], [2]], DEVICE)
+    kv = wide_range_rows(batch.num_rows, d, 6)
+    kv[3, :TINY.nope] = 0.0  # an all-zero group: the least scale
+    rings = []
+    for kernels in (load_kernels("torch"), load_kernels("triton", DEVICE)):
+        ring = torch.full((3, w, TINY.nbytes), 0xAB, dtype=torch.uint8, device=DEVICE)  # padding is written too
+        kernels.write_window(ring, kv.to(DEVICE), batch, TINY)
+        rings.append(ring)
+    assert torch.equal(rings[1], rings[0])
+
+
+@requires_triton
+def test_triton_round_keys_equal_the_twin_bitwise() -> None:
+    """A step's own keys, rounded as their records will hold them, in one launch."""
+    rows = wide_range_rows(40, TINY.head_dim, 8)
+    rows[5, :TINY.nope] = 0.0
+    rows = rows.to(DEVICE)
+    assert torch.equal(load_kernels("triton", DEVICE).round_keys(rows, TINY), decode(encode(rows, TINY), TINY))
+
+
+@requires_triton
+@pytest.mark.parametrize("chunk", [False, True], ids=["decodes", "chunk"])
+def test_triton_compressors_write_fp8_entries_as_the_twin(chunk: bool) -> None:
+    """The pooled entries agree to fp32 rounding, so their records decode to within one e4m3 step."""
+    gen = torch.Generator().manual_seed(7)
+    ratio, d = 4, TINY.head_dim
+    width = 2 * d
+    ring_kv, ring_score = (torch.randn(3, 2 * ratio, width, generator=gen) for _ in range(2))
+    ape, weight = torch.randn(ratio, width, generator=gen), torch.rand(d, generator=gen) + 0.5
+    inv_freq = torch.rand(TINY.rope_dim // 2, generator=gen)
+    tables = torch.stack([torch.randperm(12, generator=gen)[:4] for _ in range(3)])
+    n = 13 if chunk else 3  # the chunk (positions 6..18) completes entries 1, 2 and 3; the decodes 0 and 1
+    kv, score = torch.randn(n, width, generator=gen) * 10, torch.randn(n, width, generator=gen)
+    ring_kv, ring_score, ape, weight, inv_freq, tables, kv, score = (
+        t.to(DEVICE) for t in (ring_kv, ring_score, ape, weight, inv_freq, tables, kv, score))
+    outs = []
+    for kernels in (load_kernels("torch"), load_kernels("triton", DEVICE)):
+        rk, rs = ring_kv.clone(), ring_score.clone()
+        dest = torch.zeros(12, 4, TINY.nbytes, dtype=torch.uint8, device=DEVICE)
+        if chunk:
+            kernels.compress_chunk(kv, score, rk[1], rs[1], 6, 0, tables[1], dest, ratio, True, weight, 1e-6,
+                                   inv_freq, ape, TINY)
+        else:
+            positions, slots = torch.tensor([3, 7, 6], device=DEVICE), torch.arange(3, device=DEVICE)
+            kernels.compress_decodes(kv, score, rk, rs, slots, positions, torch.zeros_like(slots), tables, dest, ratio,
+                                     True, weight, 1e-6, inv_freq, ape, TINY)
+        outs.append(dest)
+    want, got = (decode(o, TINY) for o in outs)
+    written = outs[0].any(-1)
+    assert int(written.sum()) == (3 if chunk else 2) and torch.equal(outs[1].any(-1), written)
+    assert ((got - want).abs() <= want.abs() * 2**-3 + 2**-9).all()
+    assert (outs[1] == outs[0]).float().mean() > 0.99  # nearly every byte the same
 
 
 @requires_triton

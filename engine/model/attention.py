@@ -28,9 +28,11 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.packed import weight_of
 from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
-from v4serve.kernels.kv_fp8 import Record, decode, encode
-from v4serve.kernels.paged import read_entries, write_entries
+from v4serve.kernels.kv_fp8 import Record
+from v4serve.kernels.paged import read_entries
 from v4serve.kernels.registry import load_kernels
+
+SCORE_BUDGET = 1 << 24  # indexer scores per tile of chunk rows (64 MiB of fp32)
 
 
 class Attention(nn.Module):
@@ -81,15 +83,15 @@ class Attention(nn.Module):
         if record is not None:
             # FP8 keys: this step's keys are rounded as they will be stored, so a key read back from
             # the cache later (a prefix hit, the next chunk) equals the one used now.
-            kv = decode(encode(kv, record), record, kv.dtype)
+            kv = k.round_keys(kv, record)
         topk = None
         if self.compressor is not None:
             assert layer_kv.entries is not None and layer_kv.pending_kv is not None
-            self._compress(self.compressor, of_x, positions, meta, batch, layer_kv.pending_kv,
+            self._compress(self.compressor, of_x, meta, batch, layer_kv.pending_kv,
                            layer_kv.pending_score, layer_kv.entries, rotary, record)
         if self.indexer is not None:
             assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
-            self._compress(self.indexer.compressor, of_x, positions, meta, batch, layer_kv.index_pending_kv,
+            self._compress(self.indexer.compressor, of_x, meta, batch, layer_kv.index_pending_kv,
                            layer_kv.index_pending_score, layer_kv.index_keys, rotary, None)
             topk = self._select(self.indexer.queries(of_x, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
@@ -104,8 +106,8 @@ class Attention(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     # ---- compressed entries ----------------------------------------------------------------------------
-    def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], positions: torch.Tensor,
-                  meta: AttentionMetadata, batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor,
+    def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], meta: AttentionMetadata,
+                  batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor,
                   dest: torch.Tensor, rotary: Rotary, record: Record | None) -> None:
         """Feed this step's rows to a compressor and write the entries they finish to the Block Cache
         (`dest`: CSA/HCA entries, FP8 records under `record`, or indexer keys) before attention reads them."""
@@ -116,13 +118,13 @@ class Attention(nn.Module):
                                           pending_score, dec.slots, dec.positions, dec.frozen_until, dec.tables,
                                           dest, compressor.ratio, compressor.overlap, compressor.norm.weight,
                                           compressor.norm.eps, rotary.inv_freq, compressor.ape, record)
-        for seq in meta.seqs:
+        for b, seq in enumerate(meta.seqs):
             if seq.num_new > 1:
-                rows_ = slice(seq.offset, seq.offset + seq.num_new)
-                score = compressor.with_bias(comp_score[rows_], positions[rows_])
-                new, first = compressor.update(comp_kv[rows_], score, seq, pending_kv[seq.slot],
-                                               pending_score[seq.slot], rotary)
-                write_entries(dest, seq.block_table, first, new, record)
+                rows = slice(seq.offset, seq.offset + seq.num_new)
+                self.kernels.compress_chunk(comp_kv[rows], comp_score[rows], pending_kv[seq.slot],
+                                            pending_score[seq.slot], seq.start, seq.frozen_until, batch.tables[b],
+                                            dest, compressor.ratio, compressor.overlap, compressor.norm.weight,
+                                            compressor.norm.eps, rotary.inv_freq, compressor.ape, record)
 
     def _select(self, index_q: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, batch: RaggedBatch,
                 index_keys: torch.Tensor) -> torch.Tensor:
@@ -140,8 +142,12 @@ class Attention(nn.Module):
             top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables,
                                     batch.entry_counts(self.ratio), n)
             topk[dec.rows, :top.shape[-1]] = top
+        # The Triton kernel reads each row's keys through its block table, so a chunk's rows go
+        # through it as decodes do; the torch twin would gather [rows, n, dI] keys, so there a
+        # chunk's tiles share theirs (unless per-row scores are asked for: --batch-invariant).
+        per_row = self.kernels.batch_invariant or self.kernels.backend == "triton"
         for b, seq in enumerate(meta.seqs):
-            if seq.num_new > 1 and self.kernels.batch_invariant:
+            if seq.num_new > 1 and per_row:
                 self._select_chunk_rows(iq, iw, seq, batch.tables[b], index_keys, topk)
             elif seq.num_new > 1:
                 self._select_chunk(iq, iw, seq, index_keys, topk)
@@ -159,15 +165,23 @@ class Attention(nn.Module):
 
     def _select_chunk_rows(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, table: torch.Tensor,
                            index_keys: torch.Tensor, topk: torch.Tensor) -> None:
-        """Top-k for a prefill chunk by the decode path's per-row scores (--batch-invariant): a
-        position gets the same entries whether it came as a decode or inside any chunk."""
+        """Top-k for a prefill chunk by the decode path's per-row scores: a position gets the same
+        entries whether it came as a decode or inside any chunk. Rows go in tiles of at most
+        SCORE_BUDGET scores (the [rows, n] score matrix of a long chunk at a long context would not
+        fit); every row of a tile reads the one block table (expanded, not copied)."""
         n = seq.end // self.ratio
         if n == 0:
             return
-        rows = slice(seq.offset, seq.offset + seq.num_new)
-        counts = (torch.arange(seq.start, seq.end, device=iq.device) + 1) // self.ratio
-        top = self._top_entries(iq[rows], iw[rows], index_keys, table[None].expand(seq.num_new, -1), counts, n)
-        topk[rows, :top.shape[-1]] = top
+        tile = max(1, SCORE_BUDGET // n)
+        for a in range(0, seq.num_new, tile):
+            z = min(a + tile, seq.num_new)
+            seen = (seq.start + z) // self.ratio  # entries the tile's last row sees
+            if seen == 0:
+                continue  # its rows keep −1
+            rows = slice(seq.offset + a, seq.offset + z)
+            counts = (torch.arange(seq.start + a, seq.start + z, device=iq.device) + 1) // self.ratio
+            top = self._top_entries(iq[rows], iw[rows], index_keys, table[None].expand(z - a, -1), counts, seen)
+            topk[rows, :top.shape[-1]] = top
 
     def _select_chunk(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, index_keys: torch.Tensor,
                       topk: torch.Tensor) -> None:

@@ -18,12 +18,9 @@ import torch
 from torch import nn
 
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.layers import RMSNorm, Rotary
-from v4serve.engine.model.metadata import SeqChunk
+from v4serve.engine.model.layers import RMSNorm
 from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
-from v4serve.kernels.compressor import pool
 from v4serve.kernels.norm_rope import rope
-from v4serve.kernels.paged import ring_read, ring_write
 from v4serve.kernels.registry import load_kernels
 
 
@@ -48,55 +45,8 @@ class Compressor(nn.Module):
 
     def project(self, outputs: dict[nn.Linear, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Projections of x → kv and score rows [T, c·d], the score still without the slot's position
-        bias (`with_bias`; the decode kernel adds it itself)."""
+        bias (the compressor kernels add it)."""
         return outputs[self.wkv].float(), outputs[self.wgate].float()
-
-    def with_bias(self, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Score rows [n, c·d] of tokens at `positions` [n] plus their slot's position bias `ape`."""
-        return score + self.ape[positions % self.ratio].float()
-
-    def update(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, ring_kv: torch.Tensor,
-               ring_score: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, int]:
-        """One sequence's new rows → (entries finished by them [k, d], index of the first).
-        Updates the ring in place. Entries below `frozen_until` are already cached: skipped."""
-        m = self.ratio
-        first = max(seq.start // m, seq.frozen_until // m)
-        stop = seq.end // m
-        entries = kv.new_zeros(0, self.head_dim)
-        if first < stop:
-            lo = (first - 1) * m if self.overlap else first * m
-            rows_kv, rows_score = self._rows(kv, score, seq, lo, ring_kv, ring_score)
-            windows = rows_kv.shape[0] // m
-            entries = self._pool(rows_kv.view(1, windows, m, -1), rows_score.view(1, windows, m, -1),
-                                 torch.arange(first, stop, device=kv.device), rotary)[0]
-        ring_write(ring_kv, seq.end, kv)
-        ring_write(ring_score, seq.end, score)
-        return entries, first
-
-    def _rows(self, kv: torch.Tensor, score: torch.Tensor, seq: SeqChunk, lo: int, ring_kv: torch.Tensor,
-              ring_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for positions [lo, end): ring rows below `start`, new rows above; positions below
-        zero are empty slots (zero kv, −inf score). Trailing partial-window rows are dropped."""
-        parts_kv, parts_score = [], []
-        if lo < 0:
-            parts_kv.append(kv.new_zeros(-lo, kv.shape[1]))
-            parts_score.append(score.new_full((-lo, score.shape[1]), float("-inf")))
-        if max(lo, 0) < seq.start:
-            held = torch.arange(max(lo, 0), seq.start, device=kv.device)
-            parts_kv.append(ring_read(ring_kv, held).float())
-            parts_score.append(ring_read(ring_score, held).float())
-        skip = max(lo - seq.start, 0)
-        parts_kv.append(kv[skip:])
-        parts_score.append(score[skip:])
-        rows_kv, rows_score = torch.cat(parts_kv), torch.cat(parts_score)
-        usable = (seq.end // self.ratio) * self.ratio - lo
-        return rows_kv[:usable], rows_score[:usable]
-
-    def _pool(self, win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor,
-              rotary: Rotary) -> torch.Tensor:
-        """win_* [B, w, m, c·d]: consecutive windows → entries [B, E, d] (kernels/compressor.py)."""
-        return pool(win_kv, win_score, index, self.ratio, self.overlap, self.norm.weight, self.norm.eps,
-                    rotary.inv_freq)
 
 
 class Indexer(nn.Module):
