@@ -1,7 +1,7 @@
-"""The Lightning Indexer's scores for decoding sequences (plain torch): I[s] = Σ_h relu(qI_h·kI[s])·w_h
-over each sequence's indexer keys, read through its block table; entries a query cannot see yet
-score −inf. The twin of `indexer_triton.index_scores` (same signature); top-k selection follows in
-torch.
+"""The Lightning Indexer (plain torch): `index_scores` I[s] = Σ_h relu(qI_h·kI[s])·w_h over each
+query's indexer keys, read through its block table (entries it cannot see yet score −inf), and
+`index_topk`, the k best visible entries of each query. The twins of `indexer_triton`'s (same
+signatures).
 
 Shapes: R = queries (one per decoding sequence), hI/dI = indexer heads/dim, P = entries per block,
 n = entries scored (the most any of the R sequences has).
@@ -22,3 +22,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     logits = torch.bmm(q.float(), k.transpose(1, 2)).relu_()  # [R, hI, n]
     scores = ((w.float() * w_scale).unsqueeze(1) @ logits).squeeze(1)  # Σ_h w·relu(q·k)
     return scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= counts[:, None], float("-inf"))
+
+
+def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, n] (−inf past each row's count), counts [R], k ≤ n → the k best entries of each
+    row [R, k] as a set (here in score order), −1 where a row sees fewer than k."""
+    top = scores.topk(k, dim=-1).indices
+    return top.masked_fill(top >= counts[:, None], -1)

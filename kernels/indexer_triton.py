@@ -1,9 +1,12 @@
-"""Triton Lightning Indexer scores for any rows of a ragged batch (decodes, and a prefill chunk's
-rows, which share one block table): the twin of `indexer.index_scores`.
+"""Triton Lightning Indexer for any rows of a ragged batch (decodes, and a prefill chunk's rows,
+which share one block table): scores and top-k, the twins of `indexer.index_scores` and
+`indexer.index_topk`.
 
-One program per (query, tile of entries): the keys are gathered through the block table, q·kᵀ for
-every head is one `tl.dot`, then relu, the head weights and the sum over heads. Each score is
-reduced on its own (fixed order), whatever the batch.
+Scores: one program per (query, tile of entries): the keys are gathered through the block table,
+q·kᵀ for every head is one `tl.dot`, then relu, the head weights and the sum over heads. Each score
+is reduced on its own (fixed order), whatever the batch. Top-k: one program per query, a radix
+select over the scores' bits (under tensor parallelism the scores are all-reduced in between, so
+the two stay separate launches).
 """
 
 from __future__ import annotations
@@ -51,4 +54,71 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
            q.contiguous(), w.contiguous(), keys, tables, counts.contiguous(), out, hi, di, n,
            tables.stride(0), w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
            BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
+    return out
+
+
+@triton.jit
+def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, n, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: a radix select of the k-th best score over the scores' bits, 8 bits a
+    round from the top (a histogram per round), then one pass writing every entry above it and as
+    many equal to it as k needs, in entry order."""
+    r = tl.program_id(0).to(tl.int64)
+    row = scores_ptr + r * n
+    need = tl.minimum(tl.load(counts_ptr + r), K)  # entries to pick: invisible ones score −inf
+    bins = tl.arange(0, 512)  # digits 0..255, and 256 for entries not matching the prefix (dropped)
+    prefix = tl.zeros([], tl.int32)  # the k-th best key's bits found so far
+    known = tl.zeros([], tl.int32)  # which of them
+    left = need  # entries still to pick among those matching the prefix
+    for shift in tl.static_range(24, -8, -8):
+        hist = tl.zeros([512], tl.int32)
+        for e0 in range(0, n, BLOCK_N):
+            e = e0 + tl.arange(0, BLOCK_N)
+            key = _ordered(tl.load(row + e, mask=e < n, other=float("-inf")))
+            matches = (e < n) & ((key & known) == prefix)
+            hist += tl.histogram(tl.where(matches, (key >> shift) & 255, 256), 512)
+        hist = tl.where(bins < 256, hist, 0)
+        at_least = tl.cumsum(hist, 0, reverse=True)  # candidates whose digit is ≥ each bin
+        digit = tl.sum((at_least >= left).to(tl.int32), axis=0) - 1
+        left -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # those above it are all picked
+        prefix |= digit << shift
+        known |= tl.full([], 255, tl.int32) << shift
+    above = need - left
+    taken_above = tl.zeros([], tl.int32)
+    taken_equal = tl.zeros([], tl.int32)
+    for e0 in range(0, n, BLOCK_N):
+        e = e0 + tl.arange(0, BLOCK_N)
+        key = _ordered(tl.load(row + e, mask=e < n, other=float("-inf")))
+        ok = (e < n) & (tl.zeros([BLOCK_N], tl.int32) < need)  # (a vector: the interpreter masks no scalar)
+        over = ok & (_flip(key) > _flip(prefix))  # the ordered keys compare as unsigned
+        same = ok & (key == prefix)
+        slot_over = taken_above + tl.cumsum(over.to(tl.int32), 0) - 1
+        slot_same = taken_equal + tl.cumsum(same.to(tl.int32), 0) - 1
+        tl.store(out_ptr + r * K + slot_over, e, mask=over)
+        tl.store(out_ptr + r * K + above + slot_same, e, mask=same & (slot_same < left))
+        taken_above += tl.sum(over.to(tl.int32), axis=0)
+        taken_equal += tl.sum(same.to(tl.int32), axis=0)
+    rest = tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r * K + rest, tl.full([BLOCK_K], -1, tl.int64), mask=(rest >= need) & (rest < K))
+
+
+@triton.jit
+def _ordered(score):
+    """fp32 → int32 bits whose unsigned order is the scores' order (negatives' bits reversed, the
+    sign bit flipped)."""
+    bits = score.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) | (-2147483648))
+
+
+@triton.jit
+def _flip(key):
+    """Unsigned order as signed: flip the top bit."""
+    return key ^ (-2147483648)
+
+
+def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    rows, n = scores.shape
+    out = torch.empty(rows, k, dtype=torch.long, device=scores.device)
+    if rows and k:
+        launch(_index_topk_kernel[(rows,)], scores.contiguous(), counts.contiguous(), out, n, k,
+               BLOCK_N=min(triton.next_power_of_2(n), 1024), BLOCK_K=triton.next_power_of_2(k))
     return out

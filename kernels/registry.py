@@ -34,6 +34,7 @@ class Kernels:
     compress_decodes: Callable[..., Any]
     compress_chunk: Callable[..., Any]
     index_scores: Callable[..., Any]
+    index_topk: Callable[..., Any]
     write_window: Callable[..., Any]
     round_keys: Callable[..., Any]  # (keys [T, d], FP8 record) → as the record stores them
     linear: Callable[..., Any]  # (x [T, I], weight [O, I]) → [T, O]
@@ -105,8 +106,8 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
 
         return Kernels("torch", mhc.mhc_pre, mhc.mhc_post, attention.sparse_attention, norm_rope.rms_norm,
                        norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, compressor.compress_chunk,
-                       indexer.index_scores, paged.write_window, kv_fp8.round_keys, invariant.linear,
-                       invariant.grouped_linear, invariant.rowwise, moe.route, moe.experts)
+                       indexer.index_scores, indexer.index_topk, paged.write_window, kv_fp8.round_keys,
+                       invariant.linear, invariant.grouped_linear, invariant.rowwise, moe.route, moe.experts)
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -129,6 +130,6 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
                    compressor_triton.compress_decodes, compressor_triton.compress_chunk, indexer_triton.index_scores,
-                   paged_triton.write_window, kv_fp8_triton.round_keys,
+                   indexer_triton.index_topk, paged_triton.write_window, kv_fp8_triton.round_keys,
                    quant_linear_triton.linear, quant_linear_triton.grouped_linear, invariant.rowwise, moe_triton.route,
                    moe_triton.experts)

@@ -204,6 +204,35 @@ def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> 
     close(got.masked_fill(hidden, 0.0), want.masked_fill(hidden, 0.0), tol=1e-5)
 
 
+@pytest.mark.parametrize(("n", "k"), [(40, 16), (7, 7), (300, 16), (1500, 64), (33, 32)])
+def test_index_topk_picks_the_twins_entries(triton_kernels, n: int, k: int) -> None:
+    """Rows seeing all, some, fewer than k and no entries; scores of both signs and many orders of
+    magnitude (the radix select runs on their bits); entries are a set, so compared sorted."""
+    gen = torch.Generator().manual_seed(n + k)
+    counts = torch.tensor([n, n // 2, min(k - 1, n), 0, max(n - 1, 0)])
+    scores = torch.randn(5, n, generator=gen) * torch.exp2(torch.randint(-20, 20, (5, n), generator=gen).float())
+    scores[torch.arange(n)[None, :] >= counts[:, None]] = float("-inf")
+    scores, counts = scores.to(DEVICE), counts.to(DEVICE)
+    want = TWIN.index_topk(scores, counts, k).sort(-1).values
+    got = triton_kernels.index_topk(scores, counts, k)
+    assert got.shape == (5, k) and got.dtype == torch.long
+    assert torch.equal(got.sort(-1).values, want)
+
+
+def test_index_topk_breaks_ties_to_exactly_k(triton_kernels) -> None:
+    """Equal scores at the k-th place: as many of them as k needs, none twice."""
+    scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.5, 2.0, -1.0]] * 2, device=DEVICE)
+    got = triton_kernels.index_topk(scores, torch.tensor([8, 8], device=DEVICE), 4)
+    for row in got.tolist():
+        assert len(set(row)) == 4 and 0 in row and {r for r in row if r != 0} <= {2, 3, 4, 6}
+    # Nothing is written past a row's k picks (the ties beyond them included): a sentinel stays.
+    from v4serve.kernels.indexer_triton import _index_topk_kernel
+
+    out = torch.full((8,), 99, dtype=torch.long, device=DEVICE)
+    _index_topk_kernel[(1,)](scores, torch.tensor([8], device=DEVICE), out, 8, 4, BLOCK_N=8, BLOCK_K=4)
+    assert out[4:].tolist() == [99] * 4
+
+
 # ---- sparse attention ------------------------------------------------------------------------------------
 H, D, W, SLOTS, BLOCKS, PER_BLOCK, RATIO = 4, 32, 16, 5, 48, 4, 4
 # (slot, start, new tokens, window_from): decodes, chunks crossing the window and block edges, a

@@ -135,8 +135,8 @@ class Attention(nn.Module):
         visible = [(batch.starts[b] + 1) // self.ratio for b in dec.seqs]  # known on the host: no sync
         n = max(visible + [0])
         if batch.only_decodes and min(visible) >= self.indexer.topk:
-            # Every row sees at least k entries: its top-k is all real picks, no padding or masking.
-            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n, mask=False)
+            # Every row sees at least k entries: its top-k fills all k columns, nothing to pad or scatter.
+            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n)
         topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         if n:
             top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables,
@@ -154,14 +154,13 @@ class Attention(nn.Module):
         return topk
 
     def _top_entries(self, iq: torch.Tensor, iw: torch.Tensor, index_keys: torch.Tensor, tables: torch.Tensor,
-                     counts: torch.Tensor, n: int, mask: bool = True) -> torch.Tensor:
-        """Top-k of R queries by `kernels.index_scores` → [R, min(k, n)] (−1 past each one's count;
-        `mask=False` when every count is at least k, so no pick can be past it)."""
+                     counts: torch.Tensor, n: int) -> torch.Tensor:
+        """Top-k of R queries by `kernels.index_scores` and `kernels.index_topk` → [R, min(k, n)]
+        (−1 past each one's count)."""
         assert self.indexer is not None
         scores = self.indexer.summed(self.kernels.index_scores(iq, iw, index_keys, tables, counts, n,
                                                                self.indexer.w_scale))
-        top = scores.topk(min(self.indexer.topk, n), dim=-1).indices
-        return top.masked_fill(top >= counts[:, None], -1) if mask else top
+        return self.kernels.index_topk(scores, counts, min(self.indexer.topk, n))
 
     def _select_chunk_rows(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, table: torch.Tensor,
                            index_keys: torch.Tensor, topk: torch.Tensor) -> None:
