@@ -95,6 +95,13 @@ def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeat
     record = KVRecord(head_dim=d, rope_dim=8 if smoke else 64, rope_dtype=str(dtype).removeprefix("torch."),
                       rope_itemsize=torch.empty((), dtype=dtype).element_size())
     ring8, entries8 = encode(ring, record), encode(entries, record)
+    n = context // 4  # CSA entries each sequence sees
+    scores, counts = rand(batch, n).float(), torch.full((batch,), n, device=device)
+    ratio, positions = 4, torch.full((batch,), context + 3, device=device)  # each decode completes an entry
+    comp_kv, comp_score, comp_ring = rand(batch, 2 * d), rand(batch, 2 * d), rand(batch, 2 * ratio, 2 * d).float()
+    comp_ring_score = comp_ring.clone()
+    comp_w, inv_freq = rand(d), torch.rand(record.rope_dim // 2, generator=gen).to(device)
+    slots, frozen = torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
     cases = {
         "sparse_attention (CSA top-k, FP8 keys)": lambda k: k.sparse_attention(q, kv, ring8, entries8, picks, ragged,
                                                                                4, sink, d**-0.5, record),
@@ -103,6 +110,12 @@ def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeat
         "sparse_attention (HCA)": lambda k: k.sparse_attention(q, kv, ring, entries, None, ragged, 4, sink, d**-0.5),
         "mhc_pre": lambda k: k.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20),
         "rms_norm_rope (queries)": lambda k: k.rms_norm_rope(x, None, 1e-6, cos.to(dtype), sin.to(dtype)),
+        "index_topk": lambda k: k.index_topk(scores, counts, topk),
+        "compress_decodes (FP8 keys)": lambda k: k.compress_decodes(
+            comp_kv, comp_score, comp_ring, comp_ring_score, slots, positions, frozen, ragged.decodes.tables,
+            entries8, ratio, True, comp_w, 1e-6, inv_freq, comp_score[:ratio], record),
+        "write_window (FP8 keys)": lambda k: k.write_window(ring8, kv, ragged, record),
+        "round_keys (FP8 keys)": lambda k: k.round_keys(kv, record),
     }
     rows = []
     for name, case in cases.items():
