@@ -86,9 +86,9 @@ def main() -> None:
     prompt = torch.randint(0, vocab, (512,), generator=gen)
     steps = torch.randint(0, vocab, (args.decode * args.repeats,), generator=gen).tolist()
     ours_ms, hf_ms = decode_step_ms(ours, hf, prompt.tolist(), steps)
-    rows.append([f"decode {len(steps)} @512", 1e3 / ours_ms, 1e3 / hf_ms, hf_ms / ours_ms])
+    rows.append([f"decode {len(steps)} from 512", 1e3 / ours_ms, 1e3 / hf_ms, hf_ms / ours_ms])
     results["decode"] = {"steps": len(steps), "context": 512, "v4serve_tok_s": 1e3 / ours_ms,
-                         "transformers_tok_s": 1e3 / hf_ms, "threads": torch.get_num_threads()}
+                         "transformers_tok_s": 1e3 / hf_ms, "threads": DECODE_THREADS}
 
     results["parameters"] = params
     results["batch_invariant"] = invariance
@@ -96,6 +96,9 @@ def main() -> None:
                 "(tokens/s; ratio = v4serve / transformers)",
                 ["workload", "v4serve", "transformers", "ratio"], rows)
     write_results("bench_model", results)
+
+
+DECODE_THREADS = 1
 
 
 def decode_step_ms(ours: DeepseekV4, hf: Any, prompt: list[int], steps: list[int]) -> tuple[float, float]:
@@ -108,16 +111,18 @@ def decode_step_ms(ours: DeepseekV4, hf: Any, prompt: list[int], steps: list[int
     seq.step(prompt)
     with torch.no_grad():
         cache = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1).past_key_values
-        torch.set_num_threads(1)
+        torch.set_num_threads(DECODE_THREADS)
         ours_ms, hf_ms = [], []
-        for tok in steps:
-            t0 = time.perf_counter()
-            seq.step([tok])
-            t1 = time.perf_counter()
-            cache = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
-            ours_ms.append((t1 - t0) * 1e3)
-            hf_ms.append((time.perf_counter() - t1) * 1e3)
-    torch.set_num_threads(threads)
+        try:
+            for tok in steps:
+                t0 = time.perf_counter()
+                seq.step([tok])
+                t1 = time.perf_counter()
+                cache = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+                ours_ms.append((t1 - t0) * 1e3)
+                hf_ms.append((time.perf_counter() - t1) * 1e3)
+        finally:
+            torch.set_num_threads(threads)
     return statistics.median(ours_ms), statistics.median(hf_ms)
 
 

@@ -135,6 +135,7 @@ def attend(q: torch.Tensor, shared: torch.Tensor | None, shared_mask: torch.Tens
         picked = picked.to(q.dtype)
         own = torch.bmm(q, picked.transpose(1, 2)).mul_(scale)  # [n, H, k]
         parts.append(own.masked_fill_(~picked_mask[:, None, :], float("-inf")))
+    assert parts, "attend needs shared or picked keys"
     parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(parts[0].dtype))
     probs = torch.cat(parts, dim=-1).softmax(dim=-1)
     n_shared = 0 if shared is None else shared.shape[0]

@@ -44,10 +44,11 @@ def e8m0(byte):
 
 @triton.jit
 def e4m3_code(x):
-    """fp32 values of magnitude ≤ 448 → e4m3 (fn) codes (int32 holding a byte), rounded to nearest,
-    ties to even, as torch's float8_e4m3fn conversion. Magnitudes below 2^−6 are subnormal codes
-    round(|x|·2^9) (8 is the smallest normal, 2^−6: the same code either way); above, the fp32
-    mantissa's top 3 bits, rounded on the 20 below (a carry into the exponent is the right code)."""
+    """fp32 values of magnitude ≤ 448 (callers scale into range; beyond 464 this is no longer a
+    code) → e4m3 (fn) codes (int32 holding a byte), rounded to nearest, ties to even, as torch's
+    float8_e4m3fn conversion. Magnitudes below 2^−6 are subnormal codes round(|x|·2^9) (8 is the
+    smallest normal, 2^−6: the same code either way); above, the fp32 mantissa's top 3 bits,
+    rounded on the 20 below (a carry into the exponent is the right code)."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 128
     exp32 = (bits >> 23) & 255  # biased by 127
@@ -57,7 +58,7 @@ def e4m3_code(x):
     rest = mant & 0xFFFFF
     normal = top + ((rest > 0x80000) | ((rest == 0x80000) & ((top & 1) == 1))).to(tl.int32)
     # Subnormals: |x|·2^9 = (mant | 2^23) >> (14 − (exp32 − 127)) (zero once shifted 24 or more).
-    shift = tl.minimum(141 - exp32, 31)
+    shift = tl.minimum(tl.maximum(141 - exp32, 0), 31)  # (lanes outside 0..31 are normals: discarded)
     full = mant | 0x800000
     q = full >> shift
     r = full & ((1 << shift) - 1)

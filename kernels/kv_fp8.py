@@ -3,8 +3,10 @@ quantizes its KV — the non-rope channels as e4m3 codes with one power-of-two (
 channels, the rope channels unquantized in the compute dtype. A record's byte layout is
 `v4serve.cache.layout.KVRecord`: [codes: nope][scale exponents: groups][padding][rope].
 
-Plain torch; every writer encodes through `encode` and every reader decodes through `decode`, so a
-stored key is exactly `decode(encode(key))` wherever it is read. Indexer keys and the compressors'
+Plain torch, the twin of `kv_fp8_triton`: every writer encodes through `encode` (or the Triton
+`store_record`, byte for byte the same) and every reader decodes as `decode` does (the attention
+kernel decodes records from the same bits), so a stored key is exactly `decode(encode(key))`
+wherever it is read. Indexer keys and the compressors'
 pending rows stay in the compute dtype (they are small and feed selections and pooling).
 """
 

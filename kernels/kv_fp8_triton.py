@@ -81,8 +81,10 @@ def _round_keys_kernel(x_ptr, out_ptr, D, NOPE, GROUPS: tl.constexpr, BLOCK_D: t
 
 
 def round_keys(rows: torch.Tensor, record: Record) -> torch.Tensor:
-    """rows [T, d] → the keys an FP8 record of each holds, in the rows' dtype (kv_fp8.round_keys)."""
-    out = torch.empty_like(rows)
+    """rows [T, d] → the keys an FP8 record of each holds, in the rows' dtype (kv_fp8.round_keys).
+    The rope channels pass unchanged: a record keeps them in the compute dtype, the rows' own."""
+    assert getattr(torch, record.rope_dtype) == rows.dtype, "records keep the rope channels in the keys' dtype"
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
     if rows.shape[0]:
         launch(_round_keys_kernel[(rows.shape[0],)], rows.contiguous(), out, rows.shape[1], record.nope,
                GROUPS=record.groups, BLOCK_D=triton.next_power_of_2(rows.shape[1]))

@@ -85,5 +85,10 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: to
     out = torch.zeros_like(x)
     if terms:
         scaled = torch.cat(terms) * weights.flatten()[order, None].to(x.dtype)
-        out.index_add_(0, token, scaled)
+        # One add per expert: a token appears once in each, so no two adds race (a single index_add_
+        # over all pairs is atomic, in no fixed order, on a GPU).
+        start = 0
+        for n in counts:
+            out.index_add_(0, token[start:start + n], scaled[start:start + n])
+            start += n
     return out
