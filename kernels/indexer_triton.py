@@ -4,7 +4,7 @@ which share one block table): scores and top-k, the twins of `indexer.index_scor
 
 Scores: one program per (query, tile of entries): the keys are gathered through the block table,
 q·kᵀ for every head is one `tl.dot`, then relu, the head weights and the sum over heads. Each score
-is reduced on its own (fixed order), whatever the batch. Top-k: one program per query, a radix
+is reduced on its own (fixed order), whatever the batch. Top-k: each query on its own, a radix
 select over the scores' bits (under tensor parallelism the scores are all-reduced in between, so
 the two stay separate launches).
 """
@@ -58,47 +58,53 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
 
 
 @triton.jit
-def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, n, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per row: a radix select of the k-th best score over the scores' bits, 8 bits a
-    round from the top (a histogram per round), then one pass writing every entry above it and as
-    many equal to it as k needs, in entry order."""
-    r = tl.program_id(0).to(tl.int64)
-    row = scores_ptr + r * n
-    need = tl.minimum(tl.load(counts_ptr + r), K)  # entries to pick: invisible ones score −inf
+def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, R, n, K, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """BLOCK_R rows per program, each on its own: a radix select of the row's k-th best score over
+    the scores' bits, 8 bits a round from the top (a histogram per round), then one pass writing
+    every entry above it and as many equal to it as k needs, in entry order."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = r < R
+    need = tl.minimum(tl.load(counts_ptr + r, mask=row_ok, other=0), K)  # invisible entries score −inf
     bins = tl.arange(0, 512)  # digits 0..255, and 256 for entries not matching the prefix (dropped)
-    prefix = tl.zeros([], tl.int32)  # the k-th best key's bits found so far
-    known = tl.zeros([], tl.int32)  # which of them
+    local = tl.arange(0, BLOCK_R)[:, None] * 512  # each row's own bins in one histogram
+    prefix = tl.zeros([BLOCK_R], tl.int32)  # each row's k-th best key: the bits found so far
+    known = tl.zeros([BLOCK_R], tl.int32)  # which of them
     left = need  # entries still to pick among those matching the prefix
     for shift in tl.static_range(24, -8, -8):
-        hist = tl.zeros([512], tl.int32)
+        hist = tl.zeros([BLOCK_R, 512], tl.int32)
         for e0 in range(0, n, BLOCK_N):
             e = e0 + tl.arange(0, BLOCK_N)
-            key = _ordered(tl.load(row + e, mask=e < n, other=float("-inf")))
-            matches = (e < n) & ((key & known) == prefix)
-            hist += tl.histogram(tl.where(matches, (key >> shift) & 255, 256), 512)
-        hist = tl.where(bins < 256, hist, 0)
-        at_least = tl.cumsum(hist, 0, reverse=True)  # candidates whose digit is ≥ each bin
-        digit = tl.sum((at_least >= left).to(tl.int32), axis=0) - 1
-        left -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # those above it are all picked
+            ok = row_ok[:, None] & (e < n)[None, :]
+            key = _ordered(tl.load(scores_ptr + r[:, None] * n + e[None, :], mask=ok, other=float("-inf")))
+            matches = ok & ((key & known[:, None]) == prefix[:, None])
+            digit = tl.where(matches, (key >> shift) & 255, 256) + local
+            hist += tl.reshape(tl.histogram(tl.reshape(digit, [BLOCK_R * BLOCK_N]), BLOCK_R * 512), [BLOCK_R, 512])
+        hist = tl.where(bins[None, :] < 256, hist, 0)
+        at_least = tl.cumsum(hist, 1, reverse=True)  # candidates whose digit is ≥ each bin
+        digit = tl.sum((at_least >= left[:, None]).to(tl.int32), axis=1) - 1
+        left -= tl.sum(tl.where(bins[None, :] == digit[:, None], at_least - hist, 0), axis=1)  # above: all picked
         prefix |= digit << shift
-        known |= tl.full([], 255, tl.int32) << shift
+        known |= tl.full([BLOCK_R], 255, tl.int32) << shift
     above = need - left
-    taken_above = tl.zeros([], tl.int32)
-    taken_equal = tl.zeros([], tl.int32)
+    taken_above = tl.zeros([BLOCK_R], tl.int32)
+    taken_equal = tl.zeros([BLOCK_R], tl.int32)
     for e0 in range(0, n, BLOCK_N):
         e = e0 + tl.arange(0, BLOCK_N)
-        key = _ordered(tl.load(row + e, mask=e < n, other=float("-inf")))
-        ok = (e < n) & (tl.zeros([BLOCK_N], tl.int32) < need)  # (a vector: the interpreter masks no scalar)
-        over = ok & (_flip(key) > _flip(prefix))  # the ordered keys compare as unsigned
-        same = ok & (key == prefix)
-        slot_over = taken_above + tl.cumsum(over.to(tl.int32), 0) - 1
-        slot_same = taken_equal + tl.cumsum(same.to(tl.int32), 0) - 1
-        tl.store(out_ptr + r * K + slot_over, e, mask=over)
-        tl.store(out_ptr + r * K + above + slot_same, e, mask=same & (slot_same < left))
-        taken_above += tl.sum(over.to(tl.int32), axis=0)
-        taken_equal += tl.sum(same.to(tl.int32), axis=0)
+        ok = row_ok[:, None] & (e < n)[None, :] & (0 < need[:, None])
+        key = _ordered(tl.load(scores_ptr + r[:, None] * n + e[None, :], mask=ok, other=float("-inf")))
+        over = ok & (_flip(key) > _flip(prefix[:, None]))  # the ordered keys compare as unsigned
+        same = ok & (key == prefix[:, None])
+        slot_over = taken_above[:, None] + tl.cumsum(over.to(tl.int32), 1) - 1
+        slot_same = taken_equal[:, None] + tl.cumsum(same.to(tl.int32), 1) - 1
+        at = out_ptr + r[:, None] * K
+        tl.store(at + slot_over, e[None, :], mask=over)
+        tl.store(at + above[:, None] + slot_same, e[None, :], mask=same & (slot_same < left[:, None]))
+        taken_above += tl.sum(over.to(tl.int32), axis=1)
+        taken_equal += tl.sum(same.to(tl.int32), axis=1)
     rest = tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r * K + rest, tl.full([BLOCK_K], -1, tl.int64), mask=(rest >= need) & (rest < K))
+    tl.store(out_ptr + r[:, None] * K + rest[None, :], tl.full([BLOCK_R, BLOCK_K], -1, tl.int64),
+             mask=row_ok[:, None] & (rest[None, :] >= need[:, None]) & (rest < K)[None, :])
 
 
 @triton.jit
@@ -119,6 +125,9 @@ def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tens
     rows, n = scores.shape
     out = torch.empty(rows, k, dtype=torch.long, device=scores.device)
     if rows and k:
-        launch(_index_topk_kernel[(rows,)], scores.contiguous(), counts.contiguous(), out, n, k,
-               BLOCK_N=min(triton.next_power_of_2(n), 1024), BLOCK_K=triton.next_power_of_2(k))
+        # One row a program on a GPU; the interpreter pays per op, not per element, so it takes many.
+        block_r = 32 if interpreting() else 1
+        launch(_index_topk_kernel[(triton.cdiv(rows, block_r),)], scores.contiguous(), counts.contiguous(), out,
+               rows, n, k, BLOCK_R=block_r, BLOCK_N=min(triton.next_power_of_2(n), 1024 // block_r),
+               BLOCK_K=triton.next_power_of_2(k))
     return out

@@ -229,7 +229,7 @@ def test_index_topk_breaks_ties_to_exactly_k(triton_kernels) -> None:
     from v4serve.kernels.indexer_triton import _index_topk_kernel
 
     out = torch.full((8,), 99, dtype=torch.long, device=DEVICE)
-    _index_topk_kernel[(1,)](scores, torch.tensor([8], device=DEVICE), out, 8, 4, BLOCK_N=8, BLOCK_K=4)
+    _index_topk_kernel[(1,)](scores, torch.tensor([8], device=DEVICE), out, 1, 8, 4, BLOCK_R=1, BLOCK_N=8, BLOCK_K=4)
     assert out[4:].tolist() == [99] * 4
 
 
