@@ -17,6 +17,7 @@ import triton.language as tl
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.codes_triton import e4m3
 from v4serve.kernels.kv_fp8 import Record
+from v4serve.kernels.kv_fp8_triton import pow2, record_args
 from v4serve.kernels.launches import interpreting, launch
 
 # A finite "−inf": a fully masked tile must not turn the running max into NaN. Globals read inside
@@ -48,7 +49,7 @@ def _load_keys(ptr, rope_ptr, rows, dims, mask, D, FP8: tl.constexpr, STRIDE, NO
         at = rows[:, None] * STRIDE
         code = tl.load(ptr + at + dims[None, :], mask=mask & nope[None, :], other=0).to(tl.int32)
         exponent = tl.load(ptr + at + NOPE + dims[None, :] // 64, mask=mask & nope[None, :], other=127).to(tl.int32)
-        value = e4m3(code) * (exponent << 23).to(tl.float32, bitcast=True)  # scale: the float 2^(byte − 127)
+        value = e4m3(code) * pow2(exponent - 127)  # scale byte b stands for 2^(b − 127)
         rope = tl.load(rope_ptr + rows[:, None] * ROPE_STRIDE + ROPE_OFF + (dims[None, :] - NOPE),
                        mask=mask & (~nope & (dims < D))[None, :], other=0.0)
         return tl.where(nope[None, :], value, rope.to(tl.float32))
@@ -137,24 +138,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     has_entries, has_topk = entries is not None, topk is not None
     entries_t = entries if entries is not None else ring  # any tensor: never read without entries
     topk_t = topk.contiguous() if topk is not None else batch.row_seq
-    fp8 = _fp8_args(record, ring, entries_t)
+    ring_fp8, entries_fp8 = record_args(record, ring), record_args(record, entries_t)
     launch(_sparse_attention_kernel[(t, triton.cdiv(h, block_h))],
-           q.contiguous(), kv.contiguous(), ring, fp8["ring_rope"], entries_t, fp8["entries_rope"], topk_t,
+           q.contiguous(), kv.contiguous(), ring, ring_fp8["rope_ptr"], entries_t, entries_fp8["rope_ptr"], topk_t,
            batch.tables, batch.row_seq, batch.row_pos, batch.seq_info, sink, out, h, d, ring.shape[1],
-           max(ratio, 1), batch.tables.shape[1], scale, fp8["stride"], fp8["nope"], fp8["rope_off"],
-           fp8["rope_stride"], TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1],
+           max(ratio, 1), batch.tables.shape[1], scale, ring_fp8["STRIDE"], ring_fp8["NOPE"], ring_fp8["ROPE_OFF"],
+           ring_fp8["ROPE_STRIDE"], TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1],
            HAS_ENTRIES=has_entries, HAS_TOPK=has_topk, FP8=record is not None, BLOCK_H=block_h,
            BLOCK_N=128 if interpreting() else 32,
            BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
-
-def _fp8_args(record: Record | None, ring: torch.Tensor, entries: torch.Tensor) -> dict:
-    """Where the kernel finds an FP8 record's parts: the rope channels through the same bytes
-    viewed in the rope dtype (record sizes keep those views aligned), in rope-dtype units."""
-    if record is None:
-        return {"ring_rope": ring, "entries_rope": entries, "stride": 0, "nope": 0, "rope_off": 0, "rope_stride": 0}
-    rope_dtype = getattr(torch, record.rope_dtype)
-    item = torch.empty((), dtype=rope_dtype).element_size()
-    return {"ring_rope": ring.view(rope_dtype), "entries_rope": entries.view(rope_dtype), "stride": record.nbytes,
-            "nope": record.nope, "rope_off": record.rope_offset // item, "rope_stride": record.nbytes // item}

@@ -24,8 +24,9 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     return scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= counts[:, None], float("-inf"))
 
 
-def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = False) -> torch.Tensor:
     """scores [R, n] (−inf past each row's count), counts [R], k ≤ n → the k best entries of each
-    row [R, k] as a set (here in score order), −1 where a row sees fewer than k."""
+    row [R, k] as a set (here in score order), −1 where a row sees fewer than k. `full` promises
+    that every row sees at least k (the caller knows it on the host), so nothing needs masking."""
     top = scores.topk(k, dim=-1).indices
-    return top.masked_fill(top >= counts[:, None], -1)
+    return top if full else top.masked_fill(top >= counts[:, None], -1)

@@ -121,7 +121,9 @@ def _flip(key):
     return key ^ (-2147483648)
 
 
-def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = False) -> torch.Tensor:
+    """The twin's contract (`indexer.index_topk`); `full` changes nothing here (the kernel writes
+    −1 past a row's count as it goes)."""
     rows, n = scores.shape
     out = torch.empty(rows, k, dtype=torch.long, device=scores.device)
     if rows and k:

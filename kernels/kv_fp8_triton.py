@@ -20,19 +20,22 @@ from v4serve.kernels.launches import launch
 
 
 @triton.jit
-def _exponents(x, dims, NOPE, GROUPS: tl.constexpr):
+def _exponents(x, dims, NOPE, GROUPS: tl.constexpr, scale_ptr, STORE: tl.constexpr):
     """x [BLOCK_D] fp32 → e [BLOCK_D] int32: the scale exponent of each nope channel's 64-channel
-    group (0 on the rope channels)."""
+    group (0 on the rope channels). With STORE, each group's scale byte (e + 127) goes to
+    `scale_ptr + g`."""
     e = tl.zeros(x.shape, tl.int32)
     for g in tl.static_range(GROUPS):
         in_group = (dims < NOPE) & (dims // 64 == g)
-        amax = tl.maximum(tl.max(tl.where(in_group, tl.abs(x), 0.0), axis=0), 1e-4)
-        e = tl.where(in_group, ue8m0_exponent(amax), e)
+        e_g = ue8m0_exponent(tl.maximum(tl.max(tl.where(in_group, tl.abs(x), 0.0), axis=0), 1e-4))
+        if STORE:
+            tl.store(scale_ptr + g, (e_g + 127).to(tl.uint8))
+        e = tl.where(in_group, e_g, e)
     return e
 
 
 @triton.jit
-def _pow2(e):
+def pow2(e):
     """2^e (int32 e within fp32's normal exponents), exactly."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
@@ -44,10 +47,8 @@ def store_record(ptr, rope_ptr, row, x, dims, D, NOPE, STRIDE, ROPE_OFF, ROPE_ST
     same storage in the rope dtype, offsets in its units): codes, scale bytes, zero padding, rope."""
     nope = dims < NOPE
     base = ptr + row * STRIDE
-    e = _exponents(x, dims, NOPE, GROUPS)
-    for g in tl.static_range(GROUPS):
-        tl.store(base + NOPE + g, (tl.max(tl.where(nope & (dims // 64 == g), e, -127), axis=0) + 127).to(tl.uint8))
-    tl.store(base + dims, e4m3_code(x * _pow2(-e)).to(tl.uint8), mask=nope)
+    e = _exponents(x, dims, NOPE, GROUPS, base + NOPE, STORE=True)
+    tl.store(base + dims, e4m3_code(x * pow2(-e)).to(tl.uint8), mask=nope)
     pad = NOPE + GROUPS + tl.arange(0, PAD)
     tl.store(base + pad, tl.zeros([PAD], tl.uint8), mask=pad < ROPE_OFF_BYTES)
     tl.store(rope_ptr + row * ROPE_STRIDE + ROPE_OFF + (dims - NOPE), x.to(rope_ptr.dtype.element_ty),
@@ -74,8 +75,8 @@ def _round_keys_kernel(x_ptr, out_ptr, D, NOPE, GROUPS: tl.constexpr, BLOCK_D: t
     r = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + r * D + dims, mask=dims < D, other=0.0).to(tl.float32)
-    e = _exponents(x, dims, NOPE, GROUPS)
-    nope = e4m3(e4m3_code(x * _pow2(-e))) * _pow2(e)  # encoded, then decoded as a reader would
+    e = _exponents(x, dims, NOPE, GROUPS, x_ptr, STORE=False)
+    nope = e4m3(e4m3_code(x * pow2(-e))) * pow2(e)  # encoded, then decoded as a reader would
     rope = x.to(out_ptr.dtype.element_ty)  # the rope channels are stored in the compute dtype
     tl.store(out_ptr + r * D + dims, tl.where(dims < NOPE, nope.to(out_ptr.dtype.element_ty), rope), mask=dims < D)
 

@@ -43,6 +43,9 @@ class Kernels:
     route: Callable[..., Any]  # MoE gate logits → each token's experts and weights (kernels/moe.py)
     experts: Callable[..., Any]  # the routed and shared experts over the batch
     batch_invariant: bool = False
+    # index_scores reads each row's keys through its block table (no gathered copy), so a prefill
+    # chunk's rows can be scored one by one as decodes are, at no extra memory.
+    paged_index_scores: bool = False
 
 
 def triton_available() -> bool:
@@ -132,4 +135,4 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
                    compressor_triton.compress_decodes, compressor_triton.compress_chunk, indexer_triton.index_scores,
                    indexer_triton.index_topk, paged_triton.write_window, kv_fp8_triton.round_keys,
                    quant_linear_triton.linear, quant_linear_triton.grouped_linear, invariant.rowwise, moe_triton.route,
-                   moe_triton.experts)
+                   moe_triton.experts, paged_index_scores=True)

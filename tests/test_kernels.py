@@ -219,6 +219,21 @@ def test_index_topk_picks_the_twins_entries(triton_kernels, n: int, k: int) -> N
     assert torch.equal(got.sort(-1).values, want)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_index_topk_full_rows_need_no_mask(triton_kernels, backend: str) -> None:
+    """`full` (every row sees at least k, known on the host) skips the twin's masking; the picks
+    stay those of the masked form."""
+    kernels = triton_kernels if backend == "triton" else TWIN
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([9, 16, 12])
+    scores = torch.randn(3, 16, generator=gen)
+    scores[torch.arange(16)[None, :] >= counts[:, None]] = float("-inf")
+    scores, counts = scores.to(DEVICE), counts.to(DEVICE)
+    want = kernels.index_topk(scores, counts, 8).sort(-1).values
+    assert torch.equal(kernels.index_topk(scores, counts, 8, True).sort(-1).values, want)
+    assert (want >= 0).all()
+
+
 def test_index_topk_breaks_ties_to_exactly_k(triton_kernels) -> None:
     """Equal scores at the k-th place: as many of them as k needs, none twice."""
     scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.5, 2.0, -1.0]] * 2, device=DEVICE)

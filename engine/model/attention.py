@@ -136,7 +136,7 @@ class Attention(nn.Module):
         n = max(visible + [0])
         if batch.only_decodes and min(visible) >= self.indexer.topk:
             # Every row sees at least k entries: its top-k fills all k columns, nothing to pad or scatter.
-            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n)
+            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n, full=True)
         topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         if n:
             top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables,
@@ -145,7 +145,7 @@ class Attention(nn.Module):
         # The Triton kernel reads each row's keys through its block table, so a chunk's rows go
         # through it as decodes do; the torch twin would gather [rows, n, dI] keys, so there a
         # chunk's tiles share theirs (unless per-row scores are asked for: --batch-invariant).
-        per_row = self.kernels.batch_invariant or self.kernels.backend == "triton"
+        per_row = self.kernels.batch_invariant or self.kernels.paged_index_scores
         for b, seq in enumerate(meta.seqs):
             if seq.num_new > 1 and per_row:
                 self._select_chunk_rows(iq, iw, seq, batch.tables[b], index_keys, topk)
@@ -154,13 +154,13 @@ class Attention(nn.Module):
         return topk
 
     def _top_entries(self, iq: torch.Tensor, iw: torch.Tensor, index_keys: torch.Tensor, tables: torch.Tensor,
-                     counts: torch.Tensor, n: int) -> torch.Tensor:
+                     counts: torch.Tensor, n: int, full: bool = False) -> torch.Tensor:
         """Top-k of R queries by `kernels.index_scores` and `kernels.index_topk` → [R, min(k, n)]
-        (−1 past each one's count)."""
+        (−1 past each one's count; `full`: each sees at least k)."""
         assert self.indexer is not None
         scores = self.indexer.summed(self.kernels.index_scores(iq, iw, index_keys, tables, counts, n,
                                                                self.indexer.w_scale))
-        return self.kernels.index_topk(scores, counts, min(self.indexer.topk, n))
+        return self.kernels.index_topk(scores, counts, min(self.indexer.topk, n), full)
 
     def _select_chunk_rows(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, table: torch.Tensor,
                            index_keys: torch.Tensor, topk: torch.Tensor) -> None:
