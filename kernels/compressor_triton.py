@@ -84,13 +84,14 @@ def _store_entry(dest_ptr, at, out, dims, d, rope_ptr, STRIDE, NOPE, ROPE_OFF, R
 
 
 @triton.jit
-def _compress_decodes_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, slots_ptr, pos_ptr,
-                             frozen_ptr, tables_ptr, dest_ptr, w_ptr, inv_freq_ptr, n_tables, m, d, CD, R, half, eps,
-                             stride_kv, stride_score, rope_ptr, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE, ROPE_OFF_BYTES,
-                             GROUPS: tl.constexpr, PAD: tl.constexpr, FP8: tl.constexpr,
-                             SPAN: tl.constexpr, OVERLAP: tl.constexpr, PER_BLOCK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CD: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
+def _compress_decode_row(i, S, C, GROUPS: tl.constexpr, PAD: tl.constexpr, FP8: tl.constexpr, SPAN: tl.constexpr,
+                         OVERLAP: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_CD: tl.constexpr):
+    """Decoding sequence i's update of one compressor. S: the step's decodes (`_decode_args`);
+    C: the compressor (`_compressor_args`)."""
+    slots_ptr, pos_ptr, frozen_ptr, tables_ptr, n_tables, inv_freq_ptr, half = S
+    (kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, dest_ptr, w_ptr, m, d, CD, R, eps, stride_kv,
+     stride_score, rope_ptr, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE, ROPE_OFF_BYTES) = C
     slot = tl.load(slots_ptr + i)
     t = tl.load(pos_ptr + i)
     frozen = tl.load(frozen_ptr + i)
@@ -130,24 +131,50 @@ def _compress_decodes_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score
                      ROPE_STRIDE, ROPE_OFF_BYTES, GROUPS, PAD, FP8)
 
 
+@triton.jit
+def _compress_decodes_kernel(S, C, GROUPS: tl.constexpr, PAD: tl.constexpr, FP8: tl.constexpr, SPAN: tl.constexpr,
+                             OVERLAP: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_CD: tl.constexpr):
+    _compress_decode_row(tl.program_id(0).to(tl.int64), S, C, GROUPS, PAD, FP8, SPAN, OVERLAP, PER_BLOCK, BLOCK_M,
+                         BLOCK_D, BLOCK_CD)
+
+
+def _decode_args(slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
+                 inv_freq: torch.Tensor) -> tuple:
+    """The decoding sequences' part of a compressor decode launch (`S` in the kernels)."""
+    return (slots, positions, frozen_until, tables.contiguous(), tables.shape[1], inv_freq.to(slots.device),
+            inv_freq.shape[0])
+
+
+def _compressor_args(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
+                     dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
+                     ape: torch.Tensor, record: Record | None) -> tuple[tuple, dict]:
+    """One compressor's part of a decode launch: its runtime arguments (`C` in the kernels) and its
+    compile-time ones."""
+    # Rows may be column slices of a wider projection (read in place); columns must be packed.
+    kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))
+    d, cd = norm_weight.shape[0], kv.shape[1]
+    fp8 = record_args(record, dest)
+    runtime = (kv, score, ape.contiguous(), ring_kv, ring_score, dest, norm_weight, ratio, d, cd, ring_kv.shape[1],
+               eps, kv.stride(0), score.stride(0), fp8["rope_ptr"], fp8["STRIDE"], fp8["NOPE"], fp8["ROPE_OFF"],
+               fp8["ROPE_STRIDE"], fp8["ROPE_OFF_BYTES"])
+    span = 2 * ratio if overlap else ratio
+    consts = {"GROUPS": fp8["GROUPS"], "PAD": fp8["PAD"], "FP8": fp8["FP8"], "SPAN": span, "OVERLAP": overlap,
+              "PER_BLOCK": dest.shape[1], "BLOCK_M": min(triton.next_power_of_2(span), 128 if interpreting() else 16),
+              "BLOCK_D": max(triton.next_power_of_2(d), 2), "BLOCK_CD": triton.next_power_of_2(cd)}
+    return runtime, consts
+
+
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                      inv_freq: torch.Tensor, ape: torch.Tensor, record: Record | None = None) -> None:
-    n = kv.shape[0]
-    if n == 0:
+    if kv.shape[0] == 0:
         return
-    # Rows may be column slices of a wider projection (read in place); columns must be packed.
-    kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))
-    d, cd, rows = norm_weight.shape[0], kv.shape[1], ring_kv.shape[1]
-    span = 2 * ratio if overlap else ratio
-    block_m = min(triton.next_power_of_2(span), 128 if interpreting() else 16)
-    launch(_compress_decodes_kernel[(n,)],
-           kv, score, ape.contiguous(), ring_kv, ring_score, slots, positions, frozen_until, tables.contiguous(),
-           dest, norm_weight, inv_freq.to(kv.device), tables.shape[1], ratio, d, cd, rows, inv_freq.shape[0], eps,
-           kv.stride(0), score.stride(0), **record_args(record, dest), SPAN=span, OVERLAP=overlap,
-           PER_BLOCK=dest.shape[1], BLOCK_M=block_m, BLOCK_D=max(triton.next_power_of_2(d), 2),
-           BLOCK_CD=triton.next_power_of_2(cd))
+    runtime, consts = _compressor_args(kv, score, ring_kv, ring_score, dest, ratio, overlap, norm_weight, eps, ape,
+                                       record)
+    launch(_compress_decodes_kernel[(kv.shape[0],)], _decode_args(slots, positions, frozen_until, tables, inv_freq),
+           runtime, **consts)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ class Kernels:
     index_scores: Callable[..., Any]
     index_topk: Callable[..., Any]
     write_window: Callable[..., Any]
+    write_decode_step: Callable[..., Any]  # a decode-only step's window and compressor writes (decode_writes.py)
     round_keys: Callable[..., Any]  # (keys [T, d], FP8 record) → as the record stores them
     linear: Callable[..., Any]  # (x [T, I], weight [O, I]) → [T, O]
     grouped_linear: Callable[..., Any]  # (x [T, G, I], weight [G, O, I]) → [T, G, O]
@@ -79,7 +80,7 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     token in a tile beside other tokens); the Triton router is one program per token already. On
     the Triton backend, packed weights (dense projections and each expert's) go through the Triton
     quantized GEMM, batch-invariant by construction, in one launch; dense ones row by row."""
-    from v4serve.kernels import compressor, invariant, mhc, moe
+    from v4serve.kernels import compressor, decode_writes, invariant, mhc, moe
 
     linear, grouped_linear = invariant.linear_rows, invariant.grouped_linear_rows
     if kernels.backend == "triton":
@@ -91,6 +92,7 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
                                    grouped_linear=grouped_linear, rowwise=invariant.rowwise_rows,
                                    compress_decodes=compressor.compress_decodes,
                                    compress_chunk=compressor.compress_chunk,
+                                   write_decode_step=decode_writes.write_decode_step,
                                    experts=functools.partial(moe.experts, linear=linear,
                                                              rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
@@ -105,11 +107,12 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     from v4serve.kernels import invariant
 
     if backend == "torch":
-        from v4serve.kernels import attention, compressor, indexer, kv_fp8, mhc, moe, norm_rope, paged
+        from v4serve.kernels import attention, compressor, decode_writes, indexer, kv_fp8, mhc, moe, norm_rope, paged
 
         return Kernels("torch", mhc.mhc_pre, mhc.mhc_post, attention.sparse_attention, norm_rope.rms_norm,
                        norm_rope.rope, norm_rope.rms_norm_rope, compressor.compress_decodes, compressor.compress_chunk,
-                       indexer.index_scores, indexer.index_topk, paged.write_window, kv_fp8.round_keys,
+                       indexer.index_scores, indexer.index_topk, paged.write_window,
+                       decode_writes.write_decode_step, kv_fp8.round_keys,
                        invariant.linear, invariant.grouped_linear, invariant.rowwise, moe.route, moe.experts)
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
@@ -121,6 +124,7 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     from v4serve.kernels import (
         attention_triton,
         compressor_triton,
+        decode_writes_triton,
         indexer_triton,
         kv_fp8_triton,
         mhc_triton,
@@ -133,6 +137,7 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
     return Kernels("triton", mhc_triton.mhc_pre, mhc_triton.mhc_post, attention_triton.sparse_attention,
                    norm_rope_triton.rms_norm, norm_rope_triton.rope, norm_rope_triton.rms_norm_rope,
                    compressor_triton.compress_decodes, compressor_triton.compress_chunk, indexer_triton.index_scores,
-                   indexer_triton.index_topk, paged_triton.write_window, kv_fp8_triton.round_keys,
+                   indexer_triton.index_topk, paged_triton.write_window,
+                   decode_writes_triton.write_decode_step, kv_fp8_triton.round_keys,
                    quant_linear_triton.linear, quant_linear_triton.grouped_linear, invariant.rowwise, moe_triton.route,
                    moe_triton.experts, paged_index_scores=True)

@@ -140,6 +140,81 @@ def test_compress_decodes_equals_its_twin(triton_kernels, overlap: bool, ratio: 
     close(got, want)
 
 
+# ---- a decode step's writes in one launch ---------------------------------------------------------------
+@pytest.mark.parametrize("compressors", [0, 1, 2], ids=["swa", "hca", "csa"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_write_decode_step_is_the_separate_writes(triton_kernels, compressors: int, fp8: bool) -> None:
+    """The fused launch writes bitwise what the separate Triton window and compressor launches write
+    (the same bodies), and what the twin writes: rings exactly, entries to fp32 rounding (FP8 records:
+    within one e4m3 step). Decodes complete entries, complete a first entry (empty window −1), fall
+    between entries and complete one below frozen_until (not rewritten)."""
+    from v4serve.cache.layout import KVRecord
+    from v4serve.kernels.decode_writes import Compression
+    from v4serve.kernels.kv_fp8 import decode
+
+    gen = torch.Generator().manual_seed(11 + compressors)
+    d, rope, w = 64, 16, 8
+    record = KVRecord(head_dim=d, rope_dim=rope, rope_dtype="float32", rope_itemsize=4) if fp8 else None
+    positions = [7, 3, 30, 15, 22]
+    batch = RaggedBatch.build([0, 1, 2, 3, 4], positions, [1] * 5, [0] * 5,
+                              [torch.randperm(24, generator=gen)[:8].tolist() for _ in range(5)], DEVICE,
+                              frozen_until=[0, 0, 0, 16, 0])
+    kv = rand(5, d, gen=gen)
+    if fp8:
+        kv = TWIN.round_keys(kv, record)
+    ring0 = (torch.randint(0, 256, (5, w, record.nbytes), generator=gen, dtype=torch.uint8).to(DEVICE) if fp8
+             else rand(5, w, d, gen=gen))
+    shapes = [(4, True, d, record), (4, True, 32, None)][:compressors]  # (ratio, overlap, dim, record)
+    inputs = []
+    for ratio, overlap, dim, _ in shapes:
+        width = (2 if overlap else 1) * dim
+        inputs.append((rand(5, width, gen=gen), rand(5, width, gen=gen), rand(5, 2 * ratio, width, gen=gen),
+                       rand(5, 2 * ratio, width, gen=gen), rand(dim, gen=gen), rand(ratio, width, gen=gen)))
+    inv_freq = torch.rand(rope // 2, generator=gen).to(DEVICE)
+
+    def run(kernels, fused: bool):
+        ring = ring0.clone()
+        parts, dests = [], []
+        for (ratio, overlap, dim, rec), (c_kv, c_score, r_kv, r_score, weight, ape) in zip(shapes, inputs,
+                                                                                          strict=True):
+            dest = torch.zeros(24, 4, *((rec.nbytes,) if rec else (dim,)), device=DEVICE,
+                               dtype=torch.uint8 if rec else torch.float32)
+            parts.append(Compression(c_kv, c_score, r_kv.clone(), r_score.clone(), dest, ratio, overlap, weight,
+                                     1e-6, ape, rec))
+            dests.append(dest)
+        counter = LaunchCounter()
+        with counter:
+            if fused:
+                kernels.write_decode_step(ring, kv, batch, record, parts, inv_freq)
+            else:
+                kernels.write_window(ring, kv, batch, record)
+                dec = batch.decodes
+                for c in parts:
+                    kernels.compress_decodes(c.kv, c.score, c.ring_kv, c.ring_score, dec.slots, dec.positions,
+                                             dec.frozen_until, dec.tables, c.dest, c.ratio, c.overlap, c.norm_weight,
+                                             c.eps, inv_freq, c.ape, c.record)
+        return ring, [(c.ring_kv, c.ring_score) for c in parts], dests, counter.ops["triton"]
+
+    ring, pending, dests, launches = run(triton_kernels, fused=True)
+    s_ring, s_pending, s_dests, s_launches = run(triton_kernels, fused=False)
+    t_ring, t_pending, t_dests, _ = run(TWIN, fused=True)
+    assert launches == 1 and s_launches == 1 + compressors
+    assert not torch.equal(ring, ring0)
+    assert torch.equal(ring, s_ring) and torch.equal(ring, t_ring)
+    for (a, b), (c, e), (f, g) in zip(pending, s_pending, t_pending, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, e) and torch.equal(a, f) and torch.equal(b, g)
+    for (_, _, _, rec), dest, s_dest, t_dest in zip(shapes, dests, s_dests, t_dests, strict=True):
+        assert torch.equal(dest, s_dest)
+        written = dest.reshape(24 * 4, -1).any(-1)
+        # Positions 3 (a first entry), 7 and 15 complete entries; 15's is below frozen_until 16.
+        assert int(written.sum()) == 2 and torch.equal(t_dest.reshape(24 * 4, -1).any(-1), written)
+        if rec is None:
+            close(dest, t_dest)
+        else:
+            got, want = decode(dest, rec), decode(t_dest, rec)
+            assert ((got - want).abs() <= want.abs() * 2**-3 + 2**-9).all()
+
+
 # ---- compressor (prefill chunk) ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("overlap", "ratio", "dim", "rope_dim"), [(True, 4, 32, 8), (False, 8, 24, 8)])
 @pytest.mark.parametrize(("start", "length", "frozen"), [

@@ -7,7 +7,8 @@ d = head dim, m = compress ratio, N = compressed entries, k = indexer top-k.
 
 Per layer: project; feed the compressors and write the entries they finish (Block Cache); pick
 the indexer's top-k; attend (`kernels.sparse_attention`, over the whole ragged batch); then store
-the new window keys in the State Cache rings. Host-side loops here treat decoding sequences in one
+the new window keys in the State Cache rings. A step of decodes only does all of its writes first,
+in one call (`kernels.write_decode_step`). Host-side loops here treat decoding sequences in one
 batched pass, since per-sequence overhead is what bounds decode throughput.
 
 Under tensor parallelism (engine/model/parallel.py) a rank holds H/N heads and o_groups/N output
@@ -28,6 +29,7 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.packed import weight_of
 from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
+from v4serve.kernels.decode_writes import Compression
 from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.paged import read_entries
 from v4serve.kernels.registry import load_kernels
@@ -84,19 +86,20 @@ class Attention(nn.Module):
             # FP8 keys: this step's keys are rounded as they will be stored, so a key read back from
             # the cache later (a prefix hit, the next chunk) equals the one used now.
             kv = k.round_keys(kv, record)
+        if batch.only_decodes:
+            # All of the layer's writes in one call, before anything reads them (decode_writes.py).
+            k.write_decode_step(layer_kv.window, kv, batch, record, self._decode_compressions(of_x, layer_kv, record),
+                                rotary.inv_freq)
+        else:
+            self._compress_all(of_x, meta, batch, layer_kv, rotary, record)
         topk = None
-        if self.compressor is not None:
-            assert layer_kv.entries is not None and layer_kv.pending_kv is not None
-            self._compress(self.compressor, of_x, meta, batch, layer_kv.pending_kv,
-                           layer_kv.pending_score, layer_kv.entries, rotary, record)
         if self.indexer is not None:
-            assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
-            self._compress(self.indexer.compressor, of_x, meta, batch, layer_kv.index_pending_kv,
-                           layer_kv.index_pending_score, layer_kv.index_keys, rotary, None)
+            assert layer_kv.index_keys is not None
             topk = self._select(self.indexer.queries(of_x, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                  self.attn_sink, self.head_dim**-0.5, record)
-        k.write_window(layer_kv.window, kv, batch, record)  # after attention has read the ring
+        if not batch.only_decodes:
+            k.write_window(layer_kv.window, kv, batch, record)  # after attention: a chunk replaces rows it reads
         out = k.rope(out, cos, sin, inverse=True, out=q)  # V = K carried RoPE: rotate back; q is dead by now
         groups = out.reshape(t, self.o_groups, -1)  # [T, G, H·d/G]
         wo_a = weight_of(self.wo_a)
@@ -106,6 +109,35 @@ class Attention(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     # ---- compressed entries ----------------------------------------------------------------------------
+    def _compressors(self, layer_kv: LayerKV) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """This layer's compressors, each with its pending rings and destination."""
+        out = []
+        if self.compressor is not None:
+            assert layer_kv.entries is not None and layer_kv.pending_kv is not None
+            out.append((self.compressor, layer_kv.pending_kv, layer_kv.pending_score, layer_kv.entries))
+        if self.indexer is not None:
+            assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
+            out.append((self.indexer.compressor, layer_kv.index_pending_kv, layer_kv.index_pending_score,
+                        layer_kv.index_keys))
+        return out
+
+    def _decode_compressions(self, of_x: dict[nn.Linear, torch.Tensor], layer_kv: LayerKV,
+                             record: Record | None) -> list[Compression]:
+        """The compressors' parts of a decode-only step's writes (FP8 records for the main one only)."""
+        parts = []
+        for compressor, pending_kv, pending_score, dest in self._compressors(layer_kv):
+            comp_kv, comp_score = compressor.project(of_x)
+            parts.append(Compression(comp_kv, comp_score, pending_kv, pending_score, dest, compressor.ratio,
+                                     compressor.overlap, compressor.norm.weight, compressor.norm.eps, compressor.ape,
+                                     record if compressor is self.compressor else None))
+        return parts
+
+    def _compress_all(self, of_x: dict[nn.Linear, torch.Tensor], meta: AttentionMetadata, batch: RaggedBatch,
+                      layer_kv: LayerKV, rotary: Rotary, record: Record | None) -> None:
+        for compressor, pending_kv, pending_score, dest in self._compressors(layer_kv):
+            self._compress(compressor, of_x, meta, batch, pending_kv, pending_score, dest, rotary,
+                           record if compressor is self.compressor else None)
+
     def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], meta: AttentionMetadata,
                   batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor,
                   dest: torch.Tensor, rotary: Rotary, record: Record | None) -> None:
