@@ -40,6 +40,7 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk  # noqa: E
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.kernels.attention import RaggedBatch  # noqa: E402
+from v4serve.kernels.decode_writes import Compression  # noqa: E402
 from v4serve.kernels.kv_fp8 import encode  # noqa: E402
 from v4serve.kernels.quant_linear import QuantizedWeight  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
@@ -102,6 +103,14 @@ def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeat
     comp_ring_score = comp_ring.clone()
     comp_w, inv_freq = rand(d), torch.rand(record.rope_dim // 2, generator=gen).to(device)
     slots, frozen = torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+    d_index = 16 if smoke else 128  # the indexer's key width
+    index_keys, index_w = rand(batch * blocks_per_seq, per_block, d_index), rand(d_index)
+    compressions = [  # a CSA layer's two compressors: its own (FP8 entries) and its indexer's
+        Compression(comp_kv, comp_score, comp_ring, comp_ring_score, entries8, ratio, True, comp_w, 1e-6,
+                    comp_score[:ratio], record),
+        Compression(rand(batch, 2 * d_index), rand(batch, 2 * d_index), rand(batch, 2 * ratio, 2 * d_index).float(),
+                    rand(batch, 2 * ratio, 2 * d_index).float(), index_keys, ratio, True, index_w, 1e-6,
+                    rand(ratio, 2 * d_index), None)]
     cases = {
         "sparse_attention (CSA top-k, FP8 keys)": lambda k: k.sparse_attention(q, kv, ring8, entries8, picks, ragged,
                                                                                4, sink, d**-0.5, record),
@@ -116,6 +125,8 @@ def kernel_timings(device: torch.device, smoke: bool, dtype: torch.dtype, repeat
             entries8, ratio, True, comp_w, 1e-6, inv_freq, comp_score[:ratio], record),
         "write_window (FP8 keys)": lambda k: k.write_window(ring8, kv, ragged, record),
         "round_keys (FP8 keys)": lambda k: k.round_keys(kv, record),
+        "write_decode_step (CSA, FP8 keys)": lambda k: k.write_decode_step(ring8, kv, ragged, record, compressions,
+                                                                           inv_freq),
     }
     rows = []
     for name, case in cases.items():

@@ -22,7 +22,8 @@ def test_gpu_bench_runs_at_smoke_sizes() -> None:
     kernels = {k["kernel"]: k for k in results["kernels"]}
     assert set(kernels) == {"sparse_attention (CSA top-k)", "sparse_attention (CSA top-k, FP8 keys)",
                             "sparse_attention (HCA)", "mhc_pre", "rms_norm_rope (queries)", "index_topk",
-                            "compress_decodes (FP8 keys)", "write_window (FP8 keys)", "round_keys (FP8 keys)"}
+                            "compress_decodes (FP8 keys)", "write_window (FP8 keys)", "round_keys (FP8 keys)",
+                            "write_decode_step (CSA, FP8 keys)"}
     assert all(k["torch_s"] > 0 and k["triton_s"] > 0 for k in kernels.values())
     gemms = {(g["weight"], g["tokens"]) for g in results["quantized_gemm"]}
     assert gemms == {(w, t) for w in ("wq_b", "wo_b", "expert w1") for t in (1, 4)}
