@@ -107,10 +107,11 @@ def decode_step_items(model, batch: int) -> float:
 
 
 def test_a_decode_step_stays_within_its_launch_budget_at_any_batch() -> None:
-    """bench/bench_launches.py measures the tiny model's layers (39.5 items each); here the small
-    model's whole step, embedding and head included (45.8 per layer when written), must stay under
-    48 per layer and must not grow with the batch (the MoE once issued a few ops per expert in use)."""
+    """bench/bench_launches.py measures the tiny model's layers (38.8 items each); here the small
+    model's whole step, embedding and head included (45.0 per layer when written, with each layer's
+    cache writes in one launch), must stay under 46 per layer and must not grow with the batch (the
+    MoE once issued a few ops per expert in use)."""
     _, model = model_pair(small=True)
     one, four = decode_step_items(model, 1), decode_step_items(model, 4)
-    assert one <= 48
+    assert one <= 46
     assert four == one
