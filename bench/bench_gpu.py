@@ -60,8 +60,10 @@ SMOKE = dict(hidden_size=64, num_heads=4, head_dim=32, rope_dim=8, q_lora_rank=3
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of fn after one warm-up call (which compiles Triton kernels)."""
-    fn()
+    """Median seconds of fn. On a GPU one warm-up call first (it compiles the Triton kernels);
+    elsewhere there is nothing to warm (Triton is interpreted, torch has no JIT on a CPU)."""
+    if device.type == "cuda":
+        fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -277,7 +279,7 @@ def main() -> None:
                    "prefill_tok_s": prefill_tok_s(model, context, chunk, device, dtype, 1 if args.smoke else 3)}
             for batch in batches:
                 row[f"decode_tok_s_batch{batch}"] = decode_tok_s(model, batch, context, device, dtype,
-                                                                 2 if args.smoke else 8)
+                                                                 1 if args.smoke else 8)
             results["model"].append(row)
     header = ["backend", "context", "prefill tok/s"] + [f"decode b{b} tok/s" for b in batches]
     print_table(f"model with the real head sizes, {cfg.num_layers} layers of random weights",
