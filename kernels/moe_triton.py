@@ -1,13 +1,13 @@
 """Triton kernels for the mixture of experts: the twins of `moe.route` and `moe.experts` (same
 signatures; see `moe.py` for the semantics).
 
-`route` is one program per token: scores, the top-k by repeated max (ties go to the lower expert),
-weights renormalised and scaled, shared experts appended. `experts` sorts the (token, expert)
-pairs by expert and runs two grouped GEMM launches — gate/up projections with the SwiGLU, then the
-down projection times the pair's weight — one program per (expert, output tile), each walking its
-expert's pairs in tiles, so every expert's weights are read once per tile of its tokens. Each
-pair's result lands in its own row; a token's terms are then summed in choice order, never with
-atomics, so a token's output does not depend on its batch-mates.
+`route` is one program per token (several when interpreted): scores, the top-k by repeated max
+(ties go to the lower expert), weights renormalised and scaled, shared experts appended. `experts`
+sorts the (token, expert) pairs by expert and runs two grouped GEMM launches — gate/up projections
+with the SwiGLU, then the down projection times the pair's weight — one program per (expert,
+output tile), each walking its expert's pairs in tiles, so every expert's weights are read once
+per tile of its tokens. Each pair's result lands in its own row; a token's terms are then summed
+in choice order, never with atomics, so a token's output does not depend on its batch-mates.
 
 Packed expert stacks (`QuantizedWeight`, FP8 or FP4, as the checkpoints hold them) run the same
 grouped structure through their own pair of kernels, whose inner loop is `quant_linear_triton`'s
@@ -29,16 +29,18 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, hashed_ptr, weights_ptr, chosen_ptr, E, scale, K: tl.constexpr,
-                  S: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
+def _route_kernel(logits_ptr, bias_ptr, hashed_ptr, weights_ptr, chosen_ptr, n, E, scale, K: tl.constexpr,
+                  S: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # BLOCK_T tokens [T] a program, each reduced along its own row only.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = (t < n)[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
     live = e < E
-    logit = tl.load(logits_ptr + t * E + e, mask=live, other=NEG_INF).to(tl.float32)
+    logit = tl.load(logits_ptr + t[:, None] * E + e, mask=row_ok & live, other=NEG_INF).to(tl.float32)  # [T, E]
     if FUNC == 0:  # softmax
-        z = tl.exp(logit - tl.max(logit, axis=0))
-        scores = z / tl.sum(z, axis=0)
+        z = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+        scores = z / tl.sum(z, axis=1)[:, None]
     elif FUNC == 1:  # sigmoid
         scores = tl.sigmoid(logit)
     else:  # sqrt(softplus): max(x, 0) + log1p(e^−|x|), linear above 20 as torch's
@@ -49,28 +51,29 @@ def _route_kernel(logits_ptr, bias_ptr, hashed_ptr, weights_ptr, chosen_ptr, E, 
         log1p = tl.where(u == 1.0, z, tl.log(u) * z / tl.where(u == 1.0, 1.0, u - 1.0))
         scores = tl.sqrt(tl.where(logit > 20.0, logit, tl.maximum(logit, 0.0) + log1p))
     scores = tl.where(live, scores, 0.0)
-    j = tl.arange(0, BLOCK_K)
-    picked = tl.zeros([BLOCK_K], tl.int64)
-    picked_w = tl.zeros([BLOCK_K], tl.float32)
+    j = tl.arange(0, BLOCK_K)[None, :]
+    picked = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
+    picked_w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     if HASHED:
-        picked = tl.load(hashed_ptr + t * K + j, mask=j < K, other=0).to(tl.int64)
-        for n in tl.static_range(K):
-            idx = tl.sum(tl.where(j == n, picked, 0), axis=0)
-            picked_w = tl.where(j == n, tl.sum(tl.where(e == idx, scores, 0.0), axis=0), picked_w)
+        picked = tl.load(hashed_ptr + t[:, None] * K + j, mask=row_ok & (j < K), other=0).to(tl.int64)
+        for k in tl.static_range(K):
+            idx = tl.sum(tl.where(j == k, picked, 0), axis=1)[:, None]
+            picked_w = tl.where(j == k, tl.sum(tl.where(e == idx, scores, 0.0), axis=1)[:, None], picked_w)
     else:
         sel = tl.where(live, scores + tl.load(bias_ptr + e, mask=live, other=0.0).to(tl.float32), NEG_INF)
-        for n in tl.static_range(K):
-            best = tl.max(sel, axis=0)
-            idx = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
-            picked = tl.where(j == n, idx.to(tl.int64), picked)
-            picked_w = tl.where(j == n, tl.sum(tl.where(e == idx, scores, 0.0), axis=0), picked_w)
+        for k in tl.static_range(K):
+            best = tl.max(sel, axis=1)[:, None]
+            idx = tl.min(tl.where(sel == best, e, BLOCK_E), axis=1)[:, None]
+            picked = tl.where(j == k, idx.to(tl.int64), picked)
+            picked_w = tl.where(j == k, tl.sum(tl.where(e == idx, scores, 0.0), axis=1)[:, None], picked_w)
             sel = tl.where(e == idx, NEG_INF, sel)
-    picked_w = picked_w / (tl.sum(tl.where(j < K, picked_w, 0.0), axis=0) + 1e-20) * scale
-    tl.store(weights_ptr + t * (K + S) + j, picked_w, mask=j < K)
-    tl.store(chosen_ptr + t * (K + S) + j, picked, mask=j < K)
-    s = tl.arange(0, BLOCK_K)
-    tl.store(weights_ptr + t * (K + S) + K + s, tl.full([BLOCK_K], 1.0, tl.float32), mask=s < S)
-    tl.store(chosen_ptr + t * (K + S) + K + s, E + s.to(tl.int64), mask=s < S)
+    picked_w = picked_w / (tl.sum(tl.where(j < K, picked_w, 0.0), axis=1)[:, None] + 1e-20) * scale
+    row = t[:, None] * (K + S)
+    tl.store(weights_ptr + row + j, picked_w, mask=row_ok & (j < K))
+    tl.store(chosen_ptr + row + j, picked, mask=row_ok & (j < K))
+    tl.store(weights_ptr + row + K + j, tl.full([BLOCK_T, BLOCK_K], 1.0, tl.float32), mask=row_ok & (j < S))
+    tl.store(chosen_ptr + row + K + j, E + j.to(tl.int64) + tl.zeros([BLOCK_T, BLOCK_K], tl.int64),
+             mask=row_ok & (j < S))
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None, func: str, topk: int,
@@ -80,6 +83,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor 
     chosen = torch.empty(n, topk + num_shared, dtype=torch.long, device=logits.device)
     if n == 0:
         return weights, chosen
+    # One token a program on a GPU; the interpreter pays per op, not per element, so it takes many.
+    block_t = 16 if interpreting() else 1
+    launch(_route_kernel[(triton.cdiv(n, block_t),)], logits.contiguous(), bias if bias is not None else logits,
+           hashed.contiguous() if hashed is not None else chosen, weights, chosen, n, e, scale,
+           K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None, BLOCK_T=block_t,
+           BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
+    return weights, chosen
     launch(_route_kernel[(n,)], logits.contiguous(), bias if bias is not None else logits,
            hashed.contiguous() if hashed is not None else chosen, weights, chosen, e, scale,
            K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None,

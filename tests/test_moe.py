@@ -78,6 +78,11 @@ def test_route_kernel_equals_its_twin(func: str, tokens: int, experts: int, k: i
         got = moe_triton.route(logits, bias, given, func, k, 2.5, shared)
         assert torch.equal(got[1], want[1])
         assert torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-7)
+        # Interpreted, a program takes 16 tokens: a token's result must not depend on them.
+        for i in (0, tokens - 1):
+            alone = moe_triton.route(logits[i:i + 1], bias, None if given is None else given[i:i + 1], func, k,
+                                     2.5, shared)
+            assert torch.equal(alone[0][0], got[0][i]) and torch.equal(alone[1][0], got[1][i])
 
 
 @requires_triton

@@ -50,22 +50,34 @@ def test_tiny_model_on_triton_gives_the_torch_tokens_in_ragged_batches() -> None
         assert rel_err(got_logits[rid], want_logits[rid]) <= 1e-4
 
 
+PREFIX_SHARED = tokens(33, 5)
+
+
+@pytest.fixture(scope="module")
+def small_triton_model():
+    return model_pair(small=True)[1]
+
+
+@pytest.fixture(scope="module")
+def cold_second(small_triton_model):
+    """The hit test's second prompt run cold, once for every SWA mode (without prefix caching the
+    mode changes nothing)."""
+    out, logits, _ = run(small_triton_model, {"cold": PREFIX_SHARED + tokens(6, 7)}, 4, enable_prefix_caching=False)
+    return out["cold"], logits["cold"]
+
+
 @pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
-def test_prefix_hits_on_triton_equal_cold_runs(mode: str) -> None:
+def test_prefix_hits_on_triton_equal_cold_runs(small_triton_model, cold_second, mode: str) -> None:
     """Small model (window 8, blocks of 16): a hit of 33 shared tokens, one past two blocks."""
-    _, model = model_pair(small=True)
-    shared = tokens(33, 5)
-    first, second = shared + tokens(6, 6), shared + tokens(6, 7)
-    engine_args = dict(swa_cache_mode=mode, swa_checkpoint_interval=16)
-    engine = engine_for(model, **engine_args)
-    engine.generate([greedy("first", first, n=3)])
-    hit = greedy("second", second, n=4)
+    engine = engine_for(small_triton_model, swa_cache_mode=mode, swa_checkpoint_interval=16)
+    engine.generate([greedy("first", PREFIX_SHARED + tokens(6, 6), n=1)])  # its prefill caches the prefix
+    hit = greedy("second", PREFIX_SHARED + tokens(6, 7), n=4)
     out = engine.generate([hit])["second"]
     engine.check()
-    cold, cold_logits, _ = run(model, {"cold": second}, 4, enable_prefix_caching=False)
+    cold_tokens, cold_logits = cold_second
     assert hit.num_hit_tokens == 32
-    assert out == cold["cold"]
-    assert rel_err(torch.stack(engine.logits["second"]), cold_logits["cold"]) <= 1e-4
+    assert out == cold_tokens
+    assert rel_err(torch.stack(engine.logits["second"]), cold_logits) <= 1e-4
 
 
 def test_daemon_serves_on_the_triton_backend() -> None:
