@@ -3,7 +3,9 @@
 Each query at position p attends to
 - its window: positions [lo, p] with lo = max(p − W + 1, window_from, 0); keys below the
   sequence's `start` come from its State Cache ring (row j mod W), the rest from this step's
-  new keys `kv` (the ring is written only after attention, so nothing it needs is overwritten);
+  new keys `kv` (a prefill chunk's keys reach the ring only after attention, so nothing it
+  needs is overwritten; a decode-only step writes its ring rows first, but a decode at p reads
+  row p mod W from `kv`, and that row held p − W, outside its window);
 - compressed entries read through the block table: on HCA layers every visible entry
   (e < (p + 1) // m), on CSA layers the indexer's top-k (`topk` [T, k], −1 = none);
 and one softmax over all of them plus a per-head sink; V = K.
@@ -159,8 +161,9 @@ def gather_entries(entries: torch.Tensor, tables: torch.Tensor, index: torch.Ten
 def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
              topk: torch.Tensor | None, batch: RaggedBatch, ratio: int, sink: torch.Tensor,
              scale: float, record: Record | None) -> torch.Tensor:
-    """Every sequence decoding one token: its whole ring (with its own new key at row p mod W, where
-    the ring still holds position p − W) plus its entries, as that query's own keys."""
+    """Every sequence decoding one token: its whole ring (with its own new key at row p mod W, which
+    held position p − W or, when the step wrote its rings first, already this key) plus its entries,
+    as that query's own keys."""
     dev, w = q.device, ring.shape[1]
     dec = batch.decodes
     rows, t, n = dec.rows, dec.positions, len(dec.seqs)

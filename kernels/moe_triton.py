@@ -90,11 +90,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor 
            K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None, BLOCK_T=block_t,
            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
     return weights, chosen
-    launch(_route_kernel[(n,)], logits.contiguous(), bias if bias is not None else logits,
-           hashed.contiguous() if hashed is not None else chosen, weights, chosen, e, scale,
-           K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None,
-           BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
-    return weights, chosen
 
 
 @triton.jit
