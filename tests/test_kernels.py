@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import test_moe as moe_tests  # a module, so its tests are not collected here twice
 from tests.helpers import requires_triton
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.launches import LaunchCounter
@@ -426,3 +427,36 @@ def test_triton_launches_are_counted_and_torch_ops_seen(triton_kernels) -> None:
     with LaunchCounter() as c:
         TWIN.mhc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)
     assert c.ops["triton"] == 0 and c.ops["aten._log_softmax"] >= 2 * 19  # the Sinkhorn iterations
+
+
+# ---- the tile sizes a GPU uses -----------------------------------------------------------------------------
+# Interpreted, the kernels pick fewer, larger tiles (the interpreter pays per op); on a GPU the same
+# code walks more tiles of rows, keys and pooling windows. These run the twin comparisons above with
+# the GPU's tile choices, so the loops over several tiles and their edges are tested on a CPU too.
+GPU_TILED = ("attention_triton", "compressor_triton", "indexer_triton", "mhc_triton", "moe_triton",
+             "norm_rope_triton")
+GPU_TILE_CASES = {
+    "mhc (4-token tiles)": lambda k: test_mhc_pre_and_post_equal_their_twins(k, 17, 200),
+    "norm and rope": lambda k: test_norm_and_rope_equal_their_twins(k, (70, 72), 8, True),
+    "compress_decodes (two 16-row pooling tiles)": lambda k: test_compress_decodes_equals_its_twin(
+        k, True, 16, 32, 8),
+    "compress_chunk (two 16-row pooling tiles)": lambda k: test_compress_chunk_equals_its_twin(
+        k, True, 16, 32, 8, 7, 40, 0),
+    "write_decode_step": lambda k: test_write_decode_step_is_the_separate_writes(k, 2, True),
+    "index_scores (32-entry tiles)": lambda k: test_index_scores_equal_their_twin(k, 8, 32),
+    "index_topk (a row a program)": lambda k: test_index_topk_picks_the_twins_entries(k, 1500, 64),
+    "sparse_attention (32-key tiles)": lambda k: test_sparse_attention_equals_its_twin_on_a_ragged_batch(
+        k, "csa_wide"),
+    "moe route (a token a program)": lambda k: moe_tests.test_route_kernel_equals_its_twin("sqrtsoftplus", 33, 16,
+                                                                                         6, 2),
+    "moe experts (GPU tiles)": lambda k: moe_tests.test_experts_kernel_equals_its_twin(0.8, 40, 72, 40, 5, 2, 1),
+}
+
+
+@pytest.mark.parametrize("case", GPU_TILE_CASES)
+def test_kernels_at_gpu_tile_sizes_equal_their_twins(triton_kernels, monkeypatch, case: str) -> None:
+    import importlib
+
+    for name in GPU_TILED:
+        monkeypatch.setattr(importlib.import_module(f"v4serve.kernels.{name}"), "interpreting", lambda: False)
+    GPU_TILE_CASES[case](triton_kernels)
