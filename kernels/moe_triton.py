@@ -37,7 +37,9 @@ def _route_kernel(logits_ptr, bias_ptr, hashed_ptr, weights_ptr, chosen_ptr, n, 
     row_ok = (t < n)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
     live = e < E
-    logit = tl.load(logits_ptr + t[:, None] * E + e, mask=row_ok & live, other=NEG_INF).to(tl.float32)  # [T, E]
+    # Rows past n read zeros (all −inf would make NaNs in their softmax; they are never stored).
+    logit = tl.load(logits_ptr + t[:, None] * E + e, mask=row_ok & live, other=0.0).to(tl.float32)  # [T, E]
+    logit = tl.where(live, logit, NEG_INF)
     if FUNC == 0:  # softmax
         z = tl.exp(logit - tl.max(logit, axis=1)[:, None])
         scores = z / tl.sum(z, axis=1)[:, None]
