@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from v4serve.kernels.attention import RaggedBatch
-from v4serve.kernels.codes_triton import e4m3
+from v4serve.kernels.codes_triton import e4m3, e8m0
 from v4serve.kernels.kv_fp8 import Record
-from v4serve.kernels.kv_fp8_triton import pow2, record_args
+from v4serve.kernels.kv_fp8_triton import record_args
 from v4serve.kernels.launches import interpreting, launch
 
 # A finite "−inf": a fully masked tile must not turn the running max into NaN. Globals read inside
@@ -49,7 +49,7 @@ def _load_keys(ptr, rope_ptr, rows, dims, mask, D, FP8: tl.constexpr, STRIDE, NO
         at = rows[:, None] * STRIDE
         code = tl.load(ptr + at + dims[None, :], mask=mask & nope[None, :], other=0).to(tl.int32)
         exponent = tl.load(ptr + at + NOPE + dims[None, :] // 64, mask=mask & nope[None, :], other=127).to(tl.int32)
-        value = e4m3(code) * pow2(exponent - 127)  # scale byte b stands for 2^(b − 127)
+        value = e4m3(code) * e8m0(exponent)
         rope = tl.load(rope_ptr + rows[:, None] * ROPE_STRIDE + ROPE_OFF + (dims[None, :] - NOPE),
                        mask=mask & (~nope & (dims < D))[None, :], other=0.0)
         return tl.where(nope[None, :], value, rope.to(tl.float32))

@@ -71,16 +71,17 @@ def load_kernels(backend: str, device: torch.device | str = "cpu", batch_invaria
 
 
 def _batch_invariant(kernels: Kernels) -> Kernels:
-    """Per-row projections and per-row transcendental functions (MoE gate, SwiGLU, hc_head) on
-    every backend. The Triton attention, indexer and mHC kernels already reduce each row on its
-    own; the torch twins of attention, indexer scores and mHC's projection batch rows, so they get
-    per-row forms. Entries are pooled by the torch twins whether a decode step or a prefill chunk
-    completes them (on the Triton backend too): one pooling implementation, whichever path. The
-    experts run per row through the torch twin on both backends (the grouped Triton GEMM puts a
-    token in a tile beside other tokens); the Triton router is one program per token already. On
-    the Triton backend, packed weights (dense projections and each expert's) go through the Triton
+    """Per-row projections and per-row transcendental functions (MoE gate, SwiGLU, hc_head) on every
+    backend. The Triton attention, indexer and mHC kernels already reduce each row on its own;
+    the torch twins of attention, indexer scores and mHC's projection batch rows, so they get
+    per-row forms. The compressors pool an entry the same way whether a decode step or a prefill
+    chunk completes it: on torch one `pool`, on Triton kernels sharing their pooling code, each
+    entry in a program of its own (so the fused decode-step writes stay). The experts run per
+    row through the torch twin on both backends (the grouped Triton GEMM puts a token in a tile
+    beside other tokens); the Triton router reduces each token on its own already. On the Triton
+    backend, packed weights (dense projections and each expert's) go through the Triton
     quantized GEMM, batch-invariant by construction, in one launch; dense ones row by row."""
-    from v4serve.kernels import compressor, decode_writes, invariant, mhc, moe
+    from v4serve.kernels import invariant, mhc, moe
 
     linear, grouped_linear = invariant.linear_rows, invariant.grouped_linear_rows
     if kernels.backend == "triton":
@@ -90,9 +91,6 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
         grouped_linear = quant_linear_triton.grouped_linear_invariant
     changes: dict[str, Any] = dict(batch_invariant=True, linear=linear,
                                    grouped_linear=grouped_linear, rowwise=invariant.rowwise_rows,
-                                   compress_decodes=compressor.compress_decodes,
-                                   compress_chunk=compressor.compress_chunk,
-                                   write_decode_step=decode_writes.write_decode_step,
                                    experts=functools.partial(moe.experts, linear=linear,
                                                              rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
