@@ -149,8 +149,8 @@ def _decode_args(slots: torch.Tensor, positions: torch.Tensor, frozen_until: tor
 def _compressor_args(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                      ape: torch.Tensor, record: Record | None) -> tuple[tuple, dict]:
-    """One compressor's part of a decode launch: its runtime arguments (`C` in the kernels) and its
-    compile-time ones."""
+    """One compressor's part of a launch: its runtime arguments (`C` in the kernels) and its
+    compile-time ones. Rings [S, R, c·d]."""
     # Rows may be column slices of a wider projection (read in place); columns must be packed.
     kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))
     d, cd = norm_weight.shape[0], kv.shape[1]
@@ -178,11 +178,12 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
 
 
 @triton.jit
-def _compress_chunk_kernel(kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, table_ptr, dest_ptr, w_ptr,
-                           inv_freq_ptr, start, first, m, d, CD, R, half, eps, stride_kv, stride_score, rope_ptr,
-                           STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE, ROPE_OFF_BYTES, GROUPS: tl.constexpr,
-                           PAD: tl.constexpr, FP8: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr,
-                           PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _compress_chunk_kernel(C, table_ptr, inv_freq_ptr, half, start, first, GROUPS: tl.constexpr, PAD: tl.constexpr,
+                           FP8: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, PER_BLOCK: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One entry the chunk completes. C: `_compressor_args` (its rings one slot's, [1, R, c·d])."""
+    (kv_ptr, score_ptr, ape_ptr, ring_kv_ptr, ring_score_ptr, dest_ptr, w_ptr, m, d, CD, R, eps, stride_kv,
+     stride_score, rope_ptr, STRIDE, NOPE, ROPE_OFF, ROPE_STRIDE, ROPE_OFF_BYTES) = C
     entry = first + tl.program_id(0).to(tl.int64)
     last = (entry + 1) * m - 1  # the entry's last position
     dims = tl.arange(0, BLOCK_D)
@@ -230,18 +231,15 @@ def compress_chunk(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
     n = kv.shape[0]
     if n == 0:
         return
-    kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))
-    d, cd, rows = norm_weight.shape[0], kv.shape[1], ring_kv.shape[0]
+    runtime, consts = _compressor_args(kv, score, ring_kv[None], ring_score[None], dest, ratio, overlap, norm_weight,
+                                       eps, ape, record)
+    kv, score, ape = runtime[:3]  # packed as the kernels read them
+    block_cd = consts.pop("BLOCK_CD")  # the pending rows' width, for the second launch
     first, stop = max(start // ratio, frozen_until // ratio), (start + n) // ratio
-    ape = ape.contiguous()
     if first < stop:
-        span = 2 * ratio if overlap else ratio
-        block_m = min(triton.next_power_of_2(span), 128 if interpreting() else 16)
-        launch(_compress_chunk_kernel[(stop - first,)],
-               kv, score, ape, ring_kv, ring_score, table.contiguous(), dest, norm_weight, inv_freq.to(kv.device),
-               start, first, ratio, d, cd, rows, inv_freq.shape[0], eps, kv.stride(0), score.stride(0),
-               **record_args(record, dest), SPAN=span, OVERLAP=overlap, PER_BLOCK=dest.shape[1], BLOCK_M=block_m,
-               BLOCK_D=max(triton.next_power_of_2(d), 2))
+        launch(_compress_chunk_kernel[(stop - first,)], runtime, table.contiguous(), inv_freq.to(kv.device),
+               inv_freq.shape[0], start, first, **consts)
+    rows, cd = ring_kv.shape[0], kv.shape[1]
     keep = min(n, rows)
     launch(_keep_pending_kernel[(keep,)], kv, score, ape, ring_kv, ring_score, start, n, keep, ratio, cd, rows,
-           kv.stride(0), score.stride(0), BLOCK_CD=triton.next_power_of_2(cd))
+           kv.stride(0), score.stride(0), BLOCK_CD=block_cd)

@@ -86,12 +86,13 @@ class Attention(nn.Module):
             # FP8 keys: this step's keys are rounded as they will be stored, so a key read back from
             # the cache later (a prefix hit, the next chunk) equals the one used now.
             kv = k.round_keys(kv, record)
+        compressions = self._compressions(of_x, layer_kv, record)
         if batch.only_decodes:
             # All of the layer's writes in one call, before anything reads them (decode_writes.py).
-            k.write_decode_step(layer_kv.window, kv, batch, record, self._decode_compressions(of_x, layer_kv, record),
-                                rotary.inv_freq)
+            k.write_decode_step(layer_kv.window, kv, batch, record, compressions, rotary.inv_freq)
         else:
-            self._compress_all(of_x, meta, batch, layer_kv, rotary, record)
+            for c in compressions:
+                self._compress(c, meta, batch, rotary)
         topk = None
         if self.indexer is not None:
             assert layer_kv.index_keys is not None
@@ -109,54 +110,43 @@ class Attention(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     # ---- compressed entries ----------------------------------------------------------------------------
-    def _compressors(self, layer_kv: LayerKV) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """This layer's compressors, each with its pending rings and destination."""
-        out = []
+    def _compressions(self, of_x: dict[nn.Linear, torch.Tensor], layer_kv: LayerKV,
+                      record: Record | None) -> list[Compression]:
+        """This layer's compressors with their step rows, pending rings and destination: its own
+        (entries; FP8 records under `record`) and its indexer's (indexer keys)."""
+        parts = []
         if self.compressor is not None:
             assert layer_kv.entries is not None and layer_kv.pending_kv is not None
-            out.append((self.compressor, layer_kv.pending_kv, layer_kv.pending_score, layer_kv.entries))
+            parts.append(self._compression(self.compressor, of_x, layer_kv.pending_kv, layer_kv.pending_score,
+                                           layer_kv.entries, record))
         if self.indexer is not None:
             assert layer_kv.index_keys is not None and layer_kv.index_pending_kv is not None
-            out.append((self.indexer.compressor, layer_kv.index_pending_kv, layer_kv.index_pending_score,
-                        layer_kv.index_keys))
-        return out
-
-    def _decode_compressions(self, of_x: dict[nn.Linear, torch.Tensor], layer_kv: LayerKV,
-                             record: Record | None) -> list[Compression]:
-        """The compressors' parts of a decode-only step's writes (FP8 records for the main one only)."""
-        parts = []
-        for compressor, pending_kv, pending_score, dest in self._compressors(layer_kv):
-            comp_kv, comp_score = compressor.project(of_x)
-            parts.append(Compression(comp_kv, comp_score, pending_kv, pending_score, dest, compressor.ratio,
-                                     compressor.overlap, compressor.norm.weight, compressor.norm.eps, compressor.ape,
-                                     record if compressor is self.compressor else None))
+            parts.append(self._compression(self.indexer.compressor, of_x, layer_kv.index_pending_kv,
+                                           layer_kv.index_pending_score, layer_kv.index_keys, None))
         return parts
 
-    def _compress_all(self, of_x: dict[nn.Linear, torch.Tensor], meta: AttentionMetadata, batch: RaggedBatch,
-                      layer_kv: LayerKV, rotary: Rotary, record: Record | None) -> None:
-        for compressor, pending_kv, pending_score, dest in self._compressors(layer_kv):
-            self._compress(compressor, of_x, meta, batch, pending_kv, pending_score, dest, rotary,
-                           record if compressor is self.compressor else None)
-
-    def _compress(self, compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], meta: AttentionMetadata,
-                  batch: RaggedBatch, pending_kv: torch.Tensor, pending_score: torch.Tensor,
-                  dest: torch.Tensor, rotary: Rotary, record: Record | None) -> None:
-        """Feed this step's rows to a compressor and write the entries they finish to the Block Cache
-        (`dest`: CSA/HCA entries, FP8 records under `record`, or indexer keys) before attention reads them."""
+    @staticmethod
+    def _compression(compressor: Compressor, of_x: dict[nn.Linear, torch.Tensor], pending_kv: torch.Tensor,
+                     pending_score: torch.Tensor, dest: torch.Tensor, record: Record | None) -> Compression:
         comp_kv, comp_score = compressor.project(of_x)
+        return Compression(comp_kv, comp_score, pending_kv, pending_score, dest, compressor.ratio, compressor.overlap,
+                           compressor.norm.weight, compressor.norm.eps, compressor.ape, record)
+
+    def _compress(self, c: Compression, meta: AttentionMetadata, batch: RaggedBatch, rotary: Rotary) -> None:
+        """Feed a step with prefill chunks to a compressor: its decodes' rows, then each chunk; the
+        entries they finish go to the Block Cache before attention reads them."""
         dec = batch.decodes
         if dec.seqs:
-            self.kernels.compress_decodes(batch.decode_rows(comp_kv), batch.decode_rows(comp_score), pending_kv,
-                                          pending_score, dec.slots, dec.positions, dec.frozen_until, dec.tables,
-                                          dest, compressor.ratio, compressor.overlap, compressor.norm.weight,
-                                          compressor.norm.eps, rotary.inv_freq, compressor.ape, record)
+            self.kernels.compress_decodes(batch.decode_rows(c.kv), batch.decode_rows(c.score), c.ring_kv,
+                                          c.ring_score, dec.slots, dec.positions, dec.frozen_until, dec.tables,
+                                          c.dest, c.ratio, c.overlap, c.norm_weight, c.eps, rotary.inv_freq, c.ape,
+                                          c.record)
         for b, seq in enumerate(meta.seqs):
             if seq.num_new > 1:
                 rows = slice(seq.offset, seq.offset + seq.num_new)
-                self.kernels.compress_chunk(comp_kv[rows], comp_score[rows], pending_kv[seq.slot],
-                                            pending_score[seq.slot], seq.start, seq.frozen_until, batch.tables[b],
-                                            dest, compressor.ratio, compressor.overlap, compressor.norm.weight,
-                                            compressor.norm.eps, rotary.inv_freq, compressor.ape, record)
+                self.kernels.compress_chunk(c.kv[rows], c.score[rows], c.ring_kv[seq.slot], c.ring_score[seq.slot],
+                                            seq.start, seq.frozen_until, batch.tables[b], c.dest, c.ratio, c.overlap,
+                                            c.norm_weight, c.eps, rotary.inv_freq, c.ape, c.record)
 
     def _select(self, index_q: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, batch: RaggedBatch,
                 index_keys: torch.Tensor) -> torch.Tensor:
