@@ -8,13 +8,17 @@ from __future__ import annotations
 import functools
 import json
 import re
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from v4serve.engine.model import loader
+from v4serve.engine.model import loader, ranks
 from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
 from v4serve.engine.model.loader import CheckpointError
 from v4serve.engine.model.model import DeepseekV4
@@ -62,10 +66,36 @@ def case_of(folders: dict[str, Path], name: str, ep: bool, packed: bool) -> Sequ
     return SequenceCase(str(folders[name]), ep, packed, PROMPT, CHUNK, DECODES)
 
 
+@contextmanager
+def squatted_port() -> Iterator[int]:
+    """A loopback port another process already listens on (and answers garbage on): what a port
+    chosen for a rendezvous and bound only later becomes when something else takes it in between."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = squatter.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        yield squatter.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(folders: dict[str, Path]) -> dict[tuple[str, bool, bool], SequenceResult]:
-    """Every case on two ranks, in one spawn."""
-    results = run_on_ranks([case_of(folders, *case) for case in CASES], RANKS)
+    """Every case on two ranks, in one spawn. The launcher once picked a free port, released it and
+    had rank 0 bind it; on a busy machine another process took it first and the ranks aborted
+    (SIGABRT in the rendezvous). Handing that launcher a taken port reproduces it; the ranks now meet
+    through a store bound to a port the OS assigns while binding, so nothing can take it."""
+    with squatted_port() as taken, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ranks, "free_port", lambda: taken, raising=False)
+        results = run_on_ranks([case_of(folders, *case) for case in CASES], RANKS)
     return dict(zip(CASES, results, strict=True))
 
 

@@ -150,12 +150,6 @@ class Traffic:
 TRAFFIC = Traffic()
 
 
-def init_process_group(parallel: ParallelConfig, init_method: str, device: torch.device | str = "cpu") -> None:
-    """Join the ranks' default group: NCCL on CUDA, gloo elsewhere."""
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=parallel.rank, world_size=parallel.size)
-
-
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Partial sums [..] of every rank → their sum, added in fp32, returned in x's dtype."""
     total = x.float() if x.dtype != torch.float32 else x.contiguous()
@@ -186,15 +180,6 @@ def gather_vocab(logits: torch.Tensor, vocab: int, chunk: int) -> torch.Tensor:
     TRAFFIC.calls += 1
     dist.all_gather(parts, padded.contiguous())
     return torch.cat(parts, dim=1)[:, :vocab]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on now (for the ranks' rendezvous)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_threads(ranks: int) -> int:

@@ -1,9 +1,12 @@
 """Run one sequence on N ranks, each holding its shard of a checkpoint: the simplest driver of the
 parallel model (tests, benchmarks), as `single.SingleSequence` is of the single-process one.
 
-`run_on_ranks` spawns N processes (torch.multiprocessing, gloo over TCP on 127.0.0.1, a free port),
-each loading its shard and running the same steps through `SingleSequence` with the same metadata;
-rank 0's results come back. Several cases share one spawn: starting ranks costs seconds.
+`run_on_ranks` spawns N processes (torch.multiprocessing, gloo over TCP on 127.0.0.1), each loading
+its shard and running the same steps through `SingleSequence` with the same metadata; rank 0's
+results come back. Several cases share one spawn: starting ranks costs seconds. The ranks meet
+through a store the parent hosts on a port the OS gives it while binding: a port chosen first and
+bound later can be taken in between by any other process (a loaded CI machine does it), and the
+ranks then abort in their rendezvous.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hashlib
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,7 +24,7 @@ import torch.multiprocessing as mp
 
 from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.packed import resident_bytes
-from v4serve.engine.model.parallel import TRAFFIC, ParallelConfig, default_threads, free_port, init_process_group
+from v4serve.engine.model.parallel import TRAFFIC, ParallelConfig, default_threads
 from v4serve.engine.model.single import SingleSequence
 from v4serve.kernels.registry import load_kernels
 
@@ -82,16 +86,22 @@ def _kv_digest(seq: SingleSequence) -> str:
 def run_on_ranks(cases: list[SequenceCase], ranks: int, threads: int | None = None) -> list[SequenceResult]:
     """Each case on `ranks` processes (tensor parallel size `ranks`); rank 0's results, with every
     rank's resident bytes."""
+    store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False, timeout=RENDEZVOUS)
     with tempfile.TemporaryDirectory(prefix="v4serve-ranks-") as tmp:
         out = Path(tmp) / "results.pt"
-        mp.spawn(_rank_main, args=(ranks, free_port(), cases, str(out), threads or default_threads(ranks)),
+        mp.spawn(_rank_main, args=(ranks, store.port, cases, str(out), threads or default_threads(ranks)),
                  nprocs=ranks, join=True)
         return torch.load(out, weights_only=False)
 
 
+# Generous: under heavy load starting a rank (importing torch) takes long, and a short limit is a flake.
+RENDEZVOUS = timedelta(minutes=10)
+
+
 def _rank_main(rank: int, ranks: int, port: int, cases: list[SequenceCase], out: str, threads: int) -> None:
     torch.set_num_threads(threads)
-    init_process_group(ParallelConfig(ranks, rank=rank), f"tcp://127.0.0.1:{port}")
+    store = dist.TCPStore("127.0.0.1", port, ranks, is_master=False, timeout=RENDEZVOUS)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=RENDEZVOUS)
     try:
         results = []
         for case in cases:
