@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
+from v4serve.engine.model.checkpoint_files import read_config_json  # noqa: E402
 from v4serve.engine.model.config import ModelConfig  # noqa: E402
-from v4serve.engine.model.loader import read_config_json  # noqa: E402
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.packed import resident_bytes  # noqa: E402
 from v4serve.engine.model.single import SingleSequence  # noqa: E402

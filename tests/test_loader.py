@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from v4serve.engine.model import loader
-from v4serve.engine.model.loader import CheckpointError, load_checkpoint, official_name, read_config_json
+from v4serve.engine.model.checkpoint_files import CheckpointError, read_config_json
+from v4serve.engine.model.checkpoint_layout import official_name
+from v4serve.engine.model.loader import load_checkpoint
 from v4serve.engine.model.quant import FP4_E2M1_VALUES, quantize_fp4_packed, quantize_fp8_block
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tests.daemon import start_daemon
 from v4serve.engine.engine import kv_namespace
-from v4serve.engine.model import loader
+from v4serve.engine.model import checkpoint_files, checkpoint_layout, loader
 from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
 from v4serve.engine.model.packed import packed_count, resident_bytes, weight_of
 from v4serve.engine.model.single import SingleSequence
@@ -123,7 +123,7 @@ def test_fp32_scales_and_transformers_names_stay_packed(tmp_path: Path) -> None:
     folder.mkdir()
     save_file(renamed, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(model.cfg.to_official_dict()))
-    formats = loader.packed_formats(folder)
+    formats = checkpoint_layout.packed_formats(folder)
     assert formats["layers.2.ffn.experts.3.w3.weight"].scale == "fp32"
     packed = load_model(folder, packed=True, progress=False)
     assert packed.layers[2].ffn.formats == {"w1": "fp8", "w2": "fp8", "w3": "fp8"}
@@ -134,8 +134,8 @@ def test_fp32_scales_and_transformers_names_stay_packed(tmp_path: Path) -> None:
 
 def test_the_loader_streams_one_tensor_at_a_time(quantized: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     reads = []
-    original = loader._Handles.read
-    monkeypatch.setattr(loader._Handles, "read", lambda self, entry, expert=None: (
+    original = checkpoint_files.Handles.read
+    monkeypatch.setattr(checkpoint_files.Handles, "read", lambda self, entry, expert=None: (
         reads.append(entry.key), original(self, entry, expert))[1])
     model = build_tiny()
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

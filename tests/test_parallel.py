@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from v4serve.engine.model import loader, ranks
+from v4serve.engine.model import checkpoint_files, ranks
 from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
-from v4serve.engine.model.loader import CheckpointError
+from v4serve.engine.model.checkpoint_files import CheckpointError
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
 from v4serve.engine.model.parallel import ParallelConfig
@@ -211,7 +211,7 @@ def test_a_rank_reads_only_its_slices(folders, monkeypatch) -> None:
     """Split tensors are read through `get_slice`, never whole; a rank reads about its own bytes."""
     whole_reads: list[str] = []
     sliced_bytes = [0]
-    read, read_region = loader._Handles.read, loader._Handles.read_region
+    read, read_region = checkpoint_files.Handles.read, checkpoint_files.Handles.read_region
 
     def spy_read(self, entry, expert=None):
         whole_reads.append(entry.key)
@@ -222,8 +222,8 @@ def test_a_rank_reads_only_its_slices(folders, monkeypatch) -> None:
         sliced_bytes[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    monkeypatch.setattr(loader._Handles, "read", spy_read)
-    monkeypatch.setattr(loader._Handles, "read_region", spy_region)
+    monkeypatch.setattr(checkpoint_files.Handles, "read", spy_read)
+    monkeypatch.setattr(checkpoint_files.Handles, "read_region", spy_region)
     model = load_model(folders["tiny"], progress=False, parallel=ParallelConfig(RANKS, False, 1))
     split = re.compile(r"\.(?:wq_b|wo_a|wo_b|weights_proj|w[123])\.weight$|attn_sink$|^(?:embed|head)\.weight$")
     assert whole_reads and not [k for k in whole_reads if split.search(k)]
@@ -255,8 +255,8 @@ def test_an_fp8_shard_that_would_split_a_scale_block_is_refused_before_reading(t
     """The tiny model's wo_a has 2 groups of 64 rows: at TP 2 a rank's 64 rows are half a 128-row block."""
     folder = write_checkpoint(build_tiny(), tmp_path, quantize="fp8")
     reads: list[str] = []
-    monkeypatch.setattr(loader._Handles, "read", lambda self, entry, expert=None: reads.append(entry.key))
-    monkeypatch.setattr(loader._Handles, "read_region", lambda self, entry, *a: reads.append(entry.key))
+    monkeypatch.setattr(checkpoint_files.Handles, "read", lambda self, entry, expert=None: reads.append(entry.key))
+    monkeypatch.setattr(checkpoint_files.Handles, "read_region", lambda self, entry, *a: reads.append(entry.key))
     for packed in (True, False):
         with pytest.raises(CheckpointError, match=r"attn\.wo_a\.weight: this rank's rows \[64, 128\) .* would "
                                                   r"split an FP8 128x128 scale block"):

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.daemon import ROOT
-from v4serve.engine.model import loader
+from v4serve.engine.model import checkpoint_files
 from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.plan import (
     GIB,
@@ -399,7 +399,7 @@ def test_serve_refuses_a_model_too_big_before_reading_weights(flash_folder, monk
     def no_reading(*_args, **_kwargs):
         raise AssertionError("tensor data was read")
 
-    monkeypatch.setattr(loader._Handles, "read", no_reading)
+    monkeypatch.setattr(checkpoint_files.Handles, "read", no_reading)
     monkeypatch.setattr(model_loading, "load_model", no_reading)
     with pytest.raises(ValueError, match="does not fit") as err:
         model_loading.load_ranks(ServeConfig(model=str(flash_folder), device="cpu"))

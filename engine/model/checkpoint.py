@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from v4serve.engine.model.checkpoint_files import read_config_json
+from v4serve.engine.model.checkpoint_layout import packed_formats
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.loader import packed_formats, read_config_json, stream_checkpoint
+from v4serve.engine.model.loader import stream_checkpoint
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import pack_model, resident_bytes
 from v4serve.engine.model.parallel import ParallelConfig, RankShard, local

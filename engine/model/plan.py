@@ -606,7 +606,8 @@ def plan_preset(name: str, settings: PlanSettings) -> CapacityPlan:
 
 def plan_checkpoint(folder: str | Path, settings: PlanSettings) -> CapacityPlan:
     """From `config.json` and the safetensors headers; no tensor data is read."""
-    from v4serve.engine.model.loader import read_config_json, scan_headers  # torch: only for folders
+    from v4serve.engine.model.checkpoint_files import read_config_json  # torch: only for folders
+    from v4serve.engine.model.checkpoint_layout import scan_headers
 
     settings.check()
     cfg = ModelConfig.from_dict(read_config_json(folder))
