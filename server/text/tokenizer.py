@@ -78,17 +78,23 @@ class Tokenizer(Protocol):
     ``encode`` never adds BOS: prompt construction decides that. Special-token strings that
     appear in the text are mapped to their ids, because chat prompts are built as text.
 
-    ``token_bytes(i)`` is the exact byte string token ``i`` contributes to decoded output (a
-    special token contributes its UTF-8 spelling, or ``b""`` when ``skip_special_tokens``).
-    A streaming detokeniser concatenates these and only emits complete UTF-8 sequences, so a
-    multi-byte character split across tokens is never sent half-finished. Ids outside the
-    vocabulary contribute ``b""`` (a model's embedding table may be padded past the vocabulary).
+    ``token_bytes(i)`` is the byte string token ``i`` contributes to decoded output (a special
+    token contributes its UTF-8 spelling, or ``b""`` when ``skip_special_tokens``). Ids outside
+    the vocabulary contribute ``b""`` (a model's embedding table may be padded past the vocabulary).
+
+    ``exact_token_bytes`` says whether those bytes are exact: then the bytes of any id sequence,
+    concatenated, are the UTF-8 of ``decode`` (byte-level vocabularies), and a streaming detokeniser
+    joins them and emits complete UTF-8 sequences. Otherwise a token's text depends on its
+    neighbours (a leading space dropped at the start, ``##`` joins, byte tokens that only form a
+    character together): ``token_bytes`` is then the token's text in the middle of a sequence, fit
+    for logprobs and grammar masks, and streaming has to decode windows of ids instead.
     """
 
     vocab_size: int
     bos_token_id: int
     eos_token_id: int
     special_token_ids: frozenset[int]
+    exact_token_bytes: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -115,6 +121,7 @@ class ByteTokenizer:
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
+    exact_token_bytes: bool = True
 
     def __init__(self) -> None:
         self.special_tokens: tuple[str, ...] = BYTE_SPECIAL_TOKENS
@@ -176,15 +183,20 @@ def _build_byte_backend() -> _HFBackend:
     alphabet = bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)}
     vocab.update({alphabet[b]: BYTE_OFFSET + b for b in range(256)})
+    specials = [t for i, t in enumerate(BYTE_SPECIAL_TOKENS) if i in BYTE_SPECIAL_IDS]
+    return _byte_level_backend(vocab, specials, [DSML])
+
+
+def _byte_level_backend(vocab: dict[str, int], specials: Sequence[str], added: Sequence[str]) -> _HFBackend:
+    """A merge-less byte-level BPE over ``vocab``; ``specials`` and ``added`` must already be keys of it."""
     backend = _HFBackend(models.BPE(vocab=vocab, merges=[]))
     # use_regex=False: no word splitting, every byte stays its own token exactly as in
     # ByteTokenizer (with no merges the split would not change ids, but it keeps the file honest).
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    # The specials already have ids in the model vocabulary, so registering them reuses those ids.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for i, t in enumerate(BYTE_SPECIAL_TOKENS) if i in BYTE_SPECIAL_IDS])
-    backend.add_tokens([AddedToken(DSML, special=False, normalized=False)])
+    # The added tokens already have ids in the model vocabulary, so registering them reuses those ids.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return backend
 
 
@@ -215,14 +227,26 @@ class HFTokenizer:
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.path = Path(directory)
-        self._backend = _HFBackend.from_file(str(self.path / "tokenizer.json"))
+        document = (self.path / "tokenizer.json").read_text(encoding="utf-8")
+        self._backend = _HFBackend.from_str(document)
         self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
         added = self._backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._added = added
         self._added_bytes = {i: t.content.encode("utf-8") for i, t in added.items()}
-        self._byte_level = _decoder_is_byte_level(self._backend)
+        # The decoder is read from the file as JSON rather than asked of the backend object, whose
+        # Python bindings need not describe every decoder: an unknown one only costs the fast path.
+        decoder = _decoder_section(document)
+        self.exact_token_bytes: bool = _is_byte_level(decoder)
+        types = _decoder_types(decoder)
+        # Pieces spelled in the byte alphabet (ByteLevel) or as <0xXX> (ByteFallback) stand for
+        # bytes, whatever else the decoder does with the joined text.
+        self._byte_pieces = "ByteLevel" in types
+        self._byte_fallback = "ByteFallback" in types
         self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
         self._bytes_cache: dict[int, bytes] = {}
+        self._anchor: int | None = None if self.exact_token_bytes else self._find_anchor()
+        self._grammar_json: str | None = None
         self.bos_token_id, self.eos_token_id = self._read_bos_eos()
 
     def encode(self, text: str) -> list[int]:
@@ -244,7 +268,14 @@ class HFTokenizer:
         return self._backend.token_to_id(token)
 
     def vocabulary_json(self) -> str:
-        return self._backend.to_str()
+        if self.exact_token_bytes:
+            return self._backend.to_str()
+        # Grammar engines (llguidance) read token bytes out of a byte-level or byte-fallback
+        # tokenizer.json and refuse any other decoder, so they get the same vocabulary spelled
+        # byte-level, each token as the bytes `token_bytes` gives it.
+        if self._grammar_json is None:
+            self._grammar_json = self._byte_level_twin().to_str()
+        return self._grammar_json
 
     def _compute_token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added_bytes:
@@ -252,15 +283,50 @@ class HFTokenizer:
         piece = self._backend.id_to_token(token_id)
         if piece is None:
             return b""
-        if self._byte_level:
+        if self._byte_pieces:
             # Same rule as the ByteLevel decoder: a piece spelled entirely in the byte alphabet
             # stands for those bytes, anything else for its own UTF-8.
             if all(c in self._byte_decoder for c in piece):
                 return bytes(self._byte_decoder[c] for c in piece)
             return piece.encode("utf-8")
-        # Non-byte-level vocabularies cannot always express partial characters; the single-token
-        # decode is the best available and is exact for whole-character tokens.
-        return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        raw = _fallback_byte(piece) if self._byte_fallback else None
+        if raw is not None:
+            return raw
+        return self._text_after_anchor(token_id).encode("utf-8")
+
+    def _text_after_anchor(self, token_id: int) -> str:
+        # Decoded alone, a token is the first of its text and may lose what it carries mid-text
+        # (Metaspace's and Strip's leading space); after a plain word it shows that too.
+        if self._anchor is None:
+            return self.decode([token_id])
+        head = self.decode([self._anchor])
+        both = self.decode([self._anchor, token_id])
+        return both[len(head):] if both.startswith(head) else self.decode([token_id])
+
+    def _find_anchor(self, limit: int = 4096) -> int | None:
+        """A token that decodes to a plain ASCII word wherever it stands, to put other tokens after."""
+        for token_id in range(min(limit, self.vocab_size)):
+            if token_id in self._added:
+                continue
+            text = self.decode([token_id])
+            if text.isascii() and text.isalnum() and self.decode([token_id, token_id]).startswith(text):
+                return token_id
+        return None
+
+    def _byte_level_twin(self) -> _HFBackend:
+        alphabet = bytes_to_unicode()
+        size = max(self._backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        vocab = {t.content: i for i, t in self._added.items()}
+        for token_id in range(size):
+            if token_id in self._added:
+                continue
+            spelled = "".join(alphabet[b] for b in self.token_bytes(token_id))
+            # A placeholder with a space (outside the byte alphabet) keeps ids dense and gives the
+            # token no bytes: a duplicate or empty spelling cannot be matched by a grammar.
+            vocab[spelled if spelled and spelled not in vocab else f"<unused {token_id}>"] = token_id
+        specials = [t.content for t in self._added.values() if t.special]
+        added = [t.content for t in self._added.values() if not t.special]
+        return _byte_level_backend(vocab, specials, added)
 
     def _read_bos_eos(self) -> tuple[int, int]:
         bos = eos = None
@@ -283,14 +349,45 @@ class HFTokenizer:
         return self._backend.token_to_id(entry)
 
 
-def _decoder_is_byte_level(backend: _HFBackend) -> bool:
-    decoder = backend.decoder
-    if decoder is None:
+_FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _fallback_byte(piece: str) -> bytes | None:
+    """The byte a ByteFallback token such as ``<0xE2>`` stands for, or None for any other piece."""
+    match = _FALLBACK_BYTE.fullmatch(piece)
+    return bytes.fromhex(match.group(1)) if match else None
+
+
+def _decoder_section(document: str) -> Any:
+    try:
+        return json.loads(document).get("decoder")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _decoder_types(decoder: Any) -> list[str]:
+    """Every decoder type named in a decoder section, nested Sequences included."""
+    if not isinstance(decoder, dict):
+        return []
+    types = [str(decoder.get("type"))]
+    parts = decoder.get("decoders")
+    for part in parts if isinstance(parts, list) else []:
+        types += _decoder_types(part)
+    return types
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    # Only a lone ByteLevel maps each token to bytes independently of its neighbours; any other
+    # decoder next to it in a Sequence (even a second ByteLevel) sees the joined text and may
+    # change it, so that case takes the general path.
+    if not isinstance(decoder, dict):
         return False
-    state = json.loads(decoder.__getstate__())
-    if state.get("type") == "ByteLevel":
+    if decoder.get("type") == "ByteLevel":
         return True
-    return any(d.get("type") == "ByteLevel" for d in state.get("decoders", []))
+    parts = decoder.get("decoders")
+    if decoder.get("type") != "Sequence" or not isinstance(parts, list):
+        return False
+    return len(parts) == 1 and _is_byte_level(parts[0])
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
