@@ -34,8 +34,9 @@ from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa
 from v4serve.engine.model.parallel import ParallelConfig  # noqa: E402
 from v4serve.engine.model.ranks import SequenceCase, run_on_ranks, run_sequence  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
-from v4serve.engine.rank_group import RankGroup, StepPlan  # noqa: E402
+from v4serve.engine.process.rank_group import RankGroup  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
+from v4serve.engine.step_plan import StepPlan  # noqa: E402
 from v4serve.server.cli import _parse_override  # noqa: E402
 from v4serve.server.config import ServeConfig  # noqa: E402
 from v4serve.server.model_loading import load  # noqa: E402

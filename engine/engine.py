@@ -22,11 +22,11 @@ from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
-from v4serve.engine.rank_group import KVShape, MirroredDeviceKV, RankGroup, StepPlan, kv_digest, step_threads
-from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus
-from v4serve.engine.sampler import Sample, Sampler
+from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
+from v4serve.engine.sampler import Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.stats import EngineStats
+from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, Ranks, StepPlan, kv_digest, step_threads
 from v4serve.engine.structured import Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
 
@@ -110,7 +110,7 @@ def key_record(cfg: ModelConfig, kv_dtype: torch.dtype, kv_cache_dtype: str) -> 
 
 class LLMEngine:
     def __init__(self, model: DeepseekV4, config: EngineConfig, eos_token_id: int | None = None,
-                 ranks: RankGroup | None = None) -> None:
+                 ranks: Ranks | None = None) -> None:
         """`ranks`: under tensor/expert parallelism, the other ranks this engine (rank 0) drives;
         `model` is then rank 0's shard."""
         self.model = model

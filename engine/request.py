@@ -6,13 +6,13 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import RequestKV
 
 if TYPE_CHECKING:
-    from v4serve.engine.structured import RequestGrammar
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +38,32 @@ class GrammarSpec:
     param: str  # the request field it came from, for errors
     # Thinking mode: the grammar applies only after this token (`</think>`) has been generated.
     after_token: int | None = None
+
+
+@dataclass
+class Sample:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top `logprobs` alternatives, best first
+
+
+class TokenGrammar(Protocol):
+    """One request's place in its grammar, as the sampler and the engine use it (built from a
+    `GrammarSpec` by `engine.structured`, which imports this module, not the other way round)."""
+
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (in thinking mode, only after `</think>`)."""
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended: the request is complete."""
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set every token the grammar does not allow next to −inf."""
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token (RequestError if the grammar forbids it)."""
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -93,7 +119,7 @@ class Request:
     num_preemptions: int = 0
     # One entry per prompt token from the second on (the first has none), when asked for.
     prompt_logprobs: list = field(default_factory=lambda: [None])
-    grammar: RequestGrammar | None = None  # its matcher, when sampling.grammar is set
+    grammar: TokenGrammar | None = None  # its matcher, when sampling.grammar is set
     first_token_time: float | None = None
     finish_reason: str | None = None
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from v4serve.engine.client import Sample
-from v4serve.engine.request import Request, SamplingParams
+from v4serve.engine.request import Request, Sample, SamplingParams
 
 
 class NonFiniteLogits(ValueError):

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from v4serve.engine.client import EngineClient
+from v4serve.engine.process.client import EngineClient
 from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
 from v4serve.server.chat import chat_completions
 from v4serve.server.completions import completions

@@ -128,7 +128,7 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[st
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from v4serve.engine.core_client import EngineStartupError
+    from v4serve.engine.process.core_client import EngineStartupError
     from v4serve.server.config import check_parallel_flags, launched_rank
     from v4serve.server.serve import EngineFailed, ServeConfig, run
 

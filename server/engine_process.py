@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from v4serve.engine.ipc import CoreAddresses
+from v4serve.engine.process.ipc import CoreAddresses
 from v4serve.server.config import LOG_FORMAT, ServeConfig
 
 
@@ -23,7 +23,7 @@ class EngineSpec:
 
 def main(spec: EngineSpec, addresses: CoreAddresses, parent_pid: int) -> None:
     logging.basicConfig(level=spec.serve.log_level.upper(), format=LOG_FORMAT)
-    from v4serve.engine.core import run_engine_core
+    from v4serve.engine.process.core import run_engine_core
     from v4serve.server.model_loading import build_engine
 
     sys.exit(run_engine_core(lambda: build_engine(spec.serve, spec.tokenizer_json, spec.eos_token_id),

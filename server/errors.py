@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from v4serve.engine.client import EngineDead, EngineOverloaded
+from v4serve.engine.process.client import EngineDead, EngineOverloaded
 from v4serve.engine.request import RequestError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
-from v4serve.engine.client import EngineClient, TokenOutput
+from v4serve.engine.process.client import EngineClient, TokenOutput
 from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
 from v4serve.server.config import DEFAULT_MAX_REQUEST_BYTES

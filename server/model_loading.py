@@ -24,7 +24,7 @@ from v4serve.engine.model.parallel import ParallelConfig, default_threads
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
 from v4serve.engine.model.resident import resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
-from v4serve.engine.rank_group import STEP_TIMEOUT, RankGroup, local_device, worker_loop
+from v4serve.engine.process.rank_group import STEP_TIMEOUT, RankGroup, local_device, worker_loop
 from v4serve.kernels.registry import load_kernels, resolve_backend
 from v4serve.server.config import DEFAULT_STORE_BYTES, LaunchedRank, ServeConfig, default_store_dir, launched_rank
 
@@ -90,7 +90,7 @@ def run_worker_rank(cfg: ServeConfig, launched: LaunchedRank) -> int:
     rank 0 sends. Returns the exit status."""
     import torch.distributed as dist
 
-    from v4serve.engine.core import setup_subordinate
+    from v4serve.engine.process.lifecycle import setup_subordinate
 
     setup_subordinate(f"v4serve-rank{launched.rank}")  # rank 0 stops gracefully, then tells the others
     if cfg.model == "tiny":

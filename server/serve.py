@@ -18,8 +18,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from v4serve.engine.client import EngineClient
-from v4serve.engine.core_client import EngineCoreClient
+from v4serve.engine.process.client import EngineClient
+from v4serve.engine.process.core_client import EngineCoreClient
 from v4serve.server.app import build_app
 from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig, check_parallel_flags, launched_rank
 from v4serve.server.engine_process import EngineSpec, main
@@ -53,7 +53,7 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
     """The engine (loaded and ready) and what it reports of itself."""
     check_parallel_flags(cfg, launched_rank())
     if cfg.engine_in_process:
-        from v4serve.engine.async_engine import AsyncEngine
+        from v4serve.engine.process.async_engine import AsyncEngine
         from v4serve.server.model_loading import build_engine
 
         engine, info = build_engine(cfg, tokenizer.vocabulary_json(), tokenizer.eos_token_id)

@@ -17,7 +17,7 @@ from typing import IO
 
 import httpx
 
-from v4serve.engine.client import EngineClient
+from v4serve.engine.process.client import EngineClient
 from v4serve.server.serve import ServeConfig, build
 
 ROOT = Path(__file__).resolve().parents[1]

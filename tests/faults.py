@@ -54,7 +54,7 @@ def exit_while_loading(spec: object, addresses: object, parent_pid: int) -> None
 
 
 def shard_failing_on_rank_1(parallel: object, local_rank: int) -> object:
-    """A rank's loader (engine.rank_group.LoadShard) whose rank 1 raises, as on a bad shard."""
+    """A rank's loader (engine.process.rank_group.LoadShard) whose rank 1 raises, as on a bad shard."""
     if parallel.rank == 1:  # type: ignore[attr-defined]
         raise ValueError("injected: rank 1 cannot read its shard")
     return _tiny_shard(parallel, local_rank)

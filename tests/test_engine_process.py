@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from tests.daemon import ROOT, Daemon, start_daemon
-from v4serve.engine.core_client import EngineCoreClient, EngineStartupError
-from v4serve.engine.ipc import PROCESS_NAME
+from v4serve.engine.process.core_client import EngineCoreClient, EngineStartupError
+from v4serve.engine.process.ipc import PROCESS_NAME
 
 ENDLESS = {"prompt": "a stream that outlives its engine", "max_tokens": 20000, "ignore_eos": True, "stream": True}
 

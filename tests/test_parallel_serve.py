@@ -261,7 +261,7 @@ STARTUP_SCRIPT = """
 import sys, torch
 from tests import faults
 from v4serve.engine.model.parallel import ParallelConfig
-from v4serve.engine.rank_group import RankGroup
+from v4serve.engine.process.rank_group import RankGroup
 RankGroup.spawn(ParallelConfig(2), getattr(faults, sys.argv[1]), torch.device("cpu"))
 print("started")
 """

@@ -37,12 +37,12 @@ Partial sums are all-reduced in fp32 (bf16 partial sums would round once per ran
 all-reduce adds zeros to the one rank's rows that hold each id, exact in any dtype, so it runs in
 the model dtype.
 
-**How the engine drives the ranks** (engine/rank_group.py). One engine process per rank, in the
-default process group (the daemon spawns them on one node; `torchrun` starts them on several). Rank 0
-owns the scheduler, the KV manager (block pool, hash chain, State Cache slots), the SSD store and the
-sampler; worker ranks hold only a model shard and their own `DeviceKV`, and loop: receive a step, run
-it, repeat. Each step rank 0 broadcasts one small pickled `StepPlan` on a gloo group of its own,
-before any tensor collective of the step:
+**How the engine drives the ranks** (engine/process/rank_group.py, engine/step_plan.py). One engine
+process per rank, in the default process group (the daemon spawns them on one node; `torchrun`
+starts them on several). Rank 0 owns the scheduler, the KV manager (block pool, hash chain, State
+Cache slots), the SSD store and the sampler; worker ranks hold only a model shard and their own
+`DeviceKV`, and loop: receive a step, run it, repeat. Each step rank 0 broadcasts one small pickled
+`StepPlan` on a gloo group of its own, before any tensor collective of the step:
 
 1. the KV manager's device writes since the last step, in order, so every rank's `DeviceKV` stays
    bitwise identical to rank 0's: slot resets, snapshot restores and blocks read from the SSD store,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from v4serve.engine.client import Sample, TokenOutput
+from v4serve.engine.process.client import TokenOutput
+from v4serve.engine.request import Sample
 from v4serve.server.text.detokenizer import IncrementalDetokenizer
 from v4serve.server.text.tokenizer import Tokenizer
 from v4serve.server.text.tool_calls import ToolCallDelta, ToolCallParser

@@ -8,12 +8,11 @@ no torch, so neither does a front end that runs its engine in another process.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from v4serve.engine.request import GrammarSpec, Request, RequestLimits
+from v4serve.engine.request import GrammarSpec, Request, RequestLimits, Sample
 from v4serve.engine.stats import EngineStats
 
 
@@ -23,13 +22,6 @@ class EngineOverloaded(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine has stopped (an error, a dead process, or a shutdown)."""
-
-
-@dataclass
-class Sample:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top `logprobs` alternatives, best first
 
 
 @dataclass(frozen=True)
@@ -99,13 +91,3 @@ def check_requests(requests: list[Request], limits: RequestLimits, check_grammar
             check_grammar(r.sampling.grammar)
     if waiting + len(requests) > max_waiting:
         raise EngineOverloaded(f"{waiting} requests are already waiting")
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-        hint = " (the out-of-memory killer sends it too)" if -code == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exit status {code}"

@@ -28,7 +28,6 @@ which worker exited so it can report it and leave; workers leave when rank 0's p
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import multiprocessing
 import os
@@ -43,11 +42,10 @@ import torch
 import torch.distributed as dist
 
 from v4serve.cache.device_kv import DeviceKV
-from v4serve.cache.layout import KVLayout
-from v4serve.engine.client import describe_exit
-from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.parallel import ParallelConfig, default_threads
+from v4serve.engine.process.lifecycle import describe_exit, setup_subordinate
+from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, StepPlan, kv_digest, replay_writes
 
 log = logging.getLogger(__name__)
 
@@ -55,37 +53,12 @@ STARTUP_SECONDS = 600.0  # workers must join within this (importing torch and CU
 STEP_TIMEOUT = timedelta(minutes=10)  # one collective of a step; a longer wait means a rank is stuck
 IDLE_TIMEOUT = timedelta(days=365)  # the plans' group: workers wait there while the server is idle
 POLL_SECONDS = 0.5
-PARALLEL_STEP_TOKENS = 128  # steps with at least this many tokens use every intra-op CPU thread
 
 # A model shard for a rank: (parallel config, local rank) → the model, kernels chosen.
 LoadShard = Callable[[ParallelConfig, int], DeepseekV4]
 
 
-def step_threads(num_tokens: int, max_threads: int) -> int:
-    """CPU intra-op threads for a step: small (decode) steps run on one, the others would only spin
-    against the serving threads; large (prefill) steps use them all."""
-    return max_threads if num_tokens >= PARALLEL_STEP_TOKENS else 1
-
-
 # ---- what crosses from rank 0 ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """Enough for a worker to allocate a `DeviceKV` identical to rank 0's."""
-
-    layout: KVLayout
-    num_slots: int
-    num_blocks: int
-    dtype: torch.dtype
-
-
-@dataclass
-class StepPlan:
-    kv_writes: list[tuple[str, tuple[Any, ...]]]  # `MirroredDeviceKV` calls, in order
-    input_ids: list[int]
-    meta: AttentionMetadata
-    threads: int
 
 
 @dataclass
@@ -98,47 +71,6 @@ class DigestKV:
 @dataclass(frozen=True)
 class Stop:
     pass
-
-
-class MirroredDeviceKV(DeviceKV):
-    """Rank 0's DeviceKV: every write that does not come from the model (which every rank runs) is
-    also recorded, with its host data (snapshots are never changed in place; store blocks are copied
-    out of their larger buffer), for the next `StepPlan`. Recorded even when the write fails part-way,
-    so the ranks attempt the same writes."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.writes: list[tuple[str, tuple[Any, ...]]] = []
-
-    def clear_slot(self, slot: int) -> None:
-        self.writes.append(("clear_slot", (slot,)))
-        super().clear_slot(slot)
-
-    def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
-        self.writes.append(("write_slot", (slot, [t.to("cpu") for t in state])))
-        super().write_slot(slot, state)
-
-    def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
-        n = len(block_ids)  # `stacked` are views of a larger host matrix: send only these rows
-        self.writes.append(("install_blocks", (list(block_ids), [t[:n].to("cpu", copy=True) for t in stacked])))
-        super().install_blocks(block_ids, stacked)
-
-    def take_writes(self) -> list[tuple[str, tuple[Any, ...]]]:
-        writes, self.writes = self.writes, []
-        return writes
-
-
-def replay_writes(kv: DeviceKV, writes: list[tuple[str, tuple[Any, ...]]]) -> None:
-    for name, args in writes:
-        getattr(DeviceKV, name)(kv, *args)
-
-
-def kv_digest(kv: DeviceKV) -> str:
-    h = hashlib.sha256()
-    for layer in kv.layers:
-        for t in (*layer.slot_tensors(), *layer.block_tensors()):
-            h.update(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 # ---- rank 0 ----------------------------------------------------------------------------------------
@@ -321,8 +253,6 @@ def _wait_joined(store: Any, processes: list[Any]) -> None:
 def _spawned_worker(parallel: ParallelConfig, port: int, load_shard: LoadShard, device: torch.device, threads: int,
                     parent: int) -> None:
     """A worker this node's rank 0 started: joins through rank 0's store, leaves when rank 0 does."""
-    from v4serve.engine.core import setup_subordinate  # the engine core's helper; imported late (spawn)
-
     setup_subordinate(f"v4serve-rank{parallel.rank}")
     _exit_with_parent(parent)
     torch.set_num_threads(threads)

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from v4serve.engine.client import EngineDead, EngineOverloaded, TokenOutput, check_requests
 from v4serve.engine.engine import LLMEngine, RequestOutput
+from v4serve.engine.process.client import EngineDead, EngineOverloaded, TokenOutput, check_requests
 from v4serve.engine.request import Request, RequestError
 from v4serve.engine.stats import EngineStats
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from v4serve.engine.client import TokenOutput
+from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Request, RequestLimits, SamplingParams
 from v4serve.engine.stats import EngineStats
 

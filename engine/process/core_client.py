@@ -25,8 +25,8 @@ from typing import Any
 
 import zmq
 
-from v4serve.engine.client import EngineDead, TokenOutput, check_requests, describe_exit
-from v4serve.engine.ipc import (
+from v4serve.engine.process.client import EngineDead, TokenOutput, check_requests
+from v4serve.engine.process.ipc import (
     PROCESS_NAME,
     Abort,
     BeginShutdown,
@@ -42,6 +42,7 @@ from v4serve.engine.ipc import (
     Submit,
     WireRequest,
 )
+from v4serve.engine.process.lifecycle import describe_exit
 from v4serve.engine.request import GrammarSpec, Request, RequestLimits
 from v4serve.engine.stats import EngineStats
 from v4serve.engine.structured import Grammars, require

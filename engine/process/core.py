@@ -13,20 +13,18 @@ parent pid is watched every half second, while loading too.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from v4serve.engine.async_engine import AsyncEngine, TokenOutput
-from v4serve.engine.client import EngineDead
 from v4serve.engine.engine import LLMEngine
-from v4serve.engine.ipc import (
+from v4serve.engine.process.async_engine import AsyncEngine, TokenOutput
+from v4serve.engine.process.client import EngineDead
+from v4serve.engine.process.ipc import (
     PROCESS_NAME,
     Abort,
     BeginShutdown,
@@ -43,6 +41,7 @@ from v4serve.engine.ipc import (
     Submit,
     ToCore,
 )
+from v4serve.engine.process.lifecycle import setup_subordinate
 from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -118,24 +117,6 @@ def _watch_parent_while_loading(parent_pid: int, loaded: threading.Event) -> Non
     while not loaded.wait(POLL_SECONDS):
         if os.getppid() != parent_pid:  # nothing to save yet: leave at once
             os._exit(1)
-
-
-def setup_subordinate(name: str) -> None:
-    """Name this process and ignore SIGINT and SIGTERM: a terminal's Ctrl-C, a service manager or a
-    launcher reaches every process of the group at once, and the one in charge (the front end for
-    the engine process, rank 0 for the other ranks) decides when and in what order they stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    name_process(name)
-
-
-def name_process(name: str) -> None:
-    """Set the kernel's name of this process (Linux; elsewhere nothing happens)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 class EngineCore:

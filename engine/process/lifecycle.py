@@ -1,0 +1,36 @@
+"""How v4serve's processes are named, stop and are described when they exit: the engine-core
+process and the worker ranks are subordinates (the process in charge decides when they stop), and
+a child's exit status is reported in words."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+
+def setup_subordinate(name: str) -> None:
+    """Name this process and ignore SIGINT and SIGTERM: a terminal's Ctrl-C, a service manager or a
+    launcher reaches every process of the group at once, and the one in charge (the front end for
+    the engine process, rank 0 for the other ranks) decides when and in what order they stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    name_process(name)
+
+
+def name_process(name: str) -> None:
+    """Set the kernel's name of this process (Linux; elsewhere nothing happens)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        hint = " (the out-of-memory killer sends it too)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit status {code}"
