@@ -14,6 +14,8 @@ ring rows (2m with overlap, else m), r = rotary dims.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from v4serve.kernels.kv_fp8 import Record
@@ -37,14 +39,19 @@ def pool(win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor, rat
     return rope(pooled.reshape(-1, d), angles.cos(), angles.sin()).view(pooled.shape)
 
 
+Pooling = Callable[..., torch.Tensor]  # `pool`'s signature
+
+
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
-                     inv_freq: torch.Tensor, ape: torch.Tensor, record: Record | None = None) -> None:
+                     inv_freq: torch.Tensor, ape: torch.Tensor, record: Record | None = None,
+                     pooling: Pooling = pool) -> None:
     """kv, score [D, c·d] (the new rows, at `positions` [D]; score without the slot's position bias
     `ape` [m, c·d], added here); rings [S, R, c·d]; tables [D, nb] the
     sequences' block tables; dest [NB, P, d] entries (FP8 records under `record`) or indexer keys.
-    Entries below a sequence's `frozen_until` [D] are already cached and not written again."""
+    Entries below a sequence's `frozen_until` [D] are already cached and not written again.
+    `pooling`: `pool`, or `invariant.pool_entries` under --batch-invariant."""
     m = ratio
     score = score.float() + ape[positions % m].float()
     ring_write_batched(ring_kv, slots, positions, kv)
@@ -60,15 +67,15 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     win_kv = ring_read_batched(ring_kv, slot, pos).float().masked_fill(empty, 0.0)
     win_score = ring_read_batched(ring_score, slot, pos).float().masked_fill(empty, float("-inf"))
     n = len(which)
-    entries = pool(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1), entry[:, None], m,
-                   overlap, norm_weight, eps, inv_freq)[:, 0]
+    entries = pooling(win_kv.view(n, span // m, m, -1), win_score.view(n, span // m, m, -1), entry[:, None], m,
+                      overlap, norm_weight, eps, inv_freq)[:, 0]
     write_entries_batched(dest, tables[which], entry, entries, record)
 
 
 def compress_chunk(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                    start: int, frozen_until: int, table: torch.Tensor, dest: torch.Tensor, ratio: int,
                    overlap: bool, norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, ape: torch.Tensor,
-                   record: Record | None = None) -> None:
+                   record: Record | None = None, pooling: Pooling = pool) -> None:
     """kv, score [n, c·d]: one sequence's rows at positions [start, start + n) (score without the
     slot's position bias `ape`, added here); ring_* [R, c·d] its pending rings; table [nb] its block
     table; dest as for `compress_decodes`. Pools every entry the chunk completes (rows before
@@ -82,8 +89,8 @@ def compress_chunk(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
         rows_kv, rows_score = _window_rows(kv, score, ring_kv, ring_score, start, lo, stop * m)
         windows = rows_kv.shape[0] // m
         index = torch.arange(first, stop, device=kv.device)
-        entries = pool(rows_kv.view(1, windows, m, -1), rows_score.view(1, windows, m, -1), index, m, overlap,
-                       norm_weight, eps, inv_freq)[0]
+        entries = pooling(rows_kv.view(1, windows, m, -1), rows_score.view(1, windows, m, -1), index, m, overlap,
+                          norm_weight, eps, inv_freq)[0]
         write_entries_batched(dest, table[None].expand(len(index), -1), index, entries, record)
     ring_write(ring_kv, end, kv)
     ring_write(ring_score, end, score)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from v4serve.kernels.compressor import compress_decodes
+from v4serve.kernels.compressor import Pooling, compress_decodes, pool
 from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.paged import write_window
 
@@ -43,12 +43,14 @@ class Compression:
 
 
 def write_decode_step(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, record: Record | None,
-                      compressions: Sequence[Compression], inv_freq: torch.Tensor) -> None:
+                      compressions: Sequence[Compression], inv_freq: torch.Tensor, pooling: Pooling = pool) -> None:
     """ring [S, W, d] ← kv [D, d] (FP8 records under `record`); then each of `compressions` (at
-    most two: a layer's main compressor and its indexer's) for the batch's decodes."""
+    most two: a layer's main compressor and its indexer's) for the batch's decodes (`pooling` as
+    for `compress_decodes`)."""
     assert batch.only_decodes, "a step with prefill chunks writes its window after attention"
     write_window(ring, kv, batch, record)
     dec = batch.decodes
     for c in compressions:
         compress_decodes(c.kv, c.score, c.ring_kv, c.ring_score, dec.slots, dec.positions, dec.frozen_until,
-                         dec.tables, c.dest, c.ratio, c.overlap, c.norm_weight, c.eps, inv_freq, c.ape, c.record)
+                         dec.tables, c.dest, c.ratio, c.overlap, c.norm_weight, c.eps, inv_freq, c.ape, c.record,
+                         pooling)

@@ -26,7 +26,20 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
 
 def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = False) -> torch.Tensor:
     """scores [R, n] (−inf past each row's count), counts [R], k ≤ n → the k best entries of each
-    row [R, k] as a set (here in score order), −1 where a row sees fewer than k. `full` promises
-    that every row sees at least k (the caller knows it on the host), so nothing needs masking."""
-    top = scores.topk(k, dim=-1).indices
-    return top if full else top.masked_fill(top >= counts[:, None], -1)
+    row [R, k], −1 where a row sees fewer than k. `full` promises that every row sees at least k
+    (the caller knows it on the host), so nothing needs masking.
+
+    The picks are exactly the Triton kernel's, in its order: with t the row's min(count, k)-th best
+    score, every entry above t, then as many of those equal to t as it takes, lowest entry first,
+    each group in entry order. Ties are real (a score is exactly 0 wherever every head's relu is),
+    and a tie broken by the row's shape would let a decode step attend other entries than the same
+    position inside a prefill chunk."""
+    n = scores.shape[-1]
+    picks = counts.clamp(max=k)[:, None]  # [R, 1]
+    threshold = scores.topk(k, dim=-1).values.gather(1, (picks - 1).clamp(min=0))  # [R, 1]
+    above, ties = scores > threshold, scores == threshold
+    tied = ties & (ties.cumsum(-1) <= picks - above.sum(-1, keepdim=True))
+    lower_first = torch.arange(n, 0, -1, device=scores.device)  # the lower an entry, the higher it ranks
+    rank = above * (n + lower_first) + tied * lower_first  # above before ties, each in entry order; 0: not picked
+    top = rank.topk(k, dim=-1).indices
+    return top if full else top.masked_fill(torch.arange(k, device=top.device)[None, :] >= picks, -1)

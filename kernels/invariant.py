@@ -21,6 +21,7 @@ import torch
 
 from v4serve.kernels import quant_linear
 from v4serve.kernels.attention import RaggedBatch, attend, gather_entries
+from v4serve.kernels.compressor import pool
 from v4serve.kernels.kv_fp8 import Record, loaded
 from v4serve.kernels.paged import read_entries
 from v4serve.kernels.quant_linear import Weight
@@ -126,4 +127,22 @@ def index_scores_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tabl
             k = read_entries(keys, tables[r].tolist(), count).float()  # [count, dI]
             logits = torch.matmul(_own_row(q.float(), r)[0], k.t()).relu_()
             out[r, :count] = (_own_row(w.float() * w_scale, r) @ logits)[0]  # Σ_h w·relu(q·k)
+    return out
+
+
+def pool_entries(win_kv: torch.Tensor, win_score: torch.Tensor, index: torch.Tensor, ratio: int, overlap: bool,
+                 norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant twin of `compressor.pool`: each entry pooled by an identical call on its own
+    windows. The batched softmax over the slot axis rounds differently with the number of entries
+    beside it, so an entry a decode step completes (pooled alone) and the same entry inside a
+    prefill chunk (pooled with the chunk's others) would differ in the last bits, and so would
+    every later logit that reads it (the indexer's top-k can even pick other entries)."""
+    b, w = win_kv.shape[:2]
+    span = 2 if overlap else 1  # windows one entry pools
+    index = index.expand(b, -1) if index.dim() == 1 else index  # [B, E]
+    out = win_kv.new_empty(b, w - span + 1, norm_weight.shape[0])
+    for i in range(b):
+        for e in range(w - span + 1):
+            out[i, e] = pool(win_kv[i:i + 1, e:e + span].clone(), win_score[i:i + 1, e:e + span].clone(),
+                             index[i, e:e + 1], ratio, overlap, norm_weight, eps, inv_freq)[0, 0]
     return out

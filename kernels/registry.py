@@ -75,8 +75,9 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
     backend. The Triton attention, indexer and mHC kernels already reduce each row on its own;
     the torch twins of attention, indexer scores and mHC's projection batch rows, so they get
     per-row forms. The compressors pool an entry the same way whether a decode step or a prefill
-    chunk completes it: on torch one `pool`, on Triton kernels sharing their pooling code, each
-    entry in a program of its own (so the fused decode-step writes stay). The experts run per
+    chunk completes it: on torch one identical `pool` call per entry (`invariant.pool_entries`), on
+    Triton kernels sharing their pooling code, each entry in a program of its own (so the fused
+    decode-step writes stay). The experts run per
     row through the torch twin on both backends (the grouped Triton GEMM puts a token in a tile
     beside other tokens); the Triton router reduces each token on its own already. On the Triton
     backend, packed weights (dense projections and each expert's) go through the Triton
@@ -94,7 +95,13 @@ def _batch_invariant(kernels: Kernels) -> Kernels:
                                    experts=functools.partial(moe.experts, linear=linear,
                                                              rowwise=invariant.rowwise_rows))
     if kernels.backend == "torch":
+        from v4serve.kernels import compressor, decode_writes
+
+        pooling = invariant.pool_entries
         changes.update(sparse_attention=invariant.sparse_attention_rows, index_scores=invariant.index_scores_rows,
+                       compress_decodes=functools.partial(compressor.compress_decodes, pooling=pooling),
+                       compress_chunk=functools.partial(compressor.compress_chunk, pooling=pooling),
+                       write_decode_step=functools.partial(decode_writes.write_decode_step, pooling=pooling),
                        mhc_pre=functools.partial(mhc.mhc_pre, linear=invariant.linear_rows,
                                                  mixing=mhc.mixing_matrix_per_token),
                        route=functools.partial(moe.route, rowwise=invariant.rowwise_rows))

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from tests.daemon import daemon
 from tests.helpers import SMALL, engine_for, greedy, requires_triton, tokens
+from v4serve.engine.engine import key_record
 from v4serve.engine.model import attention
 from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.single import SingleSequence
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels import invariant
 from v4serve.kernels.registry import load_kernels
@@ -103,6 +105,52 @@ def test_torch_backend_prefix_hits_are_bitwise_cold_runs(mode: str, keys: str) -
     assert hit.num_hit_tokens == 32
     assert out == cold_tokens["cold"]
     assert torch.equal(torch.stack(engine.logits["second"]), cold_logits["cold"])
+
+
+def decoded_and_prefilled(model: DeepseekV4, toks: list[int], split: int, keys: str
+                          ) -> tuple[SingleSequence, torch.Tensor, SingleSequence, torch.Tensor]:
+    """toks[:split] as one chunk then the rest one decode step each, and toks as one chunk: each
+    sequence with every row's logits."""
+    record = key_record(model.cfg, torch.float32, keys)
+    decoded = SingleSequence(model, len(toks), record)
+    rows = [decoded.step(toks[:split], all_logits=True)] + [decoded.step([t], all_logits=True) for t in toks[split:]]
+    prefilled = SingleSequence(model, len(toks), record)
+    return decoded, torch.cat(rows), prefilled, prefilled.step(toks, all_logits=True)
+
+
+def kv_differences(a: SingleSequence, b: SingleSequence) -> list[str]:
+    """Every cache tensor (window rings, compressor pending rows, entries, indexer keys) of each
+    layer that is not bitwise the same in the two sequences."""
+    out = []
+    for i, (x, y) in enumerate(zip(a.device_kv.layers, b.device_kv.layers, strict=True)):
+        for kind, pairs in (("slot", zip(x.slot_tensors(), y.slot_tensors(), strict=True)),
+                            ("block", zip(x.block_tensors(), y.block_tensors(), strict=True))):
+            out += [f"layer {i} {kind} tensor {j}" for j, (t, u) in enumerate(pairs) if not torch.equal(t, u)]
+    return out
+
+
+@pytest.mark.parametrize("keys", ["auto", "fp8"])
+@pytest.mark.parametrize("split", [7, 8, 9, 15, 16, 17, 31, 32, 33])  # window 8, entries of 4 and 16, blocks of 16
+def test_torch_backend_kv_written_by_decode_steps_is_the_prefill_kv(split: int, keys: str) -> None:
+    """A response's KV is written by decode steps; a later turn computed cold writes the same tokens'
+    KV in a prefill chunk. Under --batch-invariant the two are the same bytes (so a follow-up turn
+    resumed from a response end is bitwise a cold run), and so are the logits of every position."""
+    toks = tokens(41, 13)
+    decoded, decoded_logits, prefilled, prefilled_logits = decoded_and_prefilled(invariant_model("torch"), toks,
+                                                                                 split, keys)
+    assert kv_differences(decoded, prefilled) == []
+    assert torch.equal(decoded_logits, prefilled_logits)
+
+
+@requires_triton
+def test_triton_backend_kv_written_by_decode_steps_is_the_prefill_kv() -> None:
+    """Decodes at 15, 16 and 17: they complete an entry of 4, an entry of 16 and a block, and wrap the
+    window ring (interpreted Triton decode steps cost seconds each)."""
+    toks = tokens(18, 13)
+    decoded, decoded_logits, prefilled, prefilled_logits = decoded_and_prefilled(invariant_model("triton"), toks,
+                                                                                 15, "fp8")
+    assert kv_differences(decoded, prefilled) == []
+    assert torch.equal(decoded_logits, prefilled_logits)
 
 
 @requires_triton

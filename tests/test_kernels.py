@@ -290,16 +290,17 @@ def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> 
 @pytest.mark.parametrize(("n", "k"), [(40, 16), (7, 7), (300, 16), (1500, 64), (33, 32)])
 def test_index_topk_picks_the_twins_entries(triton_kernels, n: int, k: int) -> None:
     """Rows seeing all, some, fewer than k and no entries; scores of both signs and many orders of
-    magnitude (the radix select runs on their bits); entries are a set, so compared sorted."""
+    magnitude (the radix select runs on their bits): the same entries in the same order (entry order,
+    then −1)."""
     gen = torch.Generator().manual_seed(n + k)
     counts = torch.tensor([n, n // 2, min(k - 1, n), 0, max(n - 1, 0)])
     scores = torch.randn(5, n, generator=gen) * torch.exp2(torch.randint(-20, 20, (5, n), generator=gen).float())
     scores[torch.arange(n)[None, :] >= counts[:, None]] = float("-inf")
     scores, counts = scores.to(DEVICE), counts.to(DEVICE)
-    want = TWIN.index_topk(scores, counts, k).sort(-1).values
+    want = TWIN.index_topk(scores, counts, k)
     got = triton_kernels.index_topk(scores, counts, k)
     assert got.shape == (5, k) and got.dtype == torch.long
-    assert torch.equal(got.sort(-1).values, want)
+    assert torch.equal(got, want)
 
 
 def test_index_topk_full_rows_need_no_mask() -> None:
@@ -320,11 +321,19 @@ def test_index_topk_full_rows_need_no_mask() -> None:
 
 
 def test_index_topk_breaks_ties_to_exactly_k(triton_kernels) -> None:
-    """Equal scores at the k-th place: as many of them as k needs, none twice."""
+    """Equal scores at the k-th place: as many of them as k needs, the lowest entries first, on both
+    backends; so the picks do not depend on how many hidden entries follow the row's own (a decode
+    sees exactly its entries, the same position inside a prefill chunk the chunk's last row's)."""
     scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.5, 2.0, -1.0]] * 2, device=DEVICE)
-    got = triton_kernels.index_topk(scores, torch.tensor([8, 8], device=DEVICE), 4)
-    for row in got.tolist():
-        assert len(set(row)) == 4 and 0 in row and {r for r in row if r != 0} <= {2, 3, 4, 6}
+    counts = torch.tensor([8, 8], device=DEVICE)
+    for kernels in (triton_kernels, TWIN):
+        assert kernels.index_topk(scores, counts, 4).tolist() == [[0, 2, 3, 4]] * 2
+        for hidden in (0, 3):  # entries after the row's own
+            zeros = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0] + [float("-inf")] * hidden], device=DEVICE)
+            five = torch.tensor([5], device=DEVICE)
+            assert kernels.index_topk(zeros, five, 3).tolist() == [[2, 0, 1]]
+            if hidden:
+                assert kernels.index_topk(zeros, five, 7).tolist() == [[2, 0, 1, 3, 4, -1, -1]]
     # Nothing is written past a row's k picks (the ties beyond them included): a sentinel stays.
     from v4serve.kernels.indexer_triton import _index_topk_kernel
 

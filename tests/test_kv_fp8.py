@@ -237,7 +237,11 @@ def test_triton_attention_on_fp8_records_equals_its_twin(topk: bool) -> None:
 
 @requires_triton
 def test_small_model_on_triton_with_fp8_keys_gives_the_torch_tokens() -> None:
-    """Two requests sharing steps (16-token budget): chunks and decodes read records in one batch."""
+    """Two requests sharing steps (16-token budget): chunks and decodes read records in one batch.
+    The two backends compute a key with different fp32 arithmetic, so a key within an ulp of an e4m3
+    rounding edge gets the neighbouring code on one of them (a step of 1/8 on that channel), and the
+    difference carries through later layers: the logits agree to the FP8 step (as a zero-mode
+    recompute's do, below), not to fp32 noise."""
     torch_model = build_tiny(tiny_config(**SMALL), seed=11)
     triton_model = build_tiny(tiny_config(**SMALL), seed=11)
     triton_model.use_kernels(load_kernels("triton"))
@@ -249,7 +253,7 @@ def test_small_model_on_triton_with_fp8_keys_gives_the_torch_tokens() -> None:
     (want, want_logits), (got, got_logits) = runs
     assert got == want
     for rid in prompts:
-        assert rel_err(torch.stack(got_logits[rid]), torch.stack(want_logits[rid])) <= 1e-4
+        assert rel_err(torch.stack(got_logits[rid]), torch.stack(want_logits[rid])) <= 1e-2
 
 
 # ---- through the engine -----------------------------------------------------------------------------------

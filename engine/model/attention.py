@@ -206,7 +206,8 @@ class Attention(nn.Module):
 
     def _select_chunk(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, index_keys: torch.Tensor,
                       topk: torch.Tensor) -> None:
-        """Top-k for one prefill chunk, in tiles of queries (the scores are [tile, N])."""
+        """Top-k for one prefill chunk, in tiles of queries sharing one gather of the keys (the
+        scores are [tile, N])."""
         assert self.indexer is not None
         count = seq.end // self.ratio
         if count == 0:
@@ -214,11 +215,11 @@ class Attention(nn.Module):
         keys = read_entries(index_keys, seq.block_table, count)
         for a in range(0, seq.num_new, ATTN_TILE):
             z = min(a + ATTN_TILE, seq.num_new)
-            rows = slice(seq.offset + a, seq.offset + z)
-            positions = torch.arange(seq.start + a, seq.start + z, device=iq.device)
             n = (seq.start + z) // self.ratio
             if n == 0:
                 continue
-            visible = torch.arange(n, device=iq.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
-            top, valid = self.indexer.select(iq[rows][None], iw[rows][None], keys[None, :n], visible[None])
-            topk[rows, :top.shape[-1]] = top[0].masked_fill(~valid[0], -1)
+            rows = slice(seq.offset + a, seq.offset + z)
+            counts = (torch.arange(seq.start + a, seq.start + z, device=iq.device) + 1) // self.ratio
+            scores = self.indexer.scores(iq[rows], iw[rows], keys[:n], counts)
+            top = self.kernels.index_topk(scores, counts, min(self.indexer.topk, n))
+            topk[rows, :top.shape[-1]] = top

@@ -87,12 +87,10 @@ class Indexer(nn.Module):
         same entries on every rank, and −inf + −inf stays −inf)."""
         return scores if self.reduce is None else self.reduce(scores)
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, n, hI, dI], w [B, n, hI] (unscaled), keys [B, N, dI], visible [B, n, N] →
-        (indices [B, n, k], valid [B, n, k]): the top-k visible entries for each query."""
-        logits = torch.bmm(q.flatten(1, 2), keys.transpose(1, 2)).unflatten(1, q.shape[1:3]).relu_()  # [B, n, hI, N]
-        scores = self.summed(((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2))  # Σ_h w·relu(q·k) [B, n, N]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
-        return top, visible.gather(-1, top)
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """q [n, hI, dI], w [n, hI] (unscaled), keys [N, dI], counts [n] (entries each query sees) →
+        scores [n, N], −inf where not visible (the shared-keys form of `kernels.index_scores`)."""
+        logits = torch.bmm(q.flatten(0, 1)[None], keys.t()[None])[0].unflatten(0, q.shape[:2]).relu_()  # [n, hI, N]
+        scores = self.summed(((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2))  # Σ_h w·relu(q·k) [n, N]
+        hidden = torch.arange(keys.shape[0], device=q.device)[None, :] >= counts[:, None]
+        return scores.masked_fill(hidden, float("-inf"))

@@ -6,17 +6,18 @@ from __future__ import annotations
 import torch
 
 from v4serve.cache.device_kv import DeviceKV
-from v4serve.cache.layout import KVLayout
+from v4serve.cache.layout import KVLayout, KVRecord
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 
 
 class SingleSequence:
-    def __init__(self, model: DeepseekV4, max_tokens: int) -> None:
+    def __init__(self, model: DeepseekV4, max_tokens: int, record: KVRecord | None = None) -> None:
+        """`record`: keys stored as FP8 records (`--kv-cache-dtype fp8`); None keeps the model dtype."""
         cfg = model.cfg
         self.model = model
         num_blocks = -(-max_tokens // cfg.block_size) + 1
-        self.device_kv = DeviceKV(KVLayout.from_config(cfg), num_slots=1, num_blocks=num_blocks,
+        self.device_kv = DeviceKV(KVLayout.from_config(cfg, record), num_slots=1, num_blocks=num_blocks,
                                  device=next(model.parameters()).device)
         self.block_table = list(range(num_blocks))
         self.num_computed = 0
