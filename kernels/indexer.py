@@ -35,8 +35,12 @@ def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = 
     and a tie broken by the row's shape would let a decode step attend other entries than the same
     position inside a prefill chunk."""
     n = scores.shape[-1]
-    picks = counts.clamp(max=k)[:, None]  # [R, 1]
-    threshold = scores.topk(k, dim=-1).values.gather(1, (picks - 1).clamp(min=0))  # [R, 1]
+    best = scores.topk(k, dim=-1).values  # [R, k]
+    if full:
+        picks, threshold = k, best[:, -1:]
+    else:
+        picks = counts.clamp(max=k)[:, None]  # [R, 1]
+        threshold = best.gather(1, (picks - 1).clamp(min=0))  # [R, 1]
     above, ties = scores > threshold, scores == threshold
     tied = ties & (ties.cumsum(-1) <= picks - above.sum(-1, keepdim=True))
     lower_first = torch.arange(n, 0, -1, device=scores.device)  # the lower an entry, the higher it ranks
