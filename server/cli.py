@@ -50,7 +50,7 @@ def make_checkpoint_main(args: argparse.Namespace) -> int:
 SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "'tiny' (the embedded model) or a checkpoint folder"),
     ("--host", str, "address to bind (default 0.0.0.0)"),
-    ("--port", int, "port (default 8000)"),
+    ("--port", int, "port (default 8000; 0: a free one, named in the startup log)"),
     ("--served-model-name", str, "model name clients send and see"),
     ("--device", str, "auto, cpu or cuda"),
     ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),

@@ -9,7 +9,9 @@ manager restarts it.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 from pathlib import Path
 from types import FrameType
@@ -27,7 +29,8 @@ from v4serve.server.generation import ServerConfig
 from v4serve.server.metrics import Metrics
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["EngineFailed", "GracefulServer", "ServeConfig", "build", "run"]
+__all__ = ["EngineFailed", "GracefulServer", "PortUnavailable", "ServeConfig", "bind_sockets", "build", "run",
+           "served_url"]
 
 log = logging.getLogger("v4serve")
 
@@ -65,8 +68,9 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
     return client, client.info
 
 
-def build(cfg: ServeConfig) -> tuple[FastAPI, EngineClient]:
-    tokenizer = load_front_tokenizer(cfg)
+def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI, EngineClient]:
+    if tokenizer is None:
+        tokenizer = load_front_tokenizer(cfg)
     engine, info = start_engine(cfg, tokenizer)
     try:
         store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
@@ -117,17 +121,105 @@ class GracefulServer(uvicorn.Server):
         timer.start()
 
 
-def run(cfg: ServeConfig) -> None:
-    app, engine = build(cfg)
+class PortUnavailable(OSError):
+    """The daemon cannot listen where it was told to (a port in use, a privileged port, an address
+    not of this machine): a bad setting, so `v4serve serve` exits 2."""
+
+
+# Addresses to which any local client can connect, for the wildcard ones in the log.
+_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def bind_sockets(host: str, port: int, attempts: int = 5) -> list[socket.socket]:
+    """Sockets bound to every address `host` names (one for 0.0.0.0 or ::, both 127.0.0.1 and ::1
+    for localhost), on `port`, or with port 0 on one free port the system picks for all of them.
+
+    Bound, not yet listening: until the engine is ready, a client's connection is refused (not left
+    waiting), yet no outgoing connection's ephemeral port, no port another process has the system
+    pick, and no server already listening there can have the port meanwhile (only one that, as this
+    does, sets SO_REUSEADDR and binds this very port can listen first; then `listen` fails, naming
+    it). A port the system picks as it binds can't be taken between choosing and binding it, as a
+    port looked up free and bound later can (any outgoing connection takes an ephemeral port from the
+    same range)."""
     try:
-        shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-        log.info("serving %s at http://%s:%d/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name, shown,
-                 cfg.port)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN)
-        server = GracefulServer(config, engine, cfg.shutdown_timeout)
-        server.run()
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PortUnavailable(f"cannot listen on --host {host!r}: {exc.strerror}") from None
+    addresses = list(dict.fromkeys((family, address[:2]) for family, _, _, _, address in infos))
+    for attempt in range(attempts):
+        sockets: list[socket.socket] = []
+        try:
+            for family, (addr, want) in addresses:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sockets.append(sock)
+                # A restarted daemon can bind while the last one's connections linger in TIME_WAIT
+                # (a port some process listens on is still refused).
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # "::" is IPv6 only, as uvicorn and asyncio bind it
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                # With port 0, every address after the first takes the port the first one got.
+                sock.bind((addr, want if want or len(sockets) == 1 else sockets[0].getsockname()[1]))
+            return sockets
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            chosen = port == 0 and len(sockets) > 1  # the system's port, free on one address, not another
+            if exc.errno == errno.EADDRINUSE and chosen and attempt + 1 < attempts:
+                continue
+            raise _unavailable(host, port, exc) from None
+    raise AssertionError("not reached: the last attempt returns or raises")
+
+
+def listen(sockets: list[socket.socket], host: str, backlog: int) -> None:
+    """Start accepting connections (before uvicorn runs, so the logged address answers at once)."""
+    for sock in sockets:
+        try:
+            sock.listen(backlog)
+        except OSError as exc:  # another daemon, also starting, bound the port too and listens first
+            raise _unavailable(host, sock.getsockname()[1], exc) from None
+
+
+def _unavailable(host: str, port: int, exc: OSError) -> PortUnavailable:
+    where = f"{host or '*'} port {port}"
+    if exc.errno == errno.EADDRINUSE:
+        why = "address already in use (another process listens there: stop it, or choose another --port)"
+    elif exc.errno == errno.EACCES:
+        why = "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = "no such address on this machine (--host must be one of its addresses, 0.0.0.0 or ::)"
+    else:
+        why = exc.strerror or str(exc)
+    return PortUnavailable(f"cannot listen on {where}: {why}")
+
+
+def served_url(sock: socket.socket) -> str:
+    """http://HOST:PORT a local client reaches the bound `sock` at."""
+    host, port = sock.getsockname()[:2]
+    host = _LOOPBACK.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(cfg: ServeConfig) -> None:
+    # What is cheap to check is checked before the port is taken; the port is taken before the
+    # engine loads, so a port in use is refused in a moment, not after loading a model.
+    tokenizer = load_front_tokenizer(cfg)
+    check_parallel_flags(cfg, launched_rank())
+    sockets = bind_sockets(cfg.host, cfg.port)
+    try:
+        app, engine = build(cfg, tokenizer)
+        try:
+            port = sockets[0].getsockname()[1]
+            config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level,
+                                    timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN)
+            listen(sockets, cfg.host, config.backlog)
+            log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
+                     served_url(sockets[0]))
+            server = GracefulServer(config, engine, cfg.shutdown_timeout)
+            server.run(sockets=sockets)
+        finally:
+            engine.shutdown()  # idempotent: normally the app's lifespan has done it
     finally:
-        engine.shutdown()  # idempotent: normally the app's lifespan has done it
+        for sock in sockets:
+            sock.close()
     if server.engine_failure is not None:
         raise EngineFailed(server.engine_failure)

@@ -10,12 +10,14 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.daemon import PATIENCE
+
 MODEL = "v4serve-tiny"
 
 
 @pytest.fixture(scope="module")
 def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=120) as c:
+    with httpx.Client(base_url=base_url, timeout=PATIENCE) as c:
         yield c
 
 

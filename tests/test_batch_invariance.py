@@ -6,13 +6,16 @@ a 16-token budget leaves its last prompt token alone in a chunk, i.e. on the dec
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL, engine_for, greedy, requires_triton, tokens
+from tests.test_server import solo_then_together
 from v4serve.engine.engine import key_record
 from v4serve.engine.model import attention
 from v4serve.engine.model.model import DeepseekV4
@@ -187,9 +190,23 @@ def test_serve_config_turns_it_on_and_version_reports_it() -> None:
     assert version_info(plain, engine_config(cfg, plain, None))["batch_invariant"] is False
 
 
+def test_concurrent_streams_are_bitwise_their_solo_runs() -> None:
+    """Over HTTP: each prompt alone, then all at once on a cold cache (long ones chunked beside the
+    others' decodes), then all at once again as prefix-cache hits: every token and every log-prob
+    (top two included) the same, bitwise. Prompts up to 350 characters cross the window and block
+    edge (128) and make the indexer choose 16 of up to 90 entries."""
+    prompts = [f"{uuid.uuid4().hex[:8]} " + "y" * (6 * i * i) for i in range(8)]
+    with daemon("--attention-backend", "torch", "--batch-invariant", "--max-num-batched-tokens", "256") as url:
+        solo, cold, warm = solo_then_together(url, prompts, max_tokens=16)
+    assert all(f == "length" and len(chosen) == 16 for chosen, _, _, f in solo)
+    assert cold == solo
+    assert warm == solo
+
+
 def test_daemon_flag_shows_in_version() -> None:
     with daemon("--attention-backend", "torch", "--batch-invariant") as url:
-        info = httpx.get(url + "/version").json()
+        info = httpx.get(url + "/version", timeout=PATIENCE).json()
         assert info["batch_invariant"] is True and info["attention_backend"] == "torch"
         body = {"model": "v4serve-tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]["completion_tokens"] == 2
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=PATIENCE).json()
+        assert reply["usage"]["completion_tokens"] == 2

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.daemon import PATIENCE
 from tests.helpers import requires_triton
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def test_gpu_bench_runs_at_smoke_sizes() -> None:
 
 def test_gpu_check_refuses_a_machine_without_cuda() -> None:
     # No visible device, on any machine (a GPU node included): the script must stop before running.
-    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE,
                           env={"PY": sys.executable, "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr

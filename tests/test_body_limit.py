@@ -21,7 +21,7 @@ import pytest
 import requests
 from starlette.responses import PlainTextResponse
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 from v4serve.server.body import BodyLimit
 from v4serve.server.errors import BodyTooLarge
 
@@ -63,7 +63,7 @@ def check_413(status: int, body: bytes, limit: int = LIMIT) -> None:
 
 
 def assert_serving(url: str) -> None:
-    r = httpx.post(url + COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60)
+    r = httpx.post(url + COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=PATIENCE)
     assert r.status_code == 200, r.text
 
 
@@ -72,7 +72,7 @@ def test_urllib(url: str, chunked: bool) -> None:
     # http.client sends the whole body before it reads anything: the case that used to be a reset.
     request = urllib.request.Request(url + COMPLETIONS, data=body_for(chunked), headers=JSON)
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
+        urllib.request.urlopen(request, timeout=PATIENCE)
     check_413(refused.value.code, refused.value.read())
     assert_serving(url)
 
@@ -81,14 +81,14 @@ def test_urllib(url: str, chunked: bool) -> None:
 def test_requests(url: str, chunked: bool) -> None:
     # urllib3 2 reads the response after a send that failed with a reset, and on Linux still finds a
     # 413 that came before it; urllib3 1 gives up on a reset, as http.client does.
-    r = requests.post(url + COMPLETIONS, data=body_for(chunked), headers=JSON, timeout=60)
+    r = requests.post(url + COMPLETIONS, data=body_for(chunked), headers=JSON, timeout=PATIENCE)
     check_413(r.status_code, r.content)
     assert_serving(url)
 
 
 @CHUNKED
 def test_httpx(url: str, chunked: bool) -> None:
-    r = httpx.post(url + COMPLETIONS, content=body_for(chunked), headers=JSON, timeout=60)
+    r = httpx.post(url + COMPLETIONS, content=body_for(chunked), headers=JSON, timeout=PATIENCE)
     check_413(r.status_code, r.content)
     assert_serving(url)
 
@@ -128,7 +128,7 @@ def test_expect_continue_gets_the_413_without_sending_the_body(url: str) -> None
     address = urlsplit(url)
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {BIG}\r\nExpect: 100-continue\r\n\r\n")
-    with socket.create_connection((address.hostname, address.port), timeout=60) as s:
+    with socket.create_connection((address.hostname, address.port), timeout=PATIENCE) as s:
         s.sendall(head.encode())
         response = b""
         while chunk := s.recv(65536):  # until the server closes
@@ -172,7 +172,7 @@ def run_limit(headers: dict[bytes, bytes], reads: Iterator[dict[str, Any]],
 
     scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "headers": list(headers.items())}
     limit = BodyLimit(endpoint, max_bytes=SMALL, drain_bytes=DRAIN, drain_seconds=drain_seconds)
-    asyncio.run(asyncio.wait_for(limit(scope, receive, send), 60))  # 60 s: only a guard against a hang
+    asyncio.run(asyncio.wait_for(limit(scope, receive, send), PATIENCE))  # only a guard against a hang
     return sent, count
 
 

@@ -6,10 +6,22 @@ tokens of its own cold run."""
 from __future__ import annotations
 
 import random
+from concurrent import futures
 
 import pytest
 
+from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tokens
+
+
+def settle_store_io(engine) -> None:
+    """Let the SSD store's background writes land and its reads finish before the next step: the
+    churn is then the seed's alone. Left racing, a busy machine's slower I/O changes which blocks are
+    on disk at each lookup and how many steps wait on reads, and with them which requests the
+    random draws abort (fewer finish) or preempt."""
+    engine.kv.store.flush(timeout=PATIENCE)
+    futures.wait(engine.scheduler.pending_loads(), timeout=PATIENCE)
+    assert all(f.done() for f in engine.scheduler.pending_loads()), "a store read did not finish"
 
 
 def cold_outputs(model, requests) -> dict[str, list[int]]:
@@ -24,7 +36,8 @@ def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
     rng = random.Random(f"churn-{mode}-{store}")  # str seeds are stable across runs
     model = small_model()  # 16-token blocks, window 8
     bases = [tokens(rng.randint(20, 90), 100 + i) for i in range(4)]
-    extra = {"kv_store_dir": str(tmp_path)} if store else {}
+    # Reads past the read timeout would be misses: none is, however slow the machine.
+    extra = {"kv_store_dir": str(tmp_path), "kv_store_read_timeout": PATIENCE} if store else {}
     engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=32, max_num_seqs=3, num_blocks=10,
                         max_num_batched_tokens=40, max_prefill_chunk=24, **extra)
     pending = []
@@ -44,6 +57,8 @@ def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
                 aborted.add(victim.request_id)
         engine.step()
         engine.check()
+        if store:
+            settle_store_io(engine)
         steps += 1
         assert steps < 5000, "the engine stopped making progress"
     engine.close()

@@ -3,6 +3,7 @@ settings come from defaults < --config FILE < V4SERVE_* < flags."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from tests.daemon import ROOT, daemon
+from tests.daemon import PATIENCE, ROOT, daemon, start_daemon
 from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.single import SingleSequence
 from v4serve.engine.model.tiny import build_tiny
@@ -62,9 +63,9 @@ def test_settings_precedence(tmp_path):
 
 
 def test_bad_serve_settings_exit_with_a_message(tmp_path):
-    done = run_cli("serve", "--model", str(tmp_path / "missing"), "--no-kv-store")
+    done = run_cli("serve", "--model", str(tmp_path / "missing"), "--no-kv-store", "--port", "0")
     assert done.returncode == 2 and "not a folder" in done.stderr
-    done = run_cli("serve", "--swa-cache-mode", "sometimes", "--no-kv-store")
+    done = run_cli("serve", "--swa-cache-mode", "sometimes", "--no-kv-store", "--port", "0")
     assert done.returncode == 2 and "swa_cache_mode" in done.stderr
 
 
@@ -72,11 +73,73 @@ def test_daemon_serves_a_checkpoint_folder(tmp_path):
     folder = tmp_path / "my-model"
     assert run_cli("make-checkpoint", str(folder)).returncode == 0
     with daemon("--model", str(folder)) as url:
-        models = httpx.get(url + "/v1/models").json()
-        reply = httpx.post(url + "/v1/completions", json={"prompt": [70, 71, 72], "max_tokens": 3,
-                                                          "temperature": 0, "ignore_eos": True}).json()
+        models = httpx.get(url + "/v1/models", timeout=PATIENCE).json()
+        body = {"prompt": [70, 71, 72], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=PATIENCE).json()
     assert models["data"][0]["id"] == "my-model"
     assert reply["usage"]["completion_tokens"] == 3
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("host", "shown"), [
+    ("127.0.0.1", "127.0.0.1"),
+    ("0.0.0.0", "127.0.0.1"),  # every IPv4 address: the log names one a local client reaches
+    pytest.param("::", "[::1]", marks=pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")),
+])
+def test_port_0_serves_on_a_port_the_system_picks_and_logs_it(host, shown):
+    """`--port 0`: the daemon binds a free port itself (nothing can take it between choosing and
+    binding it) and its "serving ... at" line gives the one it got; that address answers."""
+    running = start_daemon("--host", host, port=0)  # the last --host wins
+    try:
+        assert running.url.startswith(f"http://{shown}:")
+        port = int(running.url.rsplit(":", 1)[1])
+        assert port > 0
+        assert httpx.get(running.url + "/health", timeout=PATIENCE).status_code == 200
+    finally:
+        assert running.stop() == 0
+
+
+def test_a_port_in_use_is_refused_before_the_engine_starts():
+    """Exit 2 naming the port, before any engine process starts: refused in a moment, not after
+    loading a model."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--host", "127.0.0.1", "--port",
+                               str(port), "--no-kv-store"], cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"v4serve serve: cannot listen on 127.0.0.1 port {port}: address already in use "
+                    "(another process listens there: stop it, or choose another --port)")
+    assert "engine process" not in done.stderr
+
+
+def test_a_port_taken_while_the_engine_loads_is_refused_when_listening():
+    """Bound but not yet listening while the engine loads, the port can still go to a server that
+    binds it with SO_REUSEADDR and listens first: the daemon then refuses with the same message."""
+    from v4serve.server.serve import PortUnavailable, bind_sockets, listen
+
+    sockets = bind_sockets("127.0.0.1", 0)
+    port = sockets[0].getsockname()[1]
+    try:
+        with socket.socket() as rival:
+            rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            rival.bind(("127.0.0.1", port))
+            rival.listen()
+            with pytest.raises(PortUnavailable, match=f"127.0.0.1 port {port}: address already in use"):
+                listen(sockets, "127.0.0.1", 16)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_checkpoint_loading_shows_progress(tmp_path, caplog):

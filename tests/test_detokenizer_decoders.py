@@ -23,7 +23,7 @@ import pytest
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFBackend
 
-from tests.daemon import ROOT, daemon
+from tests.daemon import PATIENCE, ROOT, daemon
 from v4serve.server.text.detokenizer import IncrementalDetokenizer
 from v4serve.server.text.tokenizer import (
     ASSISTANT,
@@ -399,9 +399,9 @@ def test_word_level_fuse_checkpoint_serves_chat(fuse_checkpoint: Path) -> None:
     body = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
     with daemon("--model", str(fuse_checkpoint)) as url:
-        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=PATIENCE)
         assert reply.status_code == 200, reply.text
-        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=PATIENCE) as s:
             lines = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     answer = reply.json()
     assert answer["usage"]["completion_tokens"] == 12

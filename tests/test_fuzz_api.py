@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 
 EXAMPLES_PER_OPERATION = 100
 
@@ -44,7 +44,7 @@ def test_no_generated_request_gets_a_server_error(fuzz_url: str) -> None:
                   suppress_health_check=list(HealthCheck))
         @given(case=cases)
         def call(case: schemathesis.Case) -> None:
-            response = case.call(base_url=fuzz_url, timeout=120)
+            response = case.call(base_url=fuzz_url, timeout=PATIENCE)
             seen[(case.operation.label, response.status_code)] += 1
             assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])
             if response.status_code >= 400:  # OpenAI's error shape, whatever was wrong
@@ -57,8 +57,8 @@ def test_no_generated_request_gets_a_server_error(fuzz_url: str) -> None:
 
 
 def test_the_daemon_is_healthy_after_the_fuzzing(fuzz_url: str) -> None:
-    assert httpx.get(fuzz_url + "/health", timeout=10).status_code == 200
-    reply = httpx.post(fuzz_url + "/v1/completions", json={"prompt": "still here", "max_tokens": 2}, timeout=60)
+    assert httpx.get(fuzz_url + "/health", timeout=PATIENCE).status_code == 200
+    reply = httpx.post(fuzz_url + "/v1/completions", json={"prompt": "still here", "max_tokens": 2}, timeout=PATIENCE)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
-    text = httpx.get(fuzz_url + "/metrics", timeout=10).text
+    text = httpx.get(fuzz_url + "/metrics", timeout=PATIENCE).text
     assert "v4serve_requests_running{model_name=\"v4serve-tiny\"} 0.0" in text

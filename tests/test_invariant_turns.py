@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 from tests.test_store_daemon import metric
 
 MODEL = "v4serve-tiny"
@@ -38,13 +38,13 @@ def cached(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
 def chat(url: str, messages: list[dict], n: int, salt: str) -> dict:
     body = {"model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0, "logit_bias": LETTERS,
             "logprobs": True, "top_logprobs": 5, "ignore_eos": True, "cache_salt": salt}
-    resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=PATIENCE)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
 def prompt_tokens(url: str, messages: list[dict]) -> int:
-    resp = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
+    resp = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=PATIENCE)
     assert resp.status_code == 200, resp.text
     return resp.json()["count"]
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, small_model, tiny_model, tokens
 from v4serve.cache.layout import KVLayout, KVRecord, cache_table
 from v4serve.engine.engine import key_record
@@ -313,11 +313,12 @@ def test_disk_store_is_keyed_by_the_key_dtype(tmp_path) -> None:
 
 def test_daemon_reports_fp8_keys_and_refuses_unknown_dtypes() -> None:
     with daemon("--kv-cache-dtype", "fp8") as url:
-        assert httpx.get(url + "/version").json()["kv_cache_dtype"] == "fp8_e4m3"
+        assert httpx.get(url + "/version", timeout=PATIENCE).json()["kv_cache_dtype"] == "fp8_e4m3"
         body = {"model": "v4serve-tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["usage"]["completion_tokens"] == 3
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=PATIENCE).json()
+        assert reply["usage"]["completion_tokens"] == 3
     done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--kv-cache-dtype", "int4",
-                           "--port", "1"], capture_output=True, text=True, timeout=120)
+                           "--port", "0"], capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 2
     assert "--kv-cache-dtype must be one of auto, fp8, got 'int4'" in done.stderr
 

