@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>".
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# pytest workers (pytest-xdist): one per core by default; tests that wait on daemons, disks and the
+# interpreted Triton kernels overlap instead of queueing.
+TEST_WORKERS ?= auto
 
 .PHONY: install serve test lint bench clean prometheus
 
@@ -38,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) lint prometheus
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_model.py

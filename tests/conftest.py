@@ -8,8 +8,10 @@ from hypothesis import HealthCheck, settings
 
 from tests.daemon import daemon
 
-# Two cores here: more threads than cores only adds contention.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `make test` runs one pytest worker per core (pytest-xdist): each worker's torch gets its share of
+# the cores (at most 2), since more threads than cores only adds contention.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 # Hypothesis's defaults time each example (a 200 ms deadline) and its data generation (too_slow):

@@ -21,9 +21,9 @@ pytestmark = requires_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def model_pair(small: bool):
+def model_pair(small: bool, **changes):
     """The same weights twice: one on torch kernels, one on Triton kernels."""
-    cfg = tiny_config(**SMALL) if small else tiny_config()
+    cfg = tiny_config(**SMALL, **changes) if small else tiny_config(**changes)
     torch_model = build_tiny(cfg, seed=11 if small else 0).to(DEVICE)
     triton_model = build_tiny(cfg, seed=11 if small else 0).to(DEVICE)
     triton_model.use_kernels(load_kernels("triton", DEVICE))
@@ -39,10 +39,12 @@ def run(model, prompts: dict[str, list[int]], max_tokens: int, **engine_args):
 
 
 def test_tiny_model_on_triton_gives_the_torch_tokens_in_ragged_batches() -> None:
-    """Two requests whose chunks (32-token budget) and decodes share steps: prompts across the
-    128-token window and block, and the CSA/HCA entry edges."""
-    torch_model, triton_model = model_pair(small=False)
-    prompts = {"a": tokens(150, 1), "b": tokens(131, 2)}
+    """The embedded model's widths with a 16-token window and block (ratios 4 and 16, top-4 entries),
+    so that short prompts cross them as the real ones cross 128: two requests whose chunks (32-token
+    budget) and decodes share steps, across window, block and CSA/HCA entry edges, with the indexer
+    choosing among entries from position 19 on."""
+    torch_model, triton_model = model_pair(small=False, window=16, compress_ratios=(0, 4, 16, 4), index_topk=4)
+    prompts = {"a": tokens(53, 1), "b": tokens(35, 2)}
     want, want_logits, _ = run(torch_model, prompts, 5, max_num_batched_tokens=32)
     got, got_logits, _ = run(triton_model, prompts, 5, max_num_batched_tokens=32)
     assert got == want
