@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
-from v4serve.engine.engine import EngineConfig, LLMEngine, key_record  # noqa: E402
+from v4serve.cache.layout import key_record  # noqa: E402
+from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
                 [["Block Cache B/token", sizes["auto"][0], sizes["fp8"][0], sizes["fp8"][0] / sizes["auto"][0]],
                  ["State Cache B/slot", sizes["auto"][1], sizes["fp8"][1], sizes["fp8"][1] / sizes["auto"][1]],
                  ["prefill + 32 decodes (s)", times["auto"], times["fp8"], times["fp8"] / times["auto"]]])
-    record = key_record(cfg, torch.float32, "fp8")
+    record = key_record(cfg.head_dim, cfg.rope_dim, "float32", "fp8")
     write_results("bench_kv_fp8", {
         "record_bytes": record.nbytes if record else None, "per_prompt": per_prompt,
         "mean_matching_prefix": sum(p["matching_prefix"] for p in per_prompt) / len(per_prompt),

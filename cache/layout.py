@@ -23,6 +23,19 @@ def check_kv_cache_dtype(value: str) -> None:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
 
 
+COMPUTE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes of a value in each compute dtype
+
+
+def key_record(head_dim: int, rope_dim: int, compute_dtype: str, kv_cache_dtype: str) -> KVRecord | None:
+    """How a key is stored under `--kv-cache-dtype`: `fp8` gives its FP8 record (rope channels in the
+    model's compute dtype, a torch dtype name); `auto` gives None (keys in the compute dtype)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "fp8":
+        return None
+    return KVRecord(head_dim=head_dim, rope_dim=rope_dim, rope_dtype=compute_dtype,
+                    rope_itemsize=COMPUTE_ITEMSIZE[compute_dtype])
+
+
 class ModelShape(Protocol):
     num_layers: int
     head_dim: int

@@ -14,10 +14,9 @@ import torch
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.kv_manager import KVCacheManager
-from v4serve.cache.layout import KVLayout, KVRecord, cache_table, check_kv_cache_dtype
+from v4serve.cache.layout import KVLayout, cache_table, key_record
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
-from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
@@ -99,13 +98,8 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     return h.digest()
 
 
-def key_record(cfg: ModelConfig, kv_dtype: torch.dtype, kv_cache_dtype: str) -> KVRecord | None:
-    """The FP8 record layout of stored keys under `--kv-cache-dtype fp8`; None keeps them in `kv_dtype`."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype != "fp8":
-        return None
-    return KVRecord(head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, rope_dtype=str(kv_dtype).removeprefix("torch."),
-                    rope_itemsize=torch.empty((), dtype=kv_dtype).element_size())
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class LLMEngine:
@@ -118,7 +112,8 @@ class LLMEngine:
         self.config = config
         cfg = model.cfg
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
-        self.layout = KVLayout.from_config(cfg, key_record(cfg, config.kv_dtype, config.kv_cache_dtype))
+        record = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), config.kv_cache_dtype)
+        self.layout = KVLayout.from_config(cfg, record)
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
@@ -157,7 +152,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
         self._forward_failures = 0
-        fp8 = key_record(cfg, config.kv_dtype, "fp8")
+        fp8 = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8")
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
 
     # ---- requests -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL, engine_for, greedy, requires_triton, tokens
 from tests.test_server import solo_then_together
-from v4serve.engine.engine import key_record
+from v4serve.cache.layout import key_record
 from v4serve.engine.model import attention
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.single import SingleSequence
@@ -114,7 +114,7 @@ def decoded_and_prefilled(model: DeepseekV4, toks: list[int], split: int, keys: 
                           ) -> tuple[SingleSequence, torch.Tensor, SingleSequence, torch.Tensor]:
     """toks[:split] as one chunk then the rest one decode step each, and toks as one chunk: each
     sequence with every row's logits."""
-    record = key_record(model.cfg, torch.float32, keys)
+    record = key_record(model.cfg.head_dim, model.cfg.rope_dim, "float32", keys)
     decoded = SingleSequence(model, len(toks), record)
     rows = [decoded.step(toks[:split], all_logits=True)] + [decoded.step([t], all_logits=True) for t in toks[split:]]
     prefilled = SingleSequence(model, len(toks), record)

@@ -15,8 +15,7 @@ import torch
 
 from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, small_model, tiny_model, tokens
-from v4serve.cache.layout import KVLayout, KVRecord, cache_table
-from v4serve.engine.engine import key_record
+from v4serve.cache.layout import KVLayout, KVRecord, cache_table, key_record
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import decode, encode
@@ -100,13 +99,14 @@ def test_rounding_twice_changes_nothing() -> None:
 
 def test_layout_bytes_match_the_records() -> None:
     cfg = tiny_model().cfg
-    full, fp8 = KVLayout.from_config(cfg), KVLayout.from_config(cfg, key_record(cfg, torch.float32, "fp8"))
+    record = key_record(cfg.head_dim, cfg.rope_dim, "float32", "fp8")
+    full, fp8 = KVLayout.from_config(cfg), KVLayout.from_config(cfg, record)
     for plain, packed in zip(full.layers, fp8.layers, strict=True):
         window_delta = plain.window * (plain.head_dim * 4 - TINY.nbytes)
         entry_delta = plain.entries_per_block * (plain.head_dim * 4 - TINY.nbytes)
         assert plain.state_bytes(4) - packed.state_bytes(4) == window_delta
         assert plain.block_bytes(4) - packed.block_bytes(4) == entry_delta
-    table = cache_table(fp8, 4, 2, 8, key_record(cfg, torch.float32, "fp8"))
+    table = cache_table(fp8, 4, 2, 8, key_record(cfg.head_dim, cfg.rope_dim, "float32", "fp8"))
     assert "FP8 keys (116-byte records)" in table
     assert f"FP8 (--kv-cache-dtype fp8) {fp8.block_bytes(4) / 128:.1f} B/token" in table
     assert f"4-byte (auto) {full.block_bytes(4) / 128:.1f} B/token" in table

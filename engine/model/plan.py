@@ -59,7 +59,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from v4serve.cache.layout import KVLayout, KVRecord, check_kv_cache_dtype
+from v4serve.cache.layout import COMPUTE_ITEMSIZE, KVLayout, check_kv_cache_dtype, key_record
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.resident import can_stay_quantized, resolve_weight_dtype
 
@@ -78,7 +78,7 @@ FP4_GROUP = 32
 _FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 _INT_DTYPES = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
 _ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
-_COMPUTE_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_COMPUTE_DTYPES = COMPUTE_ITEMSIZE
 _DEQUANTIZED_ITEMSIZE = {"bf16": 2, "fp32": 4}
 
 KINDS = ("attention", "routed_experts", "shared_experts", "embedding_and_head", "other")
@@ -627,7 +627,7 @@ def build_plan(cfg: ModelConfig, tensors: list[StoredTensor], settings: PlanSett
     residency = _Residency(tp=tp, ep=ep, experts_per_rank=_ceil(cfg.n_routed_experts, tp),
                            weight_dtype=resolve_weight_dtype(settings.weight_dtype, settings.device),
                            float_itemsize=itemsize)
-    layout = KVLayout.from_config(cfg, _key_record(cfg, compute, settings.kv_cache_dtype))
+    layout = KVLayout.from_config(cfg, key_record(cfg.head_dim, cfg.rope_dim, compute, settings.kv_cache_dtype))
     return CapacityPlan(
         model=model, source=source, settings=settings, weight_dtype=residency.weight_dtype,
         num_layers=cfg.num_layers, max_model_len=settings.max_model_len or default_max_model_len(cfg),
@@ -649,14 +649,6 @@ def activation_reserve(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
     width = max(cfg.hc_mult * cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.index_n_heads * cfg.index_head_dim,
                 cfg.num_experts_per_tok * 2 * cfg.moe_intermediate_size)
     return max_num_batched_tokens * width * _FP32 * _LIVE_BUFFERS + max_num_seqs * cfg.vocab_size * _FP32
-
-
-def _key_record(cfg: ModelConfig, compute_dtype: str, kv_cache_dtype: str) -> KVRecord | None:
-    """The FP8 key layout under `--kv-cache-dtype fp8`, as the engine builds it (engine.key_record)."""
-    if kv_cache_dtype != "fp8":
-        return None
-    return KVRecord(head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, rope_dtype=compute_dtype,
-                    rope_itemsize=_COMPUTE_DTYPES[compute_dtype])
 
 
 # ---------------------------------------------------------------------------------------------
