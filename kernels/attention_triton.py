@@ -139,7 +139,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     entries_t = entries if entries is not None else ring  # any tensor: never read without entries
     topk_t = topk.contiguous() if topk is not None else batch.row_seq
     ring_fp8, entries_fp8 = record_args(record, ring), record_args(record, entries_t)
-    launch(_sparse_attention_kernel[(t, triton.cdiv(h, block_h))],
+    launch(_sparse_attention_kernel, (t, triton.cdiv(h, block_h)),
            q.contiguous(), kv.contiguous(), ring, ring_fp8["rope_ptr"], entries_t, entries_fp8["rope_ptr"], topk_t,
            batch.tables, batch.row_seq, batch.row_pos, batch.seq_info, sink, out, h, d, ring.shape[1],
            max(ratio, 1), batch.tables.shape[1], scale, ring_fp8["STRIDE"], ring_fp8["NOPE"], ring_fp8["ROPE_OFF"],

@@ -173,7 +173,7 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
         return
     runtime, consts = _compressor_args(kv, score, ring_kv, ring_score, dest, ratio, overlap, norm_weight, eps, ape,
                                        record)
-    launch(_compress_decodes_kernel[(kv.shape[0],)], _decode_args(slots, positions, frozen_until, tables, inv_freq),
+    launch(_compress_decodes_kernel, (kv.shape[0],), _decode_args(slots, positions, frozen_until, tables, inv_freq),
            runtime, **consts)
 
 
@@ -237,9 +237,9 @@ def compress_chunk(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
     block_cd = consts.pop("BLOCK_CD")  # the pending rows' width, for the second launch
     first, stop = max(start // ratio, frozen_until // ratio), (start + n) // ratio
     if first < stop:
-        launch(_compress_chunk_kernel[(stop - first,)], runtime, table.contiguous(), inv_freq.to(kv.device),
+        launch(_compress_chunk_kernel, (stop - first,), runtime, table.contiguous(), inv_freq.to(kv.device),
                inv_freq.shape[0], start, first, **consts)
     rows, cd = ring_kv.shape[0], kv.shape[1]
     keep = min(n, rows)
-    launch(_keep_pending_kernel[(keep,)], kv, score, ape, ring_kv, ring_score, start, n, keep, ratio, cd, rows,
+    launch(_keep_pending_kernel, (keep,), kv, score, ape, ring_kv, ring_score, start, n, keep, ratio, cd, rows,
            kv.stride(0), score.stride(0), BLOCK_CD=block_cd)

@@ -60,7 +60,7 @@ def write_decode_step(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, 
                               c.eps, c.ape, c.record) for c in compressions]
     # Without an indexer the main compressor's arguments fill C2's place; no program reads them.
     (c1, c1_consts), (c2, c2_consts) = parts[0], parts[-1]
-    launch(_decode_step_kernel[(n, 1 + len(parts))], window, decodes, c1, c2,
+    launch(_decode_step_kernel, (n, 1 + len(parts)), window, decodes, c1, c2,
            **{f"W_{k}": v for k, v in window_consts.items()}, **{f"C1_{k}": v for k, v in c1_consts.items()},
            **{f"C2_{k}": v for k, v in c2_consts.items()})
 

@@ -50,7 +50,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     # A row stride of 0 is one table read by every row (a prefill chunk's rows): never copied.
-    launch(_index_scores_kernel[(rows, triton.cdiv(n, block_n))],
+    launch(_index_scores_kernel, (rows, triton.cdiv(n, block_n)),
            q.contiguous(), w.contiguous(), keys, tables, counts.contiguous(), out, hi, di, n,
            tables.stride(0), w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
            BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
@@ -129,7 +129,7 @@ def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = 
     if rows and k:
         # One row a program on a GPU; the interpreter pays per op, not per element, so it takes many.
         block_r = 32 if interpreting() else 1
-        launch(_index_topk_kernel[(triton.cdiv(rows, block_r),)], scores.contiguous(), counts.contiguous(), out,
+        launch(_index_topk_kernel, (triton.cdiv(rows, block_r),), scores.contiguous(), counts.contiguous(), out,
                rows, n, k, BLOCK_R=block_r, BLOCK_N=min(triton.next_power_of_2(n), 1024 // block_r),
                BLOCK_K=triton.next_power_of_2(k))
     return out

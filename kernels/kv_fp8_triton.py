@@ -87,6 +87,6 @@ def round_keys(rows: torch.Tensor, record: Record) -> torch.Tensor:
     assert getattr(torch, record.rope_dtype) == rows.dtype, "records keep the rope channels in the keys' dtype"
     out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
     if rows.shape[0]:
-        launch(_round_keys_kernel[(rows.shape[0],)], rows.contiguous(), out, rows.shape[1], record.nope,
+        launch(_round_keys_kernel, (rows.shape[0],), rows.contiguous(), out, rows.shape[1], record.nope,
                GROUPS=record.groups, BLOCK_D=triton.next_power_of_2(rows.shape[1]))
     return out

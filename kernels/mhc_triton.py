@@ -120,7 +120,7 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if t:
         # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
         block_t, block = (16, 128) if interpreting() else (4, 32)
-        launch(_mhc_pre_kernel[(triton.cdiv(t, block_t),)],
+        launch(_mhc_pre_kernel, (triton.cdiv(t, block_t),),
                h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(),
                norm_weight if norm_weight is not None else base, x, gates, t, d, hc_eps, norm_eps, HC=hc,
                ITERS=iters, NORM=norm_weight is not None, BLOCK_T=block_t, BLOCK=block)
@@ -138,7 +138,7 @@ def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.T
         comb = comb.contiguous()
     if t:
         block_t, block = (16, 256) if interpreting() else (4, 128)
-        launch(_mhc_post_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block))],
+        launch(_mhc_post_kernel, (triton.cdiv(t, block_t), triton.cdiv(d, block)),
                h.contiguous(), y.contiguous(), post, comb, out, t, d, post.stride(0), comb.stride(0), HC=hc,
                BLOCK_T=block_t, BLOCK=block)
     return out

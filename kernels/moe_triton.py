@@ -87,7 +87,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor 
         return weights, chosen
     # One token a program on a GPU; the interpreter pays per op, not per element, so it takes many.
     block_t = 16 if interpreting() else 1
-    launch(_route_kernel[(triton.cdiv(n, block_t),)], logits.contiguous(), bias if bias is not None else logits,
+    launch(_route_kernel, (triton.cdiv(n, block_t),), logits.contiguous(), bias if bias is not None else logits,
            hashed.contiguous() if hashed is not None else chosen, weights, chosen, n, e, scale,
            K=topk, S=num_shared, FUNC=SCORE_FUNCS.index(func), HASHED=hashed is not None, BLOCK_T=block_t,
            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(topk, num_shared)))
@@ -220,7 +220,10 @@ def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w1: St
     ks, groups, inter = chosen.shape[1], w1.shape[0], w1.shape[1]
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order within each
-    ends = torch.cumsum(torch.bincount(flat, minlength=groups), 0)
+    # Pairs per expert, counted at a fixed size (bincount sizes its output by the largest id, which a
+    # GPU must read back: a host sync); remote pairs (id == groups) land in the extra last count.
+    counts = torch.zeros(groups + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts[:groups], 0)
     rows = torch.empty(t * ks * (inter + d), dtype=x.dtype, device=x.device)  # one allocation for both
     if remote:
         rows[t * ks * inter:].zero_()  # the skipped pairs' results: summed below, so they must be zero
@@ -238,11 +241,11 @@ def _dense_launches(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
     block_m, block_k = 16, 64 if not big else 256
     precision = precision_of(x)
     block_n = min(triton.next_power_of_2(inter), 64 if not big else 256)
-    launch(_up_kernel[(groups, triton.cdiv(inter, block_n))],
+    launch(_up_kernel, (groups, triton.cdiv(inter, block_n)),
            x, w1, w3, order, ends, h, d, inter, float(limit), KS=ks, HAS_LIMIT=bool(limit), BLOCK_M=block_m,
            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
     block_n = min(triton.next_power_of_2(d), 64 if not big else 256)
-    launch(_down_kernel[(groups, triton.cdiv(d, block_n))],
+    launch(_down_kernel, (groups, triton.cdiv(d, block_n)),
            h, w2, weights, order, ends, y, d, inter, BLOCK_M=block_m, BLOCK_N=block_n,
            BLOCK_K=block_k, PRECISION=precision)
 
@@ -261,10 +264,10 @@ def _packed_launches(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
     block_m, block_k = 16, 64 if not big else 128
     common = dict(BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
     block_n = max(16, min(triton.next_power_of_2(inter), 64 if not big else 256))  # a GPU dot needs N ≥ 16
-    launch(_packed_up_kernel[(groups, triton.cdiv(inter, block_n))],
+    launch(_packed_up_kernel, (groups, triton.cdiv(inter, block_n)),
            x, c1, s1, c3, s3, c1.stride(0), s1.stride(0), order, ends, h, d, inter, float(limit), KS=ks,
            HAS_LIMIT=bool(limit), FP4=fp4, E8M0=e8m0, BLOCK_N=block_n, **common)
     block_n = max(16, min(triton.next_power_of_2(d), 64 if not big else 256))
-    launch(_packed_down_kernel[(groups, triton.cdiv(d, block_n))],
+    launch(_packed_down_kernel, (groups, triton.cdiv(d, block_n)),
            h, c2, s2, c2.stride(0), s2.stride(0), weights, order, ends, y, d, inter, FP4=fp4_2, E8M0=e8m0_2,
            BLOCK_N=block_n, **common)

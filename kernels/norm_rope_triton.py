@@ -71,7 +71,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(64 if interpreting() else 16, 4096 // block_d))
     dummy = x
-    launch(_norm_rope_kernel[(triton.cdiv(n, block_r),)],
+    launch(_norm_rope_kernel, (triton.cdiv(n, block_r),),
            x, weight if weight is not None else dummy, cos.contiguous() if cos is not None else dummy,
            sin.contiguous() if sin is not None else dummy, out, n, d, heads, x.stride(0), half, eps,
            NORM=norm, HAS_WEIGHT=weight is not None, ROPE=cos is not None, INVERSE=inverse, BLOCK_R=block_r,

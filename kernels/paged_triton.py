@@ -53,4 +53,4 @@ def write_window(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, recor
     if kv.shape[0] == 0:
         return
     runtime, consts = window_args(ring, kv, batch, record)
-    launch(_write_window_kernel[(kv.shape[0],)], runtime, **consts)
+    launch(_write_window_kernel, (kv.shape[0],), runtime, **consts)

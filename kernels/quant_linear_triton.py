@@ -198,7 +198,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         return out.view(*lead, n)
     codes, scale, fp4, is_e8m0 = kernel_operands(w)
     block_m, block_n, block_k = tiles(n)
-    launch(_quant_linear_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))],
+    launch(_quant_linear_kernel, (triton.cdiv(t, block_m), triton.cdiv(n, block_n)),
            x2, codes, scale, out, t, n, k, x2.stride(0), FP4=fp4, E8M0=is_e8m0, BLOCK_M=block_m, BLOCK_N=block_n,
            BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
     return out.view(*lead, n)
@@ -236,7 +236,7 @@ def grouped_quant_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         return out
     codes, scale, fp4, is_e8m0 = kernel_operands(w)
     block_m, block_n, block_k = tiles(rows)
-    launch(_grouped_kernel[(triton.cdiv(t, block_m), triton.cdiv(rows, block_n), groups)],
+    launch(_grouped_kernel, (triton.cdiv(t, block_m), triton.cdiv(rows, block_n), groups),
            xc, codes, scale, out, t, groups, rows, k, xc.stride(0), FP4=fp4, E8M0=is_e8m0, BLOCK_M=block_m,
            BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision_of(x), UPCAST=upcast(x))
     return out
