@@ -145,7 +145,17 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
            max(ratio, 1), batch.tables.shape[1], scale, ring_fp8["STRIDE"], ring_fp8["NOPE"], ring_fp8["ROPE_OFF"],
            ring_fp8["ROPE_STRIDE"], TOPK=topk.shape[1] if topk is not None else 1, PER_BLOCK=entries_t.shape[1],
            HAS_ENTRIES=has_entries, HAS_TOPK=has_topk, FP8=record is not None, BLOCK_H=block_h,
-           BLOCK_N=128 if interpreting() else 32,
-           BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+           BLOCK_D=max(triton.next_power_of_2(d), 16), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+           **_tiles())
     return out
+
+
+def _tiles() -> dict[str, int]:
+    """Key tiles and warps. On a GPU at head_dim 512 a program holds its queries and running output
+    ([16, 512] each) and a key tile: 16-key tiles over 8 warps keep that in registers, and two
+    pipeline stages in an A100's shared memory (bench/aot_check.py checks both for every target).
+    The interpreter pays per op: the widest tiles."""
+    if interpreting():
+        return {"BLOCK_N": 128}
+    return {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
 

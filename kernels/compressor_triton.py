@@ -165,6 +165,12 @@ def _compressor_args(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     return runtime, consts
 
 
+def pooling_warps(d: int) -> int:
+    """Warps of a program that pools [BLOCK_M, d] tiles of kv and score: eight at head_dim 512, where
+    four would spill those tiles out of registers (bench/aot_check.py), four below."""
+    return 8 if d >= 256 else 4
+
+
 def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor, ring_score: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, frozen_until: torch.Tensor, tables: torch.Tensor,
                      dest: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
@@ -174,7 +180,7 @@ def compress_decodes(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tenso
     runtime, consts = _compressor_args(kv, score, ring_kv, ring_score, dest, ratio, overlap, norm_weight, eps, ape,
                                        record)
     launch(_compress_decodes_kernel, (kv.shape[0],), _decode_args(slots, positions, frozen_until, tables, inv_freq),
-           runtime, **consts)
+           runtime, **consts, num_warps=pooling_warps(norm_weight.shape[0]))
 
 
 @triton.jit
@@ -238,7 +244,7 @@ def compress_chunk(kv: torch.Tensor, score: torch.Tensor, ring_kv: torch.Tensor,
     first, stop = max(start // ratio, frozen_until // ratio), (start + n) // ratio
     if first < stop:
         launch(_compress_chunk_kernel, (stop - first,), runtime, table.contiguous(), inv_freq.to(kv.device),
-               inv_freq.shape[0], start, first, **consts)
+               inv_freq.shape[0], start, first, **consts, num_warps=pooling_warps(norm_weight.shape[0]))
     rows, cd = ring_kv.shape[0], kv.shape[1]
     keep = min(n, rows)
     launch(_keep_pending_kernel, (keep,), kv, score, ape, ring_kv, ring_score, start, n, keep, ratio, cd, rows,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4serve.kernels.compressor_triton import _compress_decode_row, _compressor_args, _decode_args
+from v4serve.kernels.compressor_triton import _compress_decode_row, _compressor_args, _decode_args, pooling_warps
 from v4serve.kernels.decode_writes import Compression
 from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.launches import launch
@@ -62,5 +62,6 @@ def write_decode_step(ring: torch.Tensor, kv: torch.Tensor, batch: RaggedBatch, 
     (c1, c1_consts), (c2, c2_consts) = parts[0], parts[-1]
     launch(_decode_step_kernel, (n, 1 + len(parts)), window, decodes, c1, c2,
            **{f"W_{k}": v for k, v in window_consts.items()}, **{f"C1_{k}": v for k, v in c1_consts.items()},
-           **{f"C2_{k}": v for k, v in c2_consts.items()})
+           **{f"C2_{k}": v for k, v in c2_consts.items()},
+           num_warps=pooling_warps(compressions[0].norm_weight.shape[0]))
 

@@ -22,20 +22,27 @@ from v4serve.kernels.launches import interpreting, launch
 def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr, HI, DI, n, table_stride, w_scale,
                          PER_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Heads in chunks of BLOCK_H, their weighted relu'd dots summed chunk after chunk. The dot runs
+    in the keys' dtype: with bf16 keys (a bf16 model) on the tensor cores, exact, since the queries
+    were bf16 before the indexer widened them; with fp32 keys as an fp32 ("ieee") dot."""
     r = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    heads, dims = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
-    head_ok, dim_ok = heads < HI, dims < DI
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < DI
     count = tl.load(counts_ptr + r)
     visible = e < count
-    q = tl.load(q_ptr + (r * HI + heads[:, None]) * DI + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
-                other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + r * HI + heads, mask=head_ok, other=0.0).to(tl.float32) * w_scale
     blk = tl.load(tables_ptr + r * table_stride + e // PER_BLOCK, mask=visible, other=0)
     k = tl.load(keys_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * DI + dims[None, :],
-                mask=visible[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-    logits = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)  # [hI, N]
-    scores = tl.sum(logits * w[:, None], axis=0)
+                mask=visible[:, None] & dim_ok[None, :], other=0.0)
+    scores = tl.zeros([BLOCK_N], tl.float32)
+    for h0 in range(0, HI, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        head_ok = heads < HI
+        q = tl.load(q_ptr + (r * HI + heads[:, None]) * DI + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(keys_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + r * HI + heads, mask=head_ok, other=0.0).to(tl.float32) * w_scale
+        logits = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32), 0.0)  # [H, N]
+        scores += tl.sum(logits * w[:, None], axis=0)
     scores = tl.where(visible, scores, float("-inf"))
     tl.store(out_ptr + r * n + e, scores, mask=e < n)
 
@@ -46,13 +53,15 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     out = torch.empty(rows, n, dtype=torch.float32, device=q.device)
     if rows == 0 or n == 0:
         return out
-    block_n = 128 if interpreting() else 32
+    big = interpreting()  # the interpreter pays per op: every head at once, wide entry tiles
+    block_n = 128 if big else 32
+    block_h = max(triton.next_power_of_2(hi), 16) if big else 16  # tl.dot's smallest tile
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     # A row stride of 0 is one table read by every row (a prefill chunk's rows): never copied.
     launch(_index_scores_kernel, (rows, triton.cdiv(n, block_n)),
            q.contiguous(), w.contiguous(), keys, tables, counts.contiguous(), out, hi, di, n,
-           tables.stride(0), w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=max(triton.next_power_of_2(hi), 16),
+           tables.stride(0), w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=block_h,
            BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
     return out
 
@@ -78,8 +87,10 @@ def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, R, n, K, BLOCK_R: tl.con
             ok = row_ok[:, None] & (e < n)[None, :]
             key = _ordered(tl.load(scores_ptr + r[:, None] * n + e[None, :], mask=ok, other=float("-inf")))
             matches = ok & ((key & known[:, None]) == prefix[:, None])
-            digit = tl.where(matches, (key >> shift) & 255, 256) + local
-            hist += tl.reshape(tl.histogram(tl.reshape(digit, [BLOCK_R * BLOCK_N]), BLOCK_R * 512), [BLOCK_R, 512])
+            # Each entry's bin in its row's histogram (not `digit`: that name carries a round's result
+            # across rounds, and a loop may not change a carried variable's shape).
+            bin_of = tl.where(matches, (key >> shift) & 255, 256) + local
+            hist += tl.reshape(tl.histogram(tl.reshape(bin_of, [BLOCK_R * BLOCK_N]), BLOCK_R * 512), [BLOCK_R, 512])
         hist = tl.where(bins[None, :] < 256, hist, 0)
         at_least = tl.cumsum(hist, 1, reverse=True)  # candidates whose digit is ≥ each bin
         digit = tl.sum((at_least >= left[:, None]).to(tl.int32), axis=1) - 1
