@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import zlib
 from pathlib import Path
 
@@ -219,12 +220,20 @@ def test_writing_resumes_once_the_disk_has_room(tmp_path: Path, monkeypatch) -> 
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", no_space)
-    engine = engine_for(small_model(), kv_store_dir=str(tmp_path), kv_store_retry_seconds=0.2)
+    # The store's own clock, moved by hand: however slowly this machine runs request "a", its writes
+    # stay paused (one failure, not one per elapsed retry period), and they resume exactly when the
+    # retry period has passed.
+    clock = types.SimpleNamespace(now=0.0, sleep=time.sleep)
+    clock.monotonic = lambda: clock.now
+    monkeypatch.setattr(ssd_store, "time", clock)
+    engine = engine_for(small_model(), kv_store_dir=str(tmp_path), kv_store_retry_seconds=30.0)
     engine.generate([greedy("a", tokens(40, 30))])
     engine.kv.store.flush(timeout=PATIENCE)
     assert not engine.kv.store.writing and not list(tmp_path.rglob("*.blk"))
     full["on"] = False  # space is back
-    time.sleep(0.3)
+    clock.now += 29.0
+    assert not engine.kv.store.writing  # the retry period has not passed
+    clock.now += 2.0
     engine.generate([greedy("b", tokens(40, 31))])
     engine.kv.store.flush(timeout=PATIENCE)
     assert engine.kv.store.writing and len(list(tmp_path.rglob("*.blk"))) == 2
