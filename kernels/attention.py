@@ -64,27 +64,34 @@ class RaggedBatch:
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
               block_tables: list[list[int]], device: torch.device | str,
               frozen_until: list[int] | None = None) -> RaggedBatch:
+        """Every tensor of the step from one host buffer in one copy: pinned and non-blocking on a
+        GPU, so the host goes on building the step instead of waiting for the bus."""
         offsets, total = [], 0
         for n in num_new:
             offsets.append(total)
             total += n
-        width = max([len(t) for t in block_tables] + [1])
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        # Built from host lists in one go: a fixed number of ops whatever the batch.
-        row_seq = torch.tensor([b for b, n in enumerate(num_new) for _ in range(n)], dtype=torch.long)
-        row_pos = torch.tensor([p for s, n in zip(starts, num_new, strict=True) for p in range(s, s + n)],
-                               dtype=torch.long)
+        b, width = len(slots), max([len(t) for t in block_tables] + [1])
         floor = [max(w, 0) for w in window_from]
-        info = torch.tensor([slots, starts, offsets, floor, num_new], dtype=torch.long).T
-        frozen = frozen_until or [0] * len(slots)
-        d = [b for b, n in enumerate(num_new) if n == 1]
-        # One host→device copy for every per-decode vector.
-        per_decode = torch.tensor([[offsets[b] for b in d], [slots[b] for b in d], [starts[b] for b in d],
-                                   [floor[b] for b in d], [frozen[b] for b in d]], dtype=torch.long).to(device)
-        tables = tables.to(device)
-        decodes = DecodeRows(tuple(d), *per_decode.unbind(0), tables[torch.tensor(d, dtype=torch.long, device=device)])
-        return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from),
-                   tables, row_seq.to(device), row_pos.to(device), info.contiguous().to(device), decodes)
+        frozen = frozen_until or [0] * b
+        d = [i for i, n in enumerate(num_new) if n == 1]
+        parts = {
+            "tables": [x for t in block_tables for x in (*t, *[0] * (width - len(t)))],  # [B, nb], padded
+            "row_seq": [i for i, n in enumerate(num_new) for _ in range(n)],  # [T]
+            "row_pos": [p for s, n in zip(starts, num_new, strict=True) for p in range(s, s + n)],  # [T]
+            "info": [x for row in zip(slots, starts, offsets, floor, num_new, strict=True) for x in row],  # [B, 5]
+            "decodes": [offsets[i] for i in d] + [slots[i] for i in d] + [starts[i] for i in d]
+                       + [floor[i] for i in d] + [frozen[i] for i in d],  # [5, D]
+            "decode_seqs": d,  # [D]
+        }
+        on = _upload([x for values in parts.values() for x in values], torch.device(device))
+        views, at = {}, 0
+        for name, values in parts.items():
+            views[name], at = on[at:at + len(values)], at + len(values)
+        tables = views["tables"].view(b, width)
+        decode_tables = tables if len(d) == b else tables[views["decode_seqs"]]
+        decodes = DecodeRows(tuple(d), *views["decodes"].view(5, len(d)).unbind(0), decode_tables)
+        return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from), tables,
+                   views["row_seq"], views["row_pos"], views["info"].view(b, 5), decodes)
 
     @property
     def num_rows(self) -> int:
@@ -104,6 +111,12 @@ class RaggedBatch:
     def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows of x [T, ...]: x itself when every row decodes (no gather)."""
         return x if self.only_decodes else x[self.decodes.rows]
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host integers → an int64 tensor on `device`, copied without blocking the host on a GPU."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=device.type != "cpu")
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,

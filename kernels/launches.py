@@ -125,3 +125,72 @@ class LaunchCounter(TorchDispatchMode):
 
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+# Ops whose result depends on device values, read back by the host: each is a synchronisation.
+_READS_BACK = ("_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
+               "bincount", "masked_select", "repeat_interleave", "item", "equal", "is_nonzero")
+
+
+class HostSyncs(TorchDispatchMode):
+    """with HostSyncs() as s: ... → s.found, every point where the host waits for the device: ops
+    that read device values back (`.item()`, `nonzero`, `unique`, `bincount`, ...), copies between
+    the host and the device that block, and Python-level reads (`.tolist()`, `.item()`, `.numpy()`,
+    `bool()`/`int()` of a device tensor). Meant for a forward on the `meta` device (or a GPU): there
+    every tensor the forward computes is a device tensor, so any of these is a sync."""
+
+    _HOOKED = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+        self.ops: Counter[str] = Counter()
+        self.transfers = 0  # copies between host and device, blocking or not
+        self._saved: dict[str, Any] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name in _READS_BACK:
+            self.found.append(f"aten.{name} reads the device back")
+        elif name in ("_to_copy", "to", "copy_"):
+            self._check_copy(name, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check_copy(self, name: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        bound = {**dict(zip((a.name for a in func._schema.arguments), args, strict=False)), **kwargs}
+        if name == "copy_":
+            src, dst = bound["src"].device, bound["self"].device
+        else:
+            other = bound.get("other")
+            target = other.device if isinstance(other, torch.Tensor) else bound.get("device")
+            src = bound["self"].device
+            dst = torch.device(target) if target is not None else src
+        crosses = (src.type == "cpu") != (dst.type == "cpu")
+        self.transfers += crosses
+        if crosses and dst.type == "cpu":
+            self.found.append(f"aten.{name} copies device → host")
+        elif crosses and not bound.get("non_blocking", False):
+            self.found.append(f"aten.{name} copies host → device, blocking")
+
+    def __enter__(self) -> HostSyncs:
+        for attr in self._HOOKED:
+            self._saved[attr] = getattr(torch.Tensor, attr)
+            setattr(torch.Tensor, attr, self._hook(attr, self._saved[attr]))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for attr, fn in self._saved.items():
+            setattr(torch.Tensor, attr, fn)
+        super().__exit__(*exc)
+
+    def _hook(self, attr: str, fn: Any) -> Any:
+        found = self.found
+
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.device.type != "cpu":
+                found.append(f"Tensor.{attr}() of a {tensor.device.type} tensor")
+            return fn(tensor, *args, **kwargs)
+
+        return read

@@ -138,6 +138,11 @@ class Rotary:
         keep = 1 - ramp
         return (inv / yarn.factor) * (1 - keep) + inv * keep
 
+    def place(self, device: torch.device) -> None:
+        """Keep the frequencies on the model's device, copied once at load: a copy per step would be
+        a host-to-device transfer (and a synchronisation) in every layer of every step."""
+        self.inv_freq = self.inv_freq.to(device)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [n, r/2]
         return freqs.cos(), freqs.sin()

@@ -243,6 +243,9 @@ class DeepseekV4(nn.Module):
         (`SharedInput`): call it once the model is loaded and on its device."""
         for block in self.layers:
             block.attn.fuse_projections()
+        device = self.head.weight.device
+        self.rotary_main.place(device)
+        self.rotary_compress.place(device)
         for module in self.modules():
             if isinstance(getattr(module, "kernels", None), Kernels):
                 module.kernels = kernels
