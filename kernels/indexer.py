@@ -25,7 +25,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
 
 
 def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = False) -> torch.Tensor:
-    """scores [R, n] (−inf past each row's count), counts [R], k ≤ n → the k best entries of each
+    """scores [R, n] (−inf past each row's count), counts [R], k → the k best entries of each
     row [R, k], −1 where a row sees fewer than k. `full` promises that every row sees at least k
     (the caller knows it on the host), so nothing needs masking.
 
@@ -34,6 +34,8 @@ def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = 
     each group in entry order. Ties are real (a score is exactly 0 wherever every head's relu is),
     and a tie broken by the row's shape would let a decode step attend other entries than the same
     position inside a prefill chunk."""
+    if scores.shape[-1] < k:  # fewer entries than picks (early in a sequence): the rest stay −1
+        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[-1]), value=float("-inf"))
     n = scores.shape[-1]
     best = scores.topk(k, dim=-1).values  # [R, k]
     if full:

@@ -139,8 +139,10 @@ def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = 
     out = torch.empty(rows, k, dtype=torch.long, device=scores.device)
     if rows and k:
         # One row a program on a GPU; the interpreter pays per op, not per element, so it takes many.
-        block_r = 32 if interpreting() else 1
+        if interpreting():
+            block_r, block_n = 32, min(triton.next_power_of_2(n), 1024 // 32)
+        else:  # two entry tiles whatever the context: two compiles, not one per power of two
+            block_r, block_n = 1, 128 if n <= 128 else 1024
         launch(_index_topk_kernel, (triton.cdiv(rows, block_r),), scores.contiguous(), counts.contiguous(), out,
-               rows, n, k, BLOCK_R=block_r, BLOCK_N=min(triton.next_power_of_2(n), 1024 // block_r),
-               BLOCK_K=triton.next_power_of_2(k))
+               rows, n, k, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k))
     return out

@@ -177,12 +177,13 @@ class Attention(nn.Module):
 
     def _top_entries(self, iq: torch.Tensor, iw: torch.Tensor, index_keys: torch.Tensor, tables: torch.Tensor,
                      counts: torch.Tensor, n: int, full: bool = False) -> torch.Tensor:
-        """Top-k of R queries by `kernels.index_scores` and `kernels.index_topk` → [R, min(k, n)]
-        (−1 past each one's count; `full`: each sees at least k)."""
+        """Top-k of R queries by `kernels.index_scores` and `kernels.index_topk` → [R, k] (−1 past
+        each one's count; `full`: each sees at least k). Always k wide, however few entries exist
+        yet: the shapes (and the Triton kernel's constants) stay those of every later step."""
         assert self.indexer is not None
         scores = self.indexer.summed(self.kernels.index_scores(iq, iw, index_keys, tables, counts, n,
                                                                self.indexer.w_scale))
-        return self.kernels.index_topk(scores, counts, min(self.indexer.topk, n), full)
+        return self.kernels.index_topk(scores, counts, self.indexer.topk, full)
 
     def _select_chunk_rows(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, table: torch.Tensor,
                            index_keys: torch.Tensor, topk: torch.Tensor) -> None:
@@ -221,5 +222,5 @@ class Attention(nn.Module):
             rows = slice(seq.offset + a, seq.offset + z)
             counts = (torch.arange(seq.start + a, seq.start + z, device=iq.device) + 1) // self.ratio
             scores = self.indexer.scores(iq[rows], iw[rows], keys[:n], counts)
-            top = self.kernels.index_topk(scores, counts, min(self.indexer.topk, n))
+            top = self.kernels.index_topk(scores, counts, self.indexer.topk)
             topk[rows, :top.shape[-1]] = top
