@@ -19,7 +19,8 @@ from v4serve.kernels.launches import interpreting, launch
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr, HI, DI, n, table_stride, w_scale,
+def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr, HI, DI, n, table_stride, w_stride,
+                         w_scale,
                          PER_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Heads in chunks of BLOCK_H, their weighted relu'd dots summed chunk after chunk. The dot runs
@@ -40,7 +41,7 @@ def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, tables_ptr, counts_ptr, out_ptr
         head_ok = heads < HI
         q = tl.load(q_ptr + (r * HI + heads[:, None]) * DI + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(keys_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + r * HI + heads, mask=head_ok, other=0.0).to(tl.float32) * w_scale
+        w = tl.load(w_ptr + r * w_stride + heads, mask=head_ok, other=0.0).to(tl.float32) * w_scale
         logits = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32), 0.0)  # [H, N]
         scores += tl.sum(logits * w[:, None], axis=0)
     scores = tl.where(visible, scores, float("-inf"))
@@ -56,12 +57,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: t
     big = interpreting()  # the interpreter pays per op: every head at once, wide entry tiles
     block_n = 128 if big else 32
     block_h = max(triton.next_power_of_2(hi), 16) if big else 16  # tl.dot's smallest tile
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    # A row stride of 0 is one table read by every row (a prefill chunk's rows): never copied.
+    # A row stride of 0 is one table read by every row (a prefill chunk's rows): never copied; the head
+    # weights may be a column slice of a wider projection, read in place.
+    tables, w = (t if t.stride(-1) == 1 else t.contiguous() for t in (tables, w))
     launch(_index_scores_kernel, (rows, triton.cdiv(n, block_n)),
-           q.contiguous(), w.contiguous(), keys, tables, counts.contiguous(), out, hi, di, n,
-           tables.stride(0), w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=block_h,
+           q.contiguous(), w, keys, tables, counts.contiguous(), out, hi, di, n, tables.stride(0), w.stride(0),
+           w_scale, PER_BLOCK=keys.shape[1], BLOCK_H=block_h,
            BLOCK_D=max(triton.next_power_of_2(di), 16), BLOCK_N=block_n, PRECISION="ieee")
     return out
 

@@ -71,7 +71,11 @@ def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     weight[g] (wo_a)."""
     if isinstance(weight, quant_linear.QuantizedWeight):
         return quant_linear.grouped_quant_linear(x, weight)
-    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)  # per group: x_g · W_gᵀ
+    # Per group x_g · W_gᵀ, written straight into [T, G, O] rows: flattening the groups afterwards is
+    # then a view, not a copy of the whole output at every batch size above one.
+    out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
+    torch.bmm(x.transpose(0, 1), weight.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def grouped_linear_rows(x: torch.Tensor, weight: Weight) -> torch.Tensor:

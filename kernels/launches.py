@@ -103,6 +103,19 @@ class LaunchRecorder:
         _local.recorder = None
 
 
+def is_work(func: Any, out: Any, args: Any) -> bool:
+    """Whether an ATen op is device work: any op not marked a view, and a view-marked op whose result
+    has storage of its own. Under inference mode `.float()`, `.to(dtype)`, `.contiguous()` and
+    `reshape` reach a dispatch mode whole (`aten.to`, ...), marked as views since they may return
+    their input; when they copy instead, that is a kernel on a GPU. (Storage identity, not data
+    pointers: those are all 0 on the meta device.)"""
+    if not func.is_view:
+        return True
+    if not (isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)):
+        return False
+    return out.untyped_storage()._cdata != args[0].untyped_storage()._cdata
+
+
 class LaunchCounter(TorchDispatchMode):
     """with LaunchCounter() as c: ... → c.ops counts work items by name, c.total() their sum."""
 
@@ -111,9 +124,10 @@ class LaunchCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view:
+        out = func(*args, **(kwargs or {}))
+        if is_work(func, out, args):
             self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     def __enter__(self) -> LaunchCounter:
         _local.counter = self

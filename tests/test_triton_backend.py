@@ -121,11 +121,12 @@ def decode_step_items(model, batch: int) -> float:
 
 
 def test_a_decode_step_stays_within_its_launch_budget_at_any_batch() -> None:
-    """bench/bench_launches.py measures the tiny model's layers (38.8 items each); here the small
-    model's whole step, embedding and head included (45.0 per layer when written, with each layer's
-    cache writes in one launch), must stay under 46 per layer and must not grow with the batch (the
-    MoE once issued a few ops per expert in use)."""
+    """bench/bench_launches.py measures the tiny model's layers; here the small model's whole step,
+    embedding and head included (47.4 per layer when written, copies that inference mode marks as
+    views counted), must stay under 48 per layer and must not grow with the batch (the MoE once
+    issued a few ops per expert in use; a transposed grouped output and a sliced head-weight input
+    were once copied at every batch above one)."""
     _, model = model_pair(small=True)
     one, four = decode_step_items(model, 1), decode_step_items(model, 4)
-    assert one <= 46
+    assert one <= 48
     assert four == one
