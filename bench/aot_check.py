@@ -10,7 +10,9 @@ specializations, then every problem (a compile error, shared memory over the tar
 spill in a kernel a decode step runs, any other spill without a reason in ALLOWED_SPILLS), and
 writes bench/results/aot.json. Exits 1 when there is a problem.
 
-    python bench/aot_check.py [--jobs N] [--representatives]
+    python bench/aot_check.py [--jobs N] [--representatives] [--markdown]
+
+(`--markdown` also prints the table as README shows it.)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     parser.add_argument("--representatives", action="store_true",
                         help="one specialization of each kind (as the suite compiles) instead of all")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as README shows it")
     args = parser.parse_args()
     start = time.perf_counter()
     recorded = record_scenarios(SCENARIOS)
@@ -53,6 +56,8 @@ def main() -> int:
                 [[r["kernel"], r["target"], "yes" if r["kernel"] in decode else "", r["specializations"], r["errors"],
                   r["registers"], f"{r['spill_stores']}/{r['spill_loads']}", r["shared"], r["shared_limit"]]
                  for r in rows])
+    if args.markdown:
+        print("\n" + markdown(rows, decode))
     found = problems(results, recorded.decode_kernels)
     print(f"\n{len(results)} compiles in {elapsed:.0f} s; {len(found)} problems")
     for problem in found:
@@ -63,6 +68,22 @@ def main() -> int:
                                        for launch, r in zip((x for x in launches for _ in TARGETS), results,
                                                             strict=True)]})
     return 1 if found else 0
+
+
+def markdown(rows: list[dict], decode: set[str]) -> str:
+    """One line per kernel, a column per target: registers, spill bytes (stored/loaded), shared memory."""
+    targets = [t.name for t in TARGETS]
+    by_kernel: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_kernel.setdefault(r["kernel"], {})[r["target"]] = r
+    lines = ["| kernel | decode | specializations | " + " | ".join(targets) + " |",
+             "|---|---|---|" + "---|" * len(targets)]
+    for kernel, cells in by_kernel.items():
+        text = [f"{c['registers']} regs, {c['spill_stores']}/{c['spill_loads']} B spilled, {c['shared'] / 1024:.0f} KiB"
+                for c in (cells[t] for t in targets)]
+        lines.append(f"| `{kernel}` | {'yes' if kernel in decode else ''} | {cells[targets[0]]['specializations']} | "
+                     + " | ".join(text) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
