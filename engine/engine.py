@@ -28,6 +28,7 @@ from v4serve.engine.stats import EngineStats
 from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, Ranks, StepPlan, kv_digest, step_threads
 from v4serve.engine.structured import Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
+from v4serve.kernels.attention import upload
 
 log = logging.getLogger(__name__)
 
@@ -247,19 +248,40 @@ class LLMEngine:
         # Row layout and completion are decided on the pre-step counts.
         plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
         self.scheduler.advance(chunks)
-        outputs, i = [], 0
+        outputs: list[RequestOutput | None] = []
+        sampled: list[tuple[int, Request, int]] = []  # (place in outputs, request, its logits row)
+        i = 0
         for chunk, n, start, completes in plan:
-            rows, request = logits[i:i + n], chunk.request
+            request = chunk.request
             i += n
             try:
                 if request.sampling.prompt_logprobs is not None:
-                    self._record_prompt_logprobs(request, start, rows)
-                if completes:
-                    outputs.append(self._sample_and_check(request, rows[-1]))
+                    self._record_prompt_logprobs(request, start, logits[i - n:i])
             except Exception as exc:  # this request's own work failed: only it ends
-                log.exception("request %s failed after the forward pass", request.request_id)
-                outputs.append(self.fail(request, f"sampling failed: {exc!r}"))
-        return outputs
+                outputs.append(self._failed_after_forward(request, exc))
+                continue
+            if completes:
+                sampled.append((len(outputs), request, i - 1))
+                outputs.append(None)
+        if sampled:
+            rows = (logits if len(sampled) == len(logits)
+                    else logits.index_select(0, upload([row for _, _, row in sampled], logits.device)))
+            try:
+                samples = self.sampler.sample_rows([r for _, r, _ in sampled], rows)
+            except Exception as exc:  # the step's sampling failed: its requests end, no other
+                samples = [exc] * len(sampled)
+            for (place, request, _), sample in zip(sampled, samples, strict=True):
+                try:
+                    if isinstance(sample, Exception):
+                        raise sample
+                    outputs[place] = self._accept(request, sample)
+                except Exception as exc:
+                    outputs[place] = self._failed_after_forward(request, exc)
+        return outputs  # type: ignore[return-value]
+
+    def _failed_after_forward(self, request: Request, exc: Exception) -> RequestOutput:
+        log.error("request %s failed after the forward pass", request.request_id, exc_info=exc)
+        return self.fail(request, f"sampling failed: {exc!r}")
 
     def _record_prompt_logprobs(self, request: Request, start: int, rows: torch.Tensor) -> None:
         """Row p predicts prompt token p+1; the first prompt token has no logprob."""
@@ -276,8 +298,7 @@ class LLMEngine:
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
             request.prompt_logprobs.append(Sample(token=tok, logprob=float(logprobs[j, tok]), top=top))
 
-    def _sample_and_check(self, request: Request, row: torch.Tensor) -> RequestOutput:
-        sample = self.sampler.sample(request, row)
+    def _accept(self, request: Request, sample: Sample) -> RequestOutput:
         if request.grammar is not None:
             request.grammar.accept(sample.token)
         self.scheduler.append_token(request, sample.token)

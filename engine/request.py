@@ -12,7 +12,7 @@ from v4serve.cache.config import CacheConfig
 from v4serve.cache.request_kv import RequestKV
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
 
 class RequestStatus(enum.Enum):
@@ -59,8 +59,8 @@ class TokenGrammar(Protocol):
     def done(self) -> bool:
         """The grammar has ended: the request is complete."""
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Set every token the grammar does not allow next to −inf."""
+    def allowed_bitmask(self) -> np.ndarray:
+        """The tokens allowed next, as int32 words: token t is bit t % 32 of word t // 32."""
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token (RequestError if the grammar forbids it)."""

@@ -1,15 +1,30 @@
-"""Turn one row of logits into the next token for a request, per its sampling parameters.
+"""Turn the step's rows of logits into the next token of each request, per its sampling parameters,
+all rows at once on the logits' device.
 
 Order: logit_bias → grammar mask, or else min_tokens (no EOS or stop token yet) → penalties →
-(logprobs reported from here) → temperature → top-k → top-p → min-p → draw. A request with a `seed` draws from its own
-generator, so the same seed gives the same output whatever else shares the batch.
+(logprobs reported from here) → temperature → top-k → top-p → min-p → draw. A request with a `seed`
+draws from its own generator, so the same seed gives the same output whatever else shares the batch.
+
+What crosses between host and device per step: the parameters, bias/penalty indices and grammar
+bitmasks go up (non-blocking copies from pinned memory on a GPU; nothing when no row needs them),
+and one tensor comes back holding every row's token, its logprob, a non-finite flag and the
+requested top logprobs. The logits themselves never leave the device (0.5 MB a row at V4's
+vocabulary). The draw is an exponential race, argmax(p / E) with E ~ Exp(1) from the row's
+generator: a categorical draw from p that needs no host-side cumulative sum.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from v4serve.engine.request import Request, Sample, SamplingParams
+from v4serve.kernels.attention import upload
+
+NEG_INF = float("-inf")
 
 
 class NonFiniteLogits(ValueError):
@@ -17,72 +32,255 @@ class NonFiniteLogits(ValueError):
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if output and (params.presence_penalty or params.frequency_penalty):
-        ids = torch.tensor(output, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[0]).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    """One row, in place (the batched path, `_penalise`, computes the same)."""
+    rows = _Rows.build([_RowPrep.of(None, params, prompt, output, eos=None, bitmask=None)], logits.device)
+    _penalise(logits[None], rows)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to −inf."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[0]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
-        drop[0] = False  # the most likely token always stays, however small top_p is in this dtype
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+    """One row: temperature-scaled logits with everything outside top-k / top-p / min-p set to −inf."""
+    return _filter(logits[None], *_filter_params([params], logits.device))[0]
+
+
+def _filter_params(params: Sequence[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+    vals = [[p.temperature, float(p.top_k if p.top_k > 0 else 0), p.top_p, p.min_p] for p in params]
+    return upload(vals, device, torch.float32).view(len(params), 4).unbind(1)
+
+
+def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            min_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] and per-row parameters [R] (top_k 0 = off) → scaled logits with everything
+    outside each row's top-k / top-p / min-p set to −inf. Shapes never depend on the values."""
+    logits = logits / temperature[:, None]
+    sorted_logits, order = logits.sort(-1, descending=True)
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    k = torch.where((top_k > 0) & (top_k < logits.shape[1]), top_k, float(logits.shape[1])).long()
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # the k-th largest (ties with it stay)
+    # top-p over what top-k kept, in sorted order: keep the smallest set reaching top_p; the most
+    # likely token always stays, however small top_p is in this dtype.
+    probs = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF).softmax(-1)
+    drop_sorted = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (vocab > 0) & (top_p < 1.0)[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    logits = logits.masked_fill((logits < kth) | drop, NEG_INF)
+    kept = logits.softmax(-1)
+    return logits.masked_fill(kept < min_p[:, None] * kept.amax(-1, keepdim=True), NEG_INF)
+
+
+@dataclass
+class _RowPrep:
+    """What the host knows about one row before the device works on it."""
+
+    params: SamplingParams
+    generator_key: str | None
+    bias: list[tuple[int, float]]
+    ends: list[int]  # tokens barred before min_tokens
+    seen: list[int]  # prompt and output tokens, for the repetition penalty
+    output: list[int]  # for the presence and frequency penalties
+    bitmask: np.ndarray | None  # the grammar's allowed tokens, 32 a word
+
+    @classmethod
+    def of(cls, request: Request | None, params: SamplingParams, prompt: list[int], output: list[int],
+           eos: int | None, bitmask: np.ndarray | None) -> _RowPrep:
+        ends = []
+        if bitmask is None and len(output) < params.min_tokens:  # too early to stop
+            ends = [*params.stop_token_ids, *([eos] if eos is not None else [])]
+        seen = sorted(set(prompt) | set(output)) if params.repetition_penalty != 1.0 else []
+        penalised = output if params.presence_penalty or params.frequency_penalty else []
+        key = None if request is None or params.seed is None else request.request_id
+        return cls(params, key, list(params.logit_bias.items()), ends, seen, penalised, bitmask)
+
+
+@dataclass
+class _Rows:
+    """The step's per-row inputs, on the device, built from host lists in a few uploads."""
+
+    n: int
+    params: list[SamplingParams]
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, values
+    ends: tuple[torch.Tensor, torch.Tensor] | None
+    seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, repetition penalty
+    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, freq, pres
+    grammar: tuple[torch.Tensor, torch.Tensor] | None  # rows, bitmask words [G, W]
+
+    @classmethod
+    def build(cls, preps: list[_RowPrep], device: torch.device) -> _Rows:
+        def pairs(name: str) -> tuple[list[int], list[int]]:
+            rows, toks = [], []
+            for i, p in enumerate(preps):
+                items = getattr(p, name)
+                rows += [i] * len(items)
+                toks += [t if isinstance(t, int) else t[0] for t in items]
+            return rows, toks
+
+        def ints(*lists: list[int]) -> list[torch.Tensor]:
+            return list(upload([x for lst in lists for x in lst], device).split([len(lst) for lst in lists]))
+
+        bias = seen = ends = counted = grammar = None
+        rows, toks = pairs("bias")
+        if rows:
+            vals = [v for p in preps for _, v in p.bias]
+            bias = (*ints(rows, toks), upload(vals, device, torch.float32))
+        rows, toks = pairs("ends")
+        if rows:
+            ends = tuple(ints(rows, toks))
+        rows, toks = pairs("seen")
+        if rows:
+            r, t = ints(rows, toks)
+            seen = (r, t, upload([p.params.repetition_penalty for p in preps], device, torch.float32)[r])
+        rows, toks = pairs("output")
+        if rows:
+            r, t = ints(rows, toks)
+            f = upload([[p.params.frequency_penalty, p.params.presence_penalty] for p in preps], device, torch.float32)
+            counted = (r, t, *f.view(len(preps), 2).unbind(1))
+        masked = [i for i, p in enumerate(preps) if p.bitmask is not None]
+        if masked:
+            words = np.stack([preps[i].bitmask for i in masked])
+            host = torch.from_numpy(words).pin_memory() if device.type == "cuda" else torch.from_numpy(words)
+            grammar = (upload(masked, device), host.to(device, non_blocking=device.type != "cpu"))
+        return cls(len(preps), [p.params for p in preps], bias, ends, seen, counted, grammar)
+
+
+def _mask_grammar(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> None:
+    """Bar every token whose bit is clear in its row's bitmask (token t: bit t % 32 of word t // 32;
+    tokens past the mask are barred, as llguidance does)."""
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    index = (vocab >> 5).clamp_max(words.shape[1] - 1)
+    allowed = ((words[:, index] >> (vocab & 31)) & 1).bool() & (vocab < 32 * words.shape[1])
+    logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
+
+
+def _penalise(logits: torch.Tensor, rows: _Rows) -> None:
+    if rows.seen is not None:
+        r, t, penalty = rows.seen
+        vals = logits[r, t]
+        logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    if rows.counted is not None:
+        r, t, frequency, presence = rows.counted
+        counts = torch.zeros_like(logits).index_put_((r, t), torch.ones_like(t, dtype=logits.dtype), accumulate=True)
+        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _to_host(result: torch.Tensor) -> torch.Tensor:
+    """The step's one copy back: into pinned memory without blocking, then a wait on that copy
+    alone (the engine needs the tokens before it schedules again)."""
+    if result.device.type != "cuda":
+        return result.cpu()
+    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+    host.copy_(result, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
 
 
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_id: int | None = None) -> None:
         self.eos_token_id = eos_token_id
-        self._default = torch.Generator().manual_seed(seed)
+        self._seed = seed
+        self._default: dict[torch.device, torch.Generator] = {}
         self._per_request: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
 
-    def _generator(self, request: Request) -> torch.Generator:
-        if request.sampling.seed is None:
-            return self._default
-        gen = self._per_request.get(request.request_id)
+    def _generator(self, key: str | None, seed: int | None, device: torch.device) -> torch.Generator:
+        if key is None:
+            gen = self._default.get(device)
+            if gen is None:
+                gen = self._default[device] = torch.Generator(device).manual_seed(self._seed)
+            return gen
+        gen = self._per_request.get(key)
         if gen is None:
-            gen = self._per_request[request.request_id] = torch.Generator().manual_seed(request.sampling.seed)
+            gen = self._per_request[key] = torch.Generator(device).manual_seed(seed)
         return gen
 
     def sample(self, request: Request, logits: torch.Tensor) -> Sample:
-        params = request.sampling
-        logits = logits.float().cpu().clone()
-        for token, bias in params.logit_bias.items():  # ids were checked against the vocabulary
-            logits[token] += bias
-        if request.grammar is not None and request.grammar.active:
-            request.grammar.mask(logits)  # the grammar decides when the output may end
-        elif len(request.output_token_ids) < params.min_tokens:  # too early to stop
-            ends = [*params.stop_token_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])]
-            logits[ends] = float("-inf")
-        apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
-        if torch.isnan(logits).any() or torch.isposinf(logits).any():
-            raise NonFiniteLogits("the logits are not finite (NaN or +inf); nothing can be sampled from them")
+        """One request's next token from its row of logits [V]."""
+        result = self.sample_rows([request], logits[None])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def sample_rows(self, requests: Sequence[Request], logits: torch.Tensor) -> list[Sample | Exception]:
+        """Row i of logits [R, V] → request i's next token, or the error that only it fails with."""
+        out: list[Sample | Exception | None] = [None] * len(requests)
+        preps, live = [], []
+        for i, request in enumerate(requests):
+            try:
+                preps.append(self.prepare(request))
+                live.append(i)
+            except Exception as exc:  # its grammar failed: only it ends
+                out[i] = exc
+        if live:
+            picked = logits if len(live) == len(requests) else logits[upload(live, logits.device)]
+            for i, sample in zip(live, self._sample(preps, picked), strict=True):
+                out[i] = sample
+        return out  # type: ignore[return-value]
+
+    def prepare(self, request: Request) -> _RowPrep:
+        """The host's part of one row: its bias, penalty indices and grammar bitmask."""
+        grammar = request.grammar
+        bitmask = grammar.allowed_bitmask() if grammar is not None and grammar.active else None
+        return _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
+                           self.eos_token_id, bitmask)
+
+    def _sample(self, preps: list[_RowPrep], logits: torch.Tensor) -> list[Sample | Exception]:
+        result = self.on_device(preps, logits)
+        width = (result.shape[1] - 3) // 2
+        return [self._unpack(row, p.params.logprobs or 0, width)
+                for row, p in zip(_to_host(result).tolist(), preps, strict=True)]
+
+    def on_device(self, preps: list[_RowPrep], logits: torch.Tensor) -> torch.Tensor:
+        """Every row's sampling, on the logits' device, without reading anything back → [R, 3 + 2w]
+        float64: token, non-finite flag, its logprob, then w top ids and w top logprobs (w: the most
+        any row asked for). Token ids are exact in float64 (< 2^53), fp32 values widen exactly."""
+        device = logits.device
+        rows = _Rows.build(preps, device)
+        logits = logits.float().clone()  # [R, V]
+        if rows.bias is not None:
+            r, t, v = rows.bias
+            logits.index_put_((r, t), v, accumulate=True)  # ids were checked against the vocabulary
+        if rows.grammar is not None:
+            _mask_grammar(logits, *rows.grammar)  # the grammar decides when the output may end
+        if rows.ends is not None:
+            logits[rows.ends] = NEG_INF
+        _penalise(logits, rows)
+        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
         logprobs = logits.log_softmax(-1)
-        if params.greedy:
-            token = int(logits.argmax())
-        else:
-            probs = filter_logits(logits, params).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=self._generator(request)))
-        top: list[tuple[int, float]] = []
-        if params.logprobs:
-            vals, ids = logprobs.topk(params.logprobs)
-            top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-        return Sample(token=token, logprob=float(logprobs[token]), top=top)
+        tokens = self._draw(logits, preps, device)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        parts = [tokens.double()[:, None], bad.double()[:, None], chosen.double()[:, None]]
+        width = min(max((p.params.logprobs or 0) for p in preps), logprobs.shape[1])
+        if width:
+            vals, ids = logprobs.topk(width, -1)
+            parts += [ids.double(), vals.double()]
+        return torch.cat(parts, 1)
+
+    def _draw(self, logits: torch.Tensor, preps: list[_RowPrep], device: torch.device) -> torch.Tensor:
+        tokens = logits.argmax(-1)
+        sampled = [i for i, p in enumerate(preps) if not p.params.greedy]
+        if not sampled:
+            return tokens
+        index = upload(sampled, device)
+        probs = _filter(logits[index], *_filter_params([preps[i].params for i in sampled], device)).softmax(-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(sampled) if preps[i].generator_key is None]
+        if unseeded:  # one draw for every row on the shared generator
+            shared = torch.empty(len(unseeded), probs.shape[1], device=device)
+            shared.exponential_(generator=self._generator(None, None, device))
+            noise[upload(unseeded, device)] = shared
+        for j, i in enumerate(sampled):
+            if preps[i].generator_key is not None:
+                gen = self._generator(preps[i].generator_key, preps[i].params.seed, device)
+                noise[j].exponential_(generator=gen)
+        # clamp: an Exp(1) draw of exactly 0 would turn a barred token's 0 into 0/0
+        picked = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
+        return tokens.index_put((index,), picked)
+
+    @staticmethod
+    def _unpack(row: list[float], k: int, width: int) -> Sample | Exception:
+        if row[1]:
+            return NonFiniteLogits("the logits are not finite (NaN or +inf); nothing can be sampled from them")
+        k = min(k, width)
+        top = [(int(t), v) for t, v in zip(row[3:3 + k], row[3 + width:3 + width + k], strict=True)]
+        return Sample(token=int(row[0]), logprob=row[2], top=top)

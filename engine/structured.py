@@ -16,15 +16,12 @@ apply on a 129K vocabulary) are small next to a forward pass.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_np
+import numpy as np
 
 from v4serve.engine.request import GrammarSpec, RequestError
-
-if TYPE_CHECKING:  # masks are applied through numpy: a front end checking grammars never imports torch
-    import torch
 
 
 class Grammars:
@@ -91,13 +88,11 @@ class RequestGrammar:
         """The grammar has ended (its EOS was accepted): the request is complete."""
         return self.active and self._matcher.is_stopped()
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Set every token the grammar does not allow next to −inf (logits: one fp32 CPU row)."""
-        if not self.active:
-            return
+    def allowed_bitmask(self) -> np.ndarray:
+        """The tokens the grammar allows next: bit t % 32 of int32 word t // 32 (a fresh copy: the
+        sampler stacks the step's masks and applies them on the device)."""
         llg_np.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        row = logits.numpy()[None, :]
-        llg_np.apply_token_bitmask_inplace(row, self._bitmask)
+        return self._bitmask[0].copy()
 
     def accept(self, token: int) -> None:
         if not self.active:

@@ -83,7 +83,7 @@ class RaggedBatch:
                        + [floor[i] for i in d] + [frozen[i] for i in d],  # [5, D]
             "decode_seqs": d,  # [D]
         }
-        on = _upload([x for values in parts.values() for x in values], torch.device(device))
+        on = upload([x for values in parts.values() for x in values], torch.device(device))
         views, at = {}, 0
         for name, values in parts.items():
             views[name], at = on[at:at + len(values)], at + len(values)
@@ -113,9 +113,9 @@ class RaggedBatch:
         return x if self.only_decodes else x[self.decodes.rows]
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host integers → an int64 tensor on `device`, copied without blocking the host on a GPU."""
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host numbers → a tensor on `device`, copied without blocking the host on a GPU."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=device.type != "cpu")
 
 

@@ -34,15 +34,16 @@ def fail_forwards_after_third(engine: LLMEngine) -> None:
 
 
 def fail_sampling_with_seed_4242(engine: LLMEngine) -> None:
+    """Each row's host-side part of the step's batched sampling fails for seed 4242."""
     sampler = engine.sampler
-    real = sampler.sample
+    real = sampler.prepare
 
-    def sample(request, logits):  # noqa: ANN001, ANN202 - the sampler's own signature
+    def prepare(request):  # noqa: ANN001, ANN202 - the sampler's own signature
         if request.sampling.seed == 4242:
             raise RuntimeError("injected sampling fault")
-        return real(request, logits)
+        return real(request)
 
-    sampler.sample = sample
+    sampler.prepare = prepare
 
 
 def exit_while_loading(spec: object, addresses: object, parent_pid: int) -> None:

@@ -91,3 +91,123 @@ def test_prompt_logprobs_match_the_reference_forward():
         assert entry.token == prompt[p]
         assert math.isclose(entry.logprob, float(rows[p - 1, prompt[p]]), rel_tol=1e-4, abs_tol=1e-5)
         assert [t for t, _ in entry.top] == rows[p - 1].topk(3).indices.tolist()
+
+
+# ---- the step's rows sampled together, on the device ---------------------------------------------------
+VOCAB = 70
+
+
+def reference_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                  eos: int | None) -> tuple[int, float, list[tuple[int, float]]]:
+    """One greedy row the plain way: bias, min_tokens, penalties, then argmax and log_softmax."""
+    logits = logits.clone()
+    for t, b in params.logit_bias.items():
+        logits[t] += b
+    if len(output) < params.min_tokens:
+        logits[[*params.stop_token_ids, *([eos] if eos is not None else [])]] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        for t in set(prompt) | set(output):
+            v = logits[t]
+            logits[t] = v / params.repetition_penalty if v > 0 else v * params.repetition_penalty
+    for t in set(output):
+        n = output.count(t)
+        logits[t] -= params.frequency_penalty * n + params.presence_penalty
+    logprobs = logits.log_softmax(-1)
+    token = int(logits.argmax())
+    k = params.logprobs or 0
+    vals, ids = logprobs.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+    return token, float(logprobs[token]), list(zip(ids.tolist(), vals.tolist(), strict=True))
+
+
+def mixed_requests() -> list[Request]:
+    kinds = [SamplingParams(), SamplingParams(logprobs=3), SamplingParams(logit_bias={5: 30.0}),
+             SamplingParams(min_tokens=4, stop_token_ids=[7]), SamplingParams(repetition_penalty=1.7, logprobs=2),
+             SamplingParams(presence_penalty=0.6, frequency_penalty=0.3),
+             SamplingParams(temperature=0.8, top_k=5, seed=11, logprobs=1),
+             SamplingParams(temperature=1.2, top_p=0.6, min_p=0.05, seed=12), SamplingParams(temperature=1.0, seed=13)]
+    gen = torch.Generator().manual_seed(5)
+    requests = []
+    for i, params in enumerate(kinds):
+        prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
+        r = Request(f"r{i}", prompt, params)
+        r.output_token_ids = torch.randint(0, VOCAB, (i % 3,), generator=gen).tolist()
+        requests.append(r)
+    return requests
+
+
+def test_a_batch_samples_each_row_as_it_would_alone_and_as_the_plain_way():
+    requests = mixed_requests()
+    logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(6)) * 3
+    logits[3, 7] = logits[3, 1] = 50.0  # the stop token and EOS lead: min_tokens must bar them
+    together = Sampler(eos_token_id=1).sample_rows(requests, logits)
+    for i, (request, got) in enumerate(zip(requests, together, strict=True)):
+        alone = Sampler(seed=99, eos_token_id=1).sample(request, logits[i])  # its own generator when seeded
+        assert got == alone, i
+        if request.sampling.greedy:
+            token, logprob, top = reference_row(logits[i], request.sampling, request.prompt_token_ids,
+                                                request.output_token_ids, eos=1)
+            assert got.token == token and math.isclose(got.logprob, logprob, rel_tol=1e-6, abs_tol=1e-6), i
+            assert [t for t, _ in got.top] == [t for t, _ in top], i
+    assert together[2].token == 5 and together[3].token not in (7, 1)
+
+
+def test_top_p_applies_to_what_top_k_kept():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5))
+    assert (kept > float("-inf")).tolist() == [True, False, False, False]  # 0.4 of 0.7 reaches 0.5
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_k=3, top_p=1.0))
+    assert (kept > float("-inf")).tolist() == [True, True, True, False]
+
+
+def test_draws_follow_the_filtered_distribution():
+    """4,000 rows in one batch on the shared generator, and 4,000 steps of one seeded request: each
+    token's share within 5 standard deviations of its probability (fixed seeds: never flaky)."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    params = SamplingParams(temperature=1.0, top_k=4)
+    want = probs[:4] / probs[:4].sum()
+    n = 4000
+    batch = Sampler(seed=3).sample_rows([req(**vars(params)) for _ in range(n)], probs.log().expand(n, -1))
+    sampler, seeded = Sampler(), req(temperature=1.0, top_k=4, seed=21)
+    steps = [sampler.sample(seeded, probs.log()).token for _ in range(n)]
+    for drawn in ([s.token for s in batch], steps):
+        counts = torch.bincount(torch.tensor(drawn), minlength=5).double() / n
+        assert counts[4] == 0  # outside top-k
+        sigma = (want * (1 - want) / n).sqrt()
+        assert ((counts[:4] - want).abs() <= 5 * sigma).all(), counts
+
+
+def test_the_grammar_mask_on_the_device_is_llguidances():
+    import llguidance.numpy as llg_np
+    import numpy as np
+
+    from v4serve.engine.sampler import _mask_grammar
+
+    rng = np.random.default_rng(0)
+    words = rng.integers(-(2**31), 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
+    words[0, 2] = -(2**31)  # bit 31 alone
+    logits = torch.randn(3, 100)  # past the mask's 96 tokens: barred, as llguidance bars them
+    want = logits.numpy().copy()
+    llg_np.apply_token_bitmask_inplace(want, words)
+    got = logits.clone()
+    _mask_grammar(got, torch.arange(3), torch.from_numpy(words))
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+def test_sampling_never_reads_the_device_back(monkeypatch):
+    """On the `meta` device (a stand-in for a GPU: every value lives there), the step's sampling of
+    greedy, biased, penalised, grammar-masked and drawn rows with logprobs: no read back, no blocking
+    copy; what goes up is parameters and indices, non-blocking; the result is one tensor."""
+    from v4serve.engine.sampler import _RowPrep
+    from v4serve.kernels.launches import HostSyncs
+
+    sampler = Sampler(eos_token_id=1)
+    monkeypatch.setattr(sampler, "_generator", lambda *_: None)  # the meta device has no generators
+    mask = torch.full((3,), -1, dtype=torch.int32).numpy()
+    preps = [_RowPrep.of(r, r.sampling, r.prompt_token_ids, r.output_token_ids, 1, mask if i == 0 else None)
+             for i, r in enumerate(mixed_requests())]
+    logits = torch.empty(len(preps), VOCAB, device="meta", dtype=torch.bfloat16)
+    with HostSyncs() as syncs:
+        result = sampler.on_device(preps, logits)
+    assert syncs.found == []
+    assert syncs.transfers > 0  # the uploads happened (and were non-blocking, else found)
+    assert result.device.type == "meta" and result.shape == (len(preps), 3 + 2 * 3)
