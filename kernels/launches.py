@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _local = threading.local()
@@ -146,6 +147,14 @@ _READS_BACK = ("_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2"
                "bincount", "masked_select", "repeat_interleave", "item", "equal", "is_nonzero")
 
 
+def _mixes_host_and_device(args: Any, kwargs: dict[str, Any]) -> bool:
+    """An op given CPU tensors (not 0-dim: those pass as scalars) beside device tensors copies them
+    to the device itself, from pageable memory, blocking: `x[list_of_ints]` on a GPU tensor does."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    on_host = any(t.device.type == "cpu" and t.dim() > 0 for t in tensors)
+    return on_host and any(t.device.type != "cpu" for t in tensors)
+
+
 class HostSyncs(TorchDispatchMode):
     """with HostSyncs() as s: ... → s.found, every point where the host waits for the device: ops
     that read device values back (`.item()`, `nonzero`, `unique`, `bincount`, ...), copies between
@@ -154,6 +163,7 @@ class HostSyncs(TorchDispatchMode):
     every tensor the forward computes is a device tensor, so any of these is a sync."""
 
     _HOOKED = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    _INDEXING = ("__getitem__", "__setitem__")
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,6 +180,8 @@ class HostSyncs(TorchDispatchMode):
             self.found.append(f"aten.{name} reads the device back")
         elif name in ("_to_copy", "to", "copy_"):
             self._check_copy(name, func, args, kwargs)
+        elif _mixes_host_and_device(args, kwargs):
+            self.found.append(f"aten.{name} takes host tensors beside device ones (a hidden blocking copy)")
         return func(*args, **kwargs)
 
     def _check_copy(self, name: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -192,6 +204,9 @@ class HostSyncs(TorchDispatchMode):
         for attr in self._HOOKED:
             self._saved[attr] = getattr(torch.Tensor, attr)
             setattr(torch.Tensor, attr, self._hook(attr, self._saved[attr]))
+        for attr in self._INDEXING:
+            self._saved[attr] = getattr(torch.Tensor, attr)
+            setattr(torch.Tensor, attr, self._index_hook(attr, self._saved[attr]))
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -208,3 +223,18 @@ class HostSyncs(TorchDispatchMode):
             return fn(tensor, *args, **kwargs)
 
         return read
+
+    def _index_hook(self, attr: str, fn: Any) -> Any:
+        """Indexing a device tensor with a Python list (or a CPU tensor) builds the index on the host
+        and copies it up, blocking, below the dispatcher (`h[rows]` with rows a list)."""
+        found = self.found
+
+        def index(tensor: torch.Tensor, key: Any, *args: Any) -> Any:
+            keys = key if isinstance(key, tuple) else (key,)
+            if tensor.device.type != "cpu" and any(
+                    isinstance(k, list) or (isinstance(k, torch.Tensor) and k.device.type == "cpu" and k.dim() > 0)
+                    for k in keys):
+                found.append(f"Tensor.{attr} of a {tensor.device.type} tensor with host indices (a blocking copy)")
+            return fn(tensor, key, *args)
+
+        return index

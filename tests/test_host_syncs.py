@@ -7,6 +7,8 @@ non-blocking copy. And the recorder can fail: each kind of sync is found."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,8 +47,12 @@ def test_every_kind_of_sync_is_found() -> None:
                 pass  # a meta tensor has no values to give: the attempt is what counts
         torch.zeros(4).to("meta")
         torch.zeros(4).to("meta", non_blocking=True)
+        device[[0, 1]]  # a list index is built on the host and copied up, blocking
+        with contextlib.suppress(RuntimeError):  # meta refuses it; a GPU op would copy it up, blocking
+            torch.add(device, torch.ones(4))
     found = "\n".join(syncs.found)
     for expected in ("aten.nonzero", "aten.bincount", "Tensor.item()", "Tensor.tolist()", "unique",
-                     "Tensor.__bool__()", "copies host → device, blocking"):
+                     "Tensor.__bool__()", "copies host → device, blocking", "Tensor.__getitem__",
+                     "aten.add takes host tensors"):
         assert expected in found, expected
     assert found.count("copies host → device") == 1  # the non-blocking copy is fine

@@ -26,7 +26,7 @@ from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.engine.model.packed import weight_of
 from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum, embed_shard, gather_vocab, local
-from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.attention import RaggedBatch, upload
 from v4serve.kernels.moe import swiglu
 from v4serve.kernels.norm_rope import rms_norm
 from v4serve.kernels.quant_linear import QuantizedWeight, Weight
@@ -263,12 +263,20 @@ class DeepseekV4(nn.Module):
             rotary, (cos, sin) = ((self.rotary_main, cs_main) if block.attn.kind == "swa"
                                   else (self.rotary_compress, cs_comp))
             h = block(h, input_ids, positions, meta, batch, layer_kv, rotary, cos, sin)
-        h = h[meta.logits_rows]
+        h = self._logit_rows(h, meta.logits_rows)
         x = self.norm(self._hc_head(h))
         logits = self.kernels.linear(x.float(), self.head.weight.float())  # [R, V] (this rank's V_r)
         if self.parallel is None:
             return logits
         return gather_vocab(logits, self.cfg.vocab_size, -(-self.cfg.vocab_size // self.parallel.size))
+
+    @staticmethod
+    def _logit_rows(h: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The rows whose logits are wanted: all of them in a decode step (no copy, no index); else
+        an index uploaded without blocking (a list index would be copied up blocking)."""
+        if rows == list(range(h.shape[0])):
+            return h
+        return h.index_select(0, upload(rows, h.device))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] → [T, D]; a rank holds some vocabulary rows: the lookup is summed over the ranks."""
