@@ -63,14 +63,20 @@ class RaggedBatch:
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
               block_tables: list[list[int]], device: torch.device | str,
-              frozen_until: list[int] | None = None) -> RaggedBatch:
+              frozen_until: list[int] | None = None, table_width: int | None = None) -> RaggedBatch:
         """Every tensor of the step from one host buffer in one copy: pinned and non-blocking on a
-        GPU, so the host goes on building the step instead of waiting for the bus."""
+        GPU, so the host goes on building the step instead of waiting for the bus. `table_width`
+        pads every block table to that many blocks (default: the longest in the batch); at a fixed
+        width a decode step's shapes no longer depend on the context."""
         offsets, total = [], 0
         for n in num_new:
             offsets.append(total)
             total += n
         b, width = len(slots), max([len(t) for t in block_tables] + [1])
+        if table_width is not None:
+            if table_width < width:
+                raise ValueError(f"a block table of {width} blocks does not fit table_width {table_width}")
+            width = table_width
         floor = [max(w, 0) for w in window_from]
         frozen = frozen_until or [0] * b
         d = [i for i, n in enumerate(num_new) if n == 1]

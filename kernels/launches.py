@@ -104,6 +104,55 @@ class LaunchRecorder:
         _local.recorder = None
 
 
+def _traced(arg: Any) -> Any:
+    """An argument as a step trace keeps it: a tensor's shape, strides and dtype (never its values),
+    a number itself, a sequence's items."""
+    if isinstance(arg, torch.Tensor):
+        return tuple(arg.shape), arg.stride(), str(arg.dtype).removeprefix("torch.")
+    if isinstance(arg, (tuple, list)):
+        return tuple(_traced(a) for a in arg)
+    if isinstance(arg, (bool, int, float, str, type(None))):
+        return arg
+    return type(arg).__name__
+
+
+class StepTrace(LaunchRecorder):
+    """with StepTrace() as t: ... → t.events, in order: every ATen op (its name, its arguments'
+    shapes, strides, dtypes and numbers) and every Triton launch (kernel, grid, arguments,
+    constexprs); nothing Triton runs. It is what a CUDA graph freezes of a step: two steps with
+    equal traces can replay one capture (given their inputs in the same buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[Any, ...]] = []
+        self._mode = _OpTrace(self.events)
+
+    def record(self, kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().record(kernel, grid, args, kwargs)
+        name = getattr(kernel, "fn", kernel).__name__
+        self.events.append(("launch", name, tuple(grid), _traced(args), tuple(sorted(kwargs.items()))))
+
+    def __enter__(self) -> StepTrace:
+        super().__enter__()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        super().__exit__(*exc)
+
+
+class _OpTrace(TorchDispatchMode):
+    def __init__(self, events: list[tuple[Any, ...]]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.events.append(("op", str(func), _traced(args), _traced(sorted(kwargs.items()))))
+        return func(*args, **kwargs)
+
+
 def is_work(func: Any, out: Any, args: Any) -> bool:
     """Whether an ATen op is device work: any op not marked a view, and a view-marked op whose result
     has storage of its own. Under inference mode `.float()`, `.to(dtype)`, `.contiguous()` and

@@ -131,8 +131,9 @@ def meta_model(scenario: Scenario) -> DeepseekV4:
     return model
 
 
-def run_step(model: DeepseekV4, kv: DeviceKV, step: Step) -> None:
-    """One forward of `step`'s shape (token ids and KV contents do not exist on the meta device)."""
+def run_step(model: DeepseekV4, kv: DeviceKV, step: Step, table_width: int | None = None) -> None:
+    """One forward of `step`'s shape (token ids and KV contents do not exist on the meta device),
+    block tables padded to `table_width` when given."""
     block = model.cfg.block_size
     seqs = []
     for start, n in [*((c, 1) for c in step.decodes), *step.chunks]:
@@ -140,6 +141,7 @@ def run_step(model: DeepseekV4, kv: DeviceKV, step: Step) -> None:
         table = list(range(len(seqs) * blocks, (len(seqs) + 1) * blocks))  # distinct blocks per sequence
         seqs.append(SeqChunk(slot=len(seqs), block_table=table, start=start, num_new=n))
     meta = AttentionMetadata.build(seqs)
+    meta.table_width = table_width
     ids = torch.zeros(meta.num_tokens, dtype=torch.long, device="meta")
     model(ids, meta, kv)
 

@@ -155,10 +155,15 @@ class Attention(nn.Module):
         iq, iw = index_q
         dec = batch.decodes
         visible = [(batch.starts[b] + 1) // self.ratio for b in dec.seqs]  # known on the host: no sync
-        n = max(visible + [0])
-        if batch.only_decodes and min(visible) >= self.indexer.topk:
-            # Every row sees at least k entries: its top-k fills all k columns, nothing to pad or scatter.
-            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n, full=True)
+        # Entries scored per row: those the longest row sees, or, at a fixed table width, all a table
+        # can address (the step's shapes then do not depend on the contexts).
+        fixed = meta.table_width is not None
+        n = dec.tables.shape[1] * index_keys.shape[1] if fixed else max(visible + [0])
+        if batch.only_decodes and n:
+            # Every row is a decode: its k-wide top-k (−1 past its count) is the answer, nothing to
+            # scatter; `full` when each row is known to see k entries (nothing to pad either).
+            full = not fixed and min(visible) >= self.indexer.topk
+            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n, full=full)
         topk = torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
         if n:
             top = self._top_entries(batch.decode_rows(iq), batch.decode_rows(iw), index_keys, dec.tables,

@@ -37,6 +37,9 @@ class AttentionMetadata:
     seqs: list[SeqChunk]
     # Flattened-batch rows whose logits are wanted (usually each sequence's last new token).
     logits_rows: list[int] = field(default_factory=list)
+    # Block tables padded to this many blocks (None: the longest in the batch); fixed, it makes a
+    # decode step's shapes independent of the context.
+    table_width: int | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqChunk], logit_rows: Sequence[Iterable[int]] | None = None) -> AttentionMetadata:
@@ -57,7 +60,7 @@ class AttentionMetadata:
         s = self.seqs
         return RaggedBatch.build([q.slot for q in s], [q.start for q in s], [q.num_new for q in s],
                                  [q.window_from for q in s], [q.block_table for q in s], device,
-                                 [q.frozen_until for q in s])
+                                 [q.frozen_until for q in s], self.table_width)
 
     @property
     def num_tokens(self) -> int:
