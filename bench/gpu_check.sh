@@ -4,8 +4,8 @@
 # results in bench/results/aot.json), then the kernel tests with the kernels compiled for this GPU,
 # then each kernel against its torch twin, the quantized GEMMs and MoE against bf16 at V4-Flash's
 # shapes, and the model's decode and prefill tokens/s at the real head sizes (bench/bench_gpu.py,
-# results in bench/results/bench_gpu.json). Decode is timed eager only: v4serve has no CUDA graphs
-# yet, and the script says so (bench/gpu_model.py predicts both, on paper).
+# results in bench/results/bench_gpu.json). Decode is timed eager only (the engine captures CUDA graphs;
+# this script does not time them yet, and says so; bench/gpu_model.py predicts both, on paper).
 #
 #   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 #   bash bench/gpu_check.sh
@@ -28,11 +28,11 @@ timeout 300 "$PY" bench/aot_check.py --jobs "$(nproc)" || aot_status=$?
 timeout 240 "$PY" -m pytest -q -x tests/test_kernels.py tests/test_triton_backend.py tests/test_quant_linear.py
 timeout 60 "$PY" -m pytest -q -x tests/test_kv_fp8.py -k "encoding_rounds or byte_for_byte or compressors_write or round_keys"
 # 3. Timings: kernels, quantized GEMMs and MoE, and the model's prefill and decode tokens/s.
-#    DECODE, EAGER AND CUDA GRAPHS: the decode figures bench_gpu.py prints are eager, the only mode
-#    v4serve has; with CUDA graphs there is nothing to run yet (no graphs, no --enforce-eager flag).
+#    DECODE, EAGER AND CUDA GRAPHS: the decode figures bench_gpu.py prints are the model's eager
+#    step; the engine's captured decode steps (engine/model/decode_graphs.py) are not timed here yet.
 timeout 240 "$PY" bench/bench_gpu.py --device cuda
-echo "gpu_check: decode timed eager only; CUDA graphs: not implemented yet in v4serve (no --enforce-eager flag)," \
-     "so no graphs timing (bench/gpu_model.py gives the predicted eager vs graphs step times)"
+echo "gpu_check: decode timed eager only; the engine's CUDA graphs (serve without --enforce-eager) are not" \
+     "timed by this script yet (bench/gpu_model.py gives the predicted eager vs graphs step times)"
 if [ "$aot_status" -ne 0 ]; then
     echo "gpu_check: bench/aot_check.py failed (exit $aot_status; 124: out of time): see its problems above" >&2
     exit "$aot_status"

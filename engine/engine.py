@@ -17,6 +17,7 @@ from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.layout import KVLayout, cache_table, key_record
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
+from v4serve.engine.model.decode_graphs import DecodeGraphs, decode_buckets
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
@@ -65,6 +66,7 @@ class EngineConfig:
     kv_store_retry_seconds: float = 30.0  # after a full disk: how often to look for space again
     weights_digest: bytes | None = None  # of the checkpoint files; None: digest the tensors if needed
     tokenizer_json: str | None = None  # the vocabulary, as data, for structured outputs (None: unsupported)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
 
 
 @dataclass
@@ -99,6 +101,24 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     return h.digest()
 
 
+def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, ranks: Ranks | None) -> str:
+    """Whether decode steps are captured as CUDA graphs ("on"), or why not. Captured steps must not
+    depend on host values: the Triton kernels' decode path does not (tests/test_fixed_shapes.py,
+    tests/test_decode_graphs.py); the torch twins read values back, and the batch-invariant kernels
+    loop over the batch on the host."""
+    if config.enforce_eager:
+        return "off (--enforce-eager)"
+    if device.type != "cuda":
+        return f"off (not on CUDA: {device.type})"
+    if model.kernels.backend != "triton":
+        return "off (--attention-backend torch reads values back on the host)"
+    if model.kernels.batch_invariant:
+        return "off (--batch-invariant drives its per-row kernels from the host)"
+    if ranks is not None:
+        return "off (not captured under tensor parallelism yet)"
+    return "on"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -118,8 +138,11 @@ class LLMEngine:
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
+        self.cuda_graphs = _cuda_graphs(device, config, model, ranks)
+        scratch = int(self.cuda_graphs == "on")  # a slot and a block past the pools for a graph's padding rows
         kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
-        self.device_kv = kv_class(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype, device)
+        self.device_kv = kv_class(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
+                                  device)
         if ranks is not None:
             ranks.start(KVShape(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype))
         self.cache_config = CacheConfig(
@@ -155,6 +178,12 @@ class LLMEngine:
         self._forward_failures = 0
         fp8 = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8")
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
+        self.graphs: DecodeGraphs | None = None
+        if scratch:
+            self.graphs = DecodeGraphs(model, self.device_kv, decode_buckets(config.max_num_seqs),
+                                       -(-config.max_model_len // block), scratch_slot=config.max_num_seqs,
+                                       scratch_block=num_blocks, capture=True)
+        log.info("CUDA graphs: %s", self.cuda_graphs)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -239,6 +268,9 @@ class LLMEngine:
         if self.ranks is not None:
             assert isinstance(self.device_kv, MirroredDeviceKV)
             self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads))
+        if (self.graphs is not None and self.graphs.fits(seqs)
+                and all(len(self.logit_rows(c)) == 1 for c in chunks)):
+            return self.graphs.run(ids, seqs)  # a decode-only step: replayed
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
         if self.device_kv.device.type == "cpu":
             torch.set_num_threads(threads)

@@ -60,6 +60,8 @@ class RaggedBatch:
     decodes: DecodeRows
     _memo: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
+    buffer: torch.Tensor | None = field(default=None, compare=False, repr=False)  # what every tensor views
+
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
               block_tables: list[list[int]], device: torch.device | str,
@@ -68,36 +70,32 @@ class RaggedBatch:
         GPU, so the host goes on building the step instead of waiting for the bus. `table_width`
         pads every block table to that many blocks (default: the longest in the batch); at a fixed
         width a decode step's shapes no longer depend on the context."""
-        offsets, total = [], 0
-        for n in num_new:
-            offsets.append(total)
-            total += n
-        b, width = len(slots), max([len(t) for t in block_tables] + [1])
-        if table_width is not None:
-            if table_width < width:
-                raise ValueError(f"a block table of {width} blocks does not fit table_width {table_width}")
-            width = table_width
-        floor = [max(w, 0) for w in window_from]
-        frozen = frozen_until or [0] * b
-        d = [i for i, n in enumerate(num_new) if n == 1]
-        parts = {
-            "tables": [x for t in block_tables for x in (*t, *[0] * (width - len(t)))],  # [B, nb], padded
-            "row_seq": [i for i, n in enumerate(num_new) for _ in range(n)],  # [T]
-            "row_pos": [p for s, n in zip(starts, num_new, strict=True) for p in range(s, s + n)],  # [T]
-            "info": [x for row in zip(slots, starts, offsets, floor, num_new, strict=True) for x in row],  # [B, 5]
-            "decodes": [offsets[i] for i in d] + [slots[i] for i in d] + [starts[i] for i in d]
-                       + [floor[i] for i in d] + [frozen[i] for i in d],  # [5, D]
-            "decode_seqs": d,  # [D]
-        }
+        parts, offsets, width = _host_parts(slots, starts, num_new, window_from, block_tables, frozen_until,
+                                            table_width)
         on = upload([x for values in parts.values() for x in values], torch.device(device))
         views, at = {}, 0
         for name, values in parts.items():
             views[name], at = on[at:at + len(values)], at + len(values)
+        b, d = len(slots), parts["decode_seqs"]
         tables = views["tables"].view(b, width)
         decode_tables = tables if len(d) == b else tables[views["decode_seqs"]]
         decodes = DecodeRows(tuple(d), *views["decodes"].view(5, len(d)).unbind(0), decode_tables)
         return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from), tables,
-                   views["row_seq"], views["row_pos"], views["info"].view(b, 5), decodes)
+                   views["row_seq"], views["row_pos"], views["info"].view(b, 5), decodes, buffer=on)
+
+    def refill(self, slots: list[int], starts: list[int], window_from: list[int], block_tables: list[list[int]],
+               frozen_until: list[int]) -> None:
+        """Another step of the same shape (as many sequences, each decoding one token, tables as
+        wide) into this batch's own tensors, in one non-blocking copy: what a replayed CUDA graph
+        reads. The Python tuples keep the values this batch was built with (a replay runs no
+        Python): a forward whose result depended on them would differ from the eager step."""
+        assert self.buffer is not None and len(slots) == len(self.slots)
+        parts, _, _ = _host_parts(slots, starts, [1] * len(slots), window_from, block_tables, frozen_until,
+                                  self.tables.shape[1])
+        host = torch.tensor([x for values in parts.values() for x in values], dtype=torch.long,
+                            pin_memory=self.buffer.device.type == "cuda")
+        self.buffer.copy_(host, non_blocking=self.buffer.device.type != "cpu")
+        self._memo.clear()
 
     @property
     def num_rows(self) -> int:
@@ -117,6 +115,34 @@ class RaggedBatch:
     def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows of x [T, ...]: x itself when every row decodes (no gather)."""
         return x if self.only_decodes else x[self.decodes.rows]
+
+
+def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
+                block_tables: list[list[int]], frozen_until: list[int] | None, table_width: int | None,
+                ) -> tuple[dict[str, list[int]], list[int], int]:
+    """RaggedBatch's tensors as host lists, in buffer order → (parts, row offsets, table width)."""
+    offsets, total = [], 0
+    for n in num_new:
+        offsets.append(total)
+        total += n
+    b, width = len(slots), max([len(t) for t in block_tables] + [1])
+    if table_width is not None:
+        if table_width < width:
+            raise ValueError(f"a block table of {width} blocks does not fit table_width {table_width}")
+        width = table_width
+    floor = [max(w, 0) for w in window_from]
+    frozen = frozen_until or [0] * b
+    d = [i for i, n in enumerate(num_new) if n == 1]
+    parts = {
+        "tables": [x for t in block_tables for x in (*t, *[0] * (width - len(t)))],  # [B, nb], padded
+        "row_seq": [i for i, n in enumerate(num_new) for _ in range(n)],  # [T]
+        "row_pos": [p for s, n in zip(starts, num_new, strict=True) for p in range(s, s + n)],  # [T]
+        "info": [x for row in zip(slots, starts, offsets, floor, num_new, strict=True) for x in row],  # [B, 5]
+        "decodes": [offsets[i] for i in d] + [slots[i] for i in d] + [starts[i] for i in d]
+                   + [floor[i] for i in d] + [frozen[i] for i in d],  # [5, D]
+        "decode_seqs": d,  # [D]
+    }
+    return parts, offsets, width
 
 
 def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -59,6 +59,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--weight-dtype", str, "auto (= checkpoint), checkpoint (FP8/FP4 weights stay packed), bf16 or fp32 "
                             "(dequantized at load)"),
     ("--batch-invariant", bool, "a request's logits are bitwise the same alone or in any batch (slower)"),
+    ("--enforce-eager", bool, "run decode steps eagerly: no CUDA graphs (on CUDA they are captured per batch size)"),
     ("--tensor-parallel-size", int, "ranks (GPUs) the model is split across (default 1); one node: the daemon "
                                     "starts them; several nodes: launch with torchrun"),
     ("--expert-parallel", bool, "with --tensor-parallel-size N, give each rank E/N whole routed experts "

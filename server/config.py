@@ -33,6 +33,7 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"
     weight_dtype: str = "auto"
     batch_invariant: bool = False
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     max_model_len: int | None = None

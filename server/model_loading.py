@@ -166,7 +166,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
                         swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype,
-                        kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed)
+                        kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager)
 
 
 def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,
@@ -203,4 +203,5 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
              econf.max_model_len)
     log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
              if econf.kv_store_dir else "off")
-    return engine, {"version_info": version_info(model, econf), "max_model_len": econf.max_model_len}
+    return engine, {"version_info": {**version_info(model, econf), "cuda_graphs": engine.cuda_graphs},
+                    "max_model_len": econf.max_model_len}

@@ -251,10 +251,12 @@ class DeepseekV4(nn.Module):
                 module.kernels = kernels
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV,
+                batch: RaggedBatch | None = None) -> torch.Tensor:
         """input_ids [T] (the new tokens of every sequence, flattened) → logits [R, V] for
-        `meta.logits_rows` (fp32)."""
-        batch = meta.ragged(input_ids.device)
+        `meta.logits_rows` (fp32). `batch`: `meta` as tensors, when the caller keeps them (a
+        captured step reads its metadata from buffers it owns)."""
+        batch = batch if batch is not None else meta.ragged(input_ids.device)
         positions = batch.row_pos
         cs_main = self.rotary_main.cos_sin(positions)
         cs_comp = self.rotary_compress.cos_sin(positions)
