@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in at most 14 minutes (the sum of the steps' timeouts: 5 + 4 + 1 + 4): every
+# On a CUDA machine, in at most 14 minutes (the sum of the steps' timeouts: 3 + 4 + 1 + 4 + 2): every
 # Triton specialization the engine launches compiled for sm_80/sm_90/sm_100 (bench/aot_check.py,
 # results in bench/results/aot.json), then the kernel tests with the kernels compiled for this GPU,
 # then each kernel against its torch twin, the quantized GEMMs and MoE against bf16 at V4-Flash's
 # shapes, and the model's decode and prefill tokens/s at the real head sizes (bench/bench_gpu.py,
-# results in bench/results/bench_gpu.json). Decode is timed eager only (the engine captures CUDA graphs;
-# this script does not time them yet, and says so; bench/gpu_model.py predicts both, on paper).
+# results in bench/results/bench_gpu.json), then decode through the engine with and without CUDA
+# graphs (bench/bench_decode_graphs.py, results in bench/results/bench_decode_graphs.json; the first
+# time graphs are captured and replayed at all). bench/gpu_model.py predicts the same, on paper.
 #
 #   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 #   bash bench/gpu_check.sh
@@ -23,16 +24,15 @@ fi
 #    error or spill found here explains a test failure below): one compile process per core. A
 #    problem it finds fails the script at the end, not here: GPU time is scarce, the rest still runs.
 aot_status=0
-timeout 300 "$PY" bench/aot_check.py --jobs "$(nproc)" || aot_status=$?
+timeout 180 "$PY" bench/aot_check.py --jobs "$(nproc)" || aot_status=$?
 # 2. Kernel tests, compiled for this GPU: a kernel that is wrong here makes its timings meaningless.
 timeout 240 "$PY" -m pytest -q -x tests/test_kernels.py tests/test_triton_backend.py tests/test_quant_linear.py
 timeout 60 "$PY" -m pytest -q -x tests/test_kv_fp8.py -k "encoding_rounds or byte_for_byte or compressors_write or round_keys"
-# 3. Timings: kernels, quantized GEMMs and MoE, and the model's prefill and decode tokens/s.
-#    DECODE, EAGER AND CUDA GRAPHS: the decode figures bench_gpu.py prints are the model's eager
-#    step; the engine's captured decode steps (engine/model/decode_graphs.py) are not timed here yet.
+# 3. Timings: kernels, quantized GEMMs and MoE, and the model's prefill and decode tokens/s (the
+#    model's eager step).
 timeout 240 "$PY" bench/bench_gpu.py --device cuda
-echo "gpu_check: decode timed eager only; the engine's CUDA graphs (serve without --enforce-eager) are not" \
-     "timed by this script yet (bench/gpu_model.py gives the predicted eager vs graphs step times)"
+# 4. Decode through the engine, CUDA graphs against --enforce-eager, same requests, side by side.
+timeout 120 "$PY" bench/bench_decode_graphs.py --device cuda
 if [ "$aot_status" -ne 0 ]; then
     echo "gpu_check: bench/aot_check.py failed (exit $aot_status; 124: out of time): see its problems above" >&2
     exit "$aot_status"

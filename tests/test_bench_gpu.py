@@ -43,3 +43,19 @@ def test_gpu_check_refuses_a_machine_without_cuda() -> None:
                           env={"PY": sys.executable, "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr
+
+
+def test_decode_graphs_bench_runs_both_modes_at_smoke_sizes() -> None:
+    """bench/bench_decode_graphs.py (gpu_check.sh's graphs-vs-eager timing) on a CPU: graphs are off here
+    and each engine says why; both runs decode the same greedy tokens."""
+    done = subprocess.run([sys.executable, "bench/bench_decode_graphs.py", "--device", "cpu", "--smoke",
+                           "--batches", "1,3", "--steps", "5", "--prompt", "40"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=PATIENCE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((ROOT / "bench" / "results" / "bench_decode_graphs.json").read_text())
+    assert set(results["batches"]) == {"1", "3"}
+    for row in results["batches"].values():
+        assert row["graphs"]["cuda_graphs"] == "off (not on CUDA: cpu)"
+        assert row["eager"]["cuda_graphs"] == "off (--enforce-eager)"
+        assert row["same_tokens"] and row["graphs"]["steps"] == row["eager"]["steps"] == 4
+        assert row["ratio_eager_over_graphs"] > 0
