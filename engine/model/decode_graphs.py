@@ -97,6 +97,8 @@ class DecodeGraphs:
         twice on a side stream (Triton compiles, the allocator settles), then captured. The scratch
         rows are all the capture writes."""
         pool = None
+        log.info("capturing CUDA graphs for decode batches of %s (--enforce-eager skips this)",
+                 ", ".join(map(str, sorted(self.buckets))))
         for size in sorted(self.buckets, reverse=True):
             bucket = self.buckets[size]
             stream = torch.cuda.Stream(self.device)
@@ -111,4 +113,4 @@ class DecodeGraphs:
             bucket.graph, pool = graph, graph.pool()
         torch.cuda.synchronize(self.device)
         self.captured = True
-        log.info("CUDA graphs captured for decode batches of %s", ", ".join(map(str, sorted(self.buckets))))
+        log.info("CUDA graphs captured: %d buckets", len(self.buckets))
