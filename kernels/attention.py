@@ -92,9 +92,7 @@ class RaggedBatch:
         assert self.buffer is not None and len(slots) == len(self.slots)
         parts, _, _ = _host_parts(slots, starts, [1] * len(slots), window_from, block_tables, frozen_until,
                                   self.tables.shape[1])
-        host = torch.tensor([x for values in parts.values() for x in values], dtype=torch.long,
-                            pin_memory=self.buffer.device.type == "cuda")
-        self.buffer.copy_(host, non_blocking=self.buffer.device.type != "cpu")
+        upload([x for values in parts.values() for x in values], self.buffer.device, out=self.buffer)
         self._memo.clear()
 
     @property
@@ -145,10 +143,14 @@ def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_
     return parts, offsets, width
 
 
-def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host numbers → a tensor on `device`, copied without blocking the host on a GPU."""
+def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Host numbers → a tensor on `device` (or into `out`, a buffer there), copied without blocking
+    the host on a GPU (from pinned memory)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=device.type != "cpu")
+    if out is None:
+        return host.to(device, non_blocking=device.type != "cpu")
+    return out.copy_(host, non_blocking=device.type != "cpu")
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,

@@ -24,7 +24,7 @@ import torch
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.attention import RaggedBatch, upload
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,7 @@ class DecodeGraphs:
         padded = seqs + self._scratch(bucket.size - len(seqs))
         bucket.batch.refill([s.slot for s in padded], [s.start for s in padded], [s.window_from for s in padded],
                             [s.block_table for s in padded], [s.frozen_until for s in padded])
-        host = torch.tensor(ids + [0] * (bucket.size - len(ids)), dtype=torch.long,
-                            pin_memory=self.device.type == "cuda")
-        bucket.ids.copy_(host, non_blocking=self.device.type != "cpu")
+        upload(ids + [0] * (bucket.size - len(ids)), self.device, out=bucket.ids)
         if bucket.graph is not None:
             bucket.graph.replay()
             assert bucket.logits is not None
