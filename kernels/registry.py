@@ -126,6 +126,10 @@ def _backend_kernels(backend: str, device: torch.device | str) -> Kernels:
         # (v4serve.kernels sets this first on machines without CUDA).
         raise ValueError("Triton kernels on a CPU need Triton's interpreter: set TRITON_INTERPRET=1 before "
                          "triton is imported")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from v4serve.kernels import interpreter
+
+        interpreter.install()
     from v4serve.kernels import (
         attention_triton,
         compressor_triton,
