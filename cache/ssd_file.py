@@ -49,6 +49,34 @@ def encode(kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int]
     return [head, token_bytes, layout, *payload, _CRC.pack(crc)]
 
 
+HEADER_BYTES = _HEAD.size
+# No file holds more token ids than this (a block holds block_size of them): a header claiming more is
+# refused before a buffer of its size is allocated.
+MAX_FILE_TOKENS = 1 << 20
+
+
+def expected_size(head: bytes | bytearray, file_size: int, layout: bytes, payload_bytes: int) -> int:
+    """Check a file's header (its first HEADER_BYTES) against its size on disk and the reader's layout
+    before anything more is read, and return the size to read: a file whose header claims another
+    layout or payload length, or whose size is not the one its header implies, is refused here, so a
+    huge or sparse file under a store name never costs a buffer of its size."""
+    if len(head) < _HEAD.size or file_size < _HEAD.size + _CRC.size:
+        raise StoreFileError("truncated", f"{file_size} bytes is shorter than a header")
+    magic, version, _, _, _, n_tok, n_layout, n_payload = _HEAD.unpack_from(head)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise StoreFileError("format", f"not a v4serve store file (magic {magic!r}, version {version})")
+    if n_layout != len(layout):
+        raise StoreFileError("namespace", "another KV layout")
+    if n_payload != payload_bytes or n_tok > MAX_FILE_TOKENS:
+        raise StoreFileError("format", f"a header claiming {n_tok} tokens and a {n_payload}-byte payload where "
+                                       f"the layout needs {payload_bytes}")
+    size = _HEAD.size + 4 * n_tok + n_layout + n_payload + _CRC.size
+    if file_size != size:
+        raise StoreFileError("truncated" if file_size < size else "format",
+                             f"{file_size} bytes, header says {size}")
+    return size
+
+
 def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int] | None,
            layout: bytes, payload_bytes: int) -> memoryview:
     """Check a whole file's bytes and return its payload; raises StoreFileError naming the fault."""

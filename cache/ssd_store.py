@@ -41,12 +41,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from v4serve.cache.ssd_file import (
+    HEADER_BYTES,
     KIND_BLOCK,
     KIND_RESPONSE,
     SUFFIX,
     StoreFileError,
     decode,
     encode,
+    expected_size,
     temp_is_stale,
     temp_name,
 )
@@ -144,7 +146,7 @@ class SSDStore:
             for name in os.listdir(folder):
                 if name.endswith(SUFFIX[KIND_RESPONSE]):
                     with contextlib.suppress(OSError, ValueError):
-                        self._add_response(folder / name, (folder / name).stat().st_size)
+                        self._add_response(folder / name, (folder / name).lstat().st_size)
         with self._lock:
             return dict(self._responses.get(parent, {}))
 
@@ -164,7 +166,7 @@ class SSDStore:
             for name in names:
                 path = Path(dirpath) / name
                 with contextlib.suppress(OSError):
-                    st = path.stat()
+                    st = path.lstat()  # a link counts as its own few bytes, not its target's size
                     if name.startswith(".tmp-"):
                         if temp_is_stale(name, st.st_mtime, STALE_TEMP_SECONDS):
                             path.unlink()
@@ -195,7 +197,7 @@ class SSDStore:
             return False  # found through `responses(parent)`
         path = self.path(kind, block_hash)
         try:
-            size = path.stat().st_size  # written by another daemon sharing the folder
+            size = path.lstat().st_size  # written by another daemon sharing the folder (a link: its own size)
         except OSError:
             return False
         with self._lock:
@@ -278,10 +280,7 @@ class SSDStore:
         size = sum(len(p) for p in parts)
         tmp = path.parent / temp_name()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                for part in parts:
-                    f.write(part)
+            self._write_file(tmp, parts)
             os.replace(tmp, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -296,6 +295,34 @@ class SSDStore:
             self.stats.bytes_written += size
             self.stats.files_written += 1
         self._evict()
+
+    def _write_file(self, tmp: Path, parts: Sequence[bytes | memoryview]) -> None:
+        for attempt in range(2):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    for part in parts:
+                        f.write(part)
+                return
+            except FileNotFoundError:
+                if attempt:  # the folder was removed as it emptied (another daemon's eviction) twice over
+                    raise
+
+    def _remove(self, path: Path) -> None:
+        """Remove a file and then the response folders it leaves empty: one folder per distinct prompt
+        would otherwise outlive its files forever. (A folder with files left refuses rmdir.)"""
+        with contextlib.suppress(OSError):
+            path.unlink()
+        self._prune(path.parent)
+
+    def _prune(self, folder: Path) -> None:
+        responses = self.dir / "resp"
+        while folder != responses and responses in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+            folder = folder.parent
 
     def _write_failed(self, path: Path, exc: OSError) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -316,8 +343,7 @@ class SSDStore:
                 (_, key), entry = self._index.popitem(last=False)
                 self.used_bytes -= entry.size
                 self._drop_response(key, entry)
-            with contextlib.suppress(OSError):
-                entry.path.unlink()
+            self._remove(entry.path)
 
     # ---- reading ----------------------------------------------------------------------------------
     def get(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:
@@ -328,19 +354,12 @@ class SSDStore:
         if path is None:
             return None
         try:
-            # Non-blocking open: a FIFO (or device) under a store name must not hang the reader.
-            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise StoreFileError("unreadable", "not a regular file")
-                # A writable buffer: payload tensors are built on it without another copy.
-                data = bytearray(st.st_size)
-                data = data[: f.readinto(data)]
+            data = self._read_file(path, kind)
         except FileNotFoundError:
             self._forget(key)
             return None
-        except OSError as exc:
-            self._bad(key, path, StoreFileError("unreadable", str(exc)))
+        except (OSError, MemoryError) as exc:  # a symlink (ELOOP), an I/O error, no memory for the buffer
+            self._bad(key, path, StoreFileError("unreadable", str(exc) or type(exc).__name__))
             return None
         except StoreFileError as exc:
             self._bad(key, path, exc)
@@ -355,6 +374,23 @@ class SSDStore:
                 self._index.move_to_end(key)
             self.stats.bytes_read += len(data)
         return payload
+
+    def _read_file(self, path: Path, kind: int) -> bytearray:
+        """A store file's bytes, read by the rules: never through a symlink (O_NOFOLLOW), never from a
+        FIFO or device (non-blocking open, regular files only), and only once its header and size say
+        it is the exact size this layout's file has (`expected_size`), into a buffer of that size."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+        with os.fdopen(os.open(path, flags), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreFileError("unreadable", "not a regular file")
+            head = f.read(HEADER_BYTES)
+            size = expected_size(head, st.st_size, self.layout, self.payload_bytes[kind])
+            # A writable buffer: payload tensors are built on it without another copy.
+            data = bytearray(size)
+            data[:len(head)] = head
+            n = len(head) + f.readinto(memoryview(data)[len(head):])
+            return data[:n] if n < size else data
 
     def get_many(self, kind: int, items: Sequence[Item]) -> list[memoryview]:
         """Payloads of consecutive files up to the first miss. A few runs of files are read in
@@ -421,6 +457,7 @@ class SSDStore:
         with contextlib.suppress(OSError):
             self.quarantine.mkdir(parents=True, exist_ok=True)
             os.replace(path, self.quarantine / f"{path.name}.{exc.kind}.{uuid.uuid4().hex[:8]}")
+        self._prune(path.parent)
         self._trim_quarantine()
 
     def _count_quarantine(self) -> int:
@@ -454,12 +491,13 @@ class SSDStore:
             self._responses.clear()
             self.used_bytes = 0
         removed = 0
-        for dirpath, _, names in os.walk(self.dir):
+        for dirpath, _, names in os.walk(self.dir, topdown=False):
             for name in names:
                 if any(name.endswith(s) for s in SUFFIX.values()):
                     with contextlib.suppress(FileNotFoundError):
                         (Path(dirpath) / name).unlink()
                         removed += 1
+            self._prune(Path(dirpath))
         return removed
 
     def close(self) -> None:

@@ -77,6 +77,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
+    error_param: str | None = None  # set when the request itself caused it (a 400): the field to blame
 
 
 def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes,
@@ -312,6 +313,9 @@ class LLMEngine:
         return outputs  # type: ignore[return-value]
 
     def _failed_after_forward(self, request: Request, exc: Exception) -> RequestOutput:
+        if isinstance(exc, RequestError):  # the request's own doing (a grammar that cannot go on): a 400
+            log.info("request %s ended: %s", request.request_id, exc)
+            return self.fail(request, str(exc), param=exc.param or "request")
         log.error("request %s failed after the forward pass", request.request_id, exc_info=exc)
         return self.fail(request, f"sampling failed: {exc!r}")
 
@@ -360,9 +364,10 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         self.sampler.forget(request.request_id)
 
-    def fail(self, request: Request, message: str) -> RequestOutput:
+    def fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
         self.finish(request, "error")
-        return RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=message)
+        return RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=message,
+                             error_param=param)
 
     def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
         """Forget every cached block no request holds (and, with `store`, the SSD store's files of

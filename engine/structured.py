@@ -35,12 +35,13 @@ class Grammars:
         self.compiles = 0  # cache misses, for tests and the benchmark
 
     def check(self, spec: GrammarSpec) -> None:
-        """Compile now (or find it compiled): an invalid or unsupported grammar is a 400 before any
-        response byte is sent."""
-        self._template(spec)
+        """Compile now (or find it compiled) and compute the first mask: an invalid or unsupported
+        grammar, or one that allows no first token (a schema whose only definition is itself), is a
+        400 before any response byte is sent."""
+        self.matcher(spec).allowed_bitmask()
 
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:
-        return RequestGrammar(self._template(spec).deep_copy(), spec.after_token, self.vocab_size)
+        return RequestGrammar(self._template(spec).deep_copy(), spec.after_token, self.vocab_size, spec.param)
 
     def _template(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         key = (spec.kind, spec.text)
@@ -74,10 +75,13 @@ def require(grammars: Grammars | None, spec: GrammarSpec) -> Grammars:
 class RequestGrammar:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, after_token: int | None, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, after_token: int | None, vocab_size: int,
+                 param: str = "response_format") -> None:
         self._matcher = matcher
         self._after_token = after_token
         self._bitmask = llg_np.allocate_token_bitmask(1, vocab_size)
+        self._param = param
+        self._accepted = 0
 
     @property
     def active(self) -> bool:
@@ -92,7 +96,16 @@ class RequestGrammar:
         """The tokens the grammar allows next: bit t % 32 of int32 word t // 32 (a fresh copy: the
         sampler stacks the step's masks and applies them on the device)."""
         llg_np.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        if self._matcher.is_error():
+            raise self._gave_up()
         return self._bitmask[0].copy()
+
+    def _gave_up(self) -> RequestError:
+        """The grammar engine cannot go on (a schema that admits no finite value, one too ambiguous
+        to parse within its limits): the request's doing, so a 400 naming the field."""
+        reason = self._matcher.get_error().split("\n", 1)[0].strip()
+        return RequestError(f"{self._param}: the grammar engine cannot continue after {self._accepted} tokens: "
+                            f"{reason}", param=self._param)
 
     def accept(self, token: int) -> None:
         if not self.active:
@@ -100,4 +113,5 @@ class RequestGrammar:
                 self._after_token = None
             return
         if not self._matcher.consume_token(token):
-            raise RequestError(f"token {token} is not allowed by the grammar: {self._matcher.get_error()}")
+            raise self._gave_up()
+        self._accepted += 1

@@ -31,17 +31,18 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 class ApiKeyAuth:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
-    handlers): `Authorization: Bearer KEY`, compared in constant time, on every route but the
-    probes (`/health`, and `/metrics` unless it is protected too)."""
+    handlers): `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it), the key
+    compared in constant time, on every route but the probes (`/health`, and `/metrics` unless it is
+    protected too)."""
 
     def __init__(self, app: Any, api_key: str, protect_metrics: bool = False) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
         self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("path", "") not in self.open_paths:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (secrets.compare_digest(given.strip(b" "), self.expected) and scheme.lower() == b"bearer"):
                 response = JSONResponse(error_json("Incorrect API key provided.", "invalid_request_error",
                                                    code="invalid_api_key"), status_code=401)
                 await response(scope, receive, send)

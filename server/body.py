@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
-from v4serve.server.errors import ApiError, BodyTooLarge, validation_message
+from v4serve.server.errors import ApiError, BodyTooLarge, ClientGone, validation_message
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -102,7 +103,10 @@ class BodyLimit:
 
 async def parse_body(raw: Request, model: type[M]) -> M:
     """The body as `model`, parsed and validated on a worker thread; a bad body is a 400."""
-    data = await raw.body()
+    try:
+        data = await raw.body()
+    except ClientDisconnect:  # gone mid-body: nothing to answer, nothing worth a traceback in the log
+        raise ClientGone from None
     try:
         return await asyncio.to_thread(model.model_validate_json, data)
     except ValidationError as exc:

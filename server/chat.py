@@ -119,7 +119,7 @@ async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logpr
     async with contextlib.aclosing(generation.deltas()) as deltas:
         async for delta in deltas:
             if delta.error:
-                yield error_event(delta.error)
+                yield error_event(delta.error, delta.error_param)
                 break
             body: dict[str, Any] = {}
             if delta.reasoning:

@@ -119,7 +119,7 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
                 open_prompts -= 1
                 continue
             if delta.error:
-                yield error_event(delta.error)
+                yield error_event(delta.error, delta.error_param)
                 failed = True
                 break
             index = p * body.n + delta.index

@@ -106,9 +106,18 @@ def as_api_error(exc: Exception) -> ApiError:
     raise TypeError(f"no OpenAI error for {type(exc).__name__}")
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its request body ended."""
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()
+
+    async def gone(_: Request, exc: Exception) -> JSONResponse:
+        # Nobody reads this answer; it only ends the request without a traceback in the log.
+        log.debug("a client closed its connection mid-body")
+        return ApiError(400, "the connection closed before the request body ended").response()
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error", exc_info=exc)
@@ -117,4 +126,5 @@ def install_error_handlers(app: FastAPI) -> None:
     for kind in (ApiError, RequestValidationError, RequestError, EngineOverloaded, EngineDead,
                  StarletteHTTPException):
         app.add_exception_handler(kind, handle)
+    app.add_exception_handler(ClientGone, gone)
     app.add_exception_handler(Exception, unexpected)

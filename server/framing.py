@@ -23,8 +23,11 @@ def event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def error_event(message: str) -> str:
-    """A generation that failed after the stream began: OpenAI's error body as an event."""
+def error_event(message: str, param: str | None = None) -> str:
+    """A generation that failed after the stream began: OpenAI's error body as an event (an
+    invalid_request_error naming `param` when the request caused it)."""
+    if param is not None:
+        return event(error_json(message, "invalid_request_error", param=param))
     return event(error_json(message, "server_error", code="generation_failed"))
 
 

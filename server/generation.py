@@ -174,6 +174,8 @@ class FrontEnd:
         async def consume() -> None:
             async with contextlib.aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
+                    if delta.error and delta.error_param:
+                        raise ApiError(400, delta.error, param=delta.error_param)
                     if delta.error:
                         raise ApiError(500, delta.error, "server_error", code="generation_failed")
                     per_choice[delta.index].append(delta)

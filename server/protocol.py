@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,6 +11,7 @@ CHAT_TEMPLATE_KWARGS = frozenset({"thinking", "enable_thinking"})
 MAX_STOPS = 16
 # The detokenizer holds back every prefix of every stop string: this bounds what one request costs.
 MAX_STOP_CHARS = 256
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 IGNORED = "x-v4serve-ignored"  # schema marker of fields accepted for compatibility and ignored
@@ -72,7 +74,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not _TOKEN_ID.fullmatch(key):  # ASCII digits: str.isdigit() also takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= value <= 100:
                 raise ValueError("logit_bias values must be between -100 and 100")

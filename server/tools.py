@@ -135,7 +135,8 @@ def _invoke_rules(i: int, tool: Tool) -> tuple[str, list[str]]:
     rules, parts = [], []
     for j, (prop, schema) in enumerate(properties.items()):
         rule = f"p{i}_{j}"
-        rules += _parameter_rules(rule, prop, schema if isinstance(schema, dict) else {}, defs)
+        rules += _parameter_rules(rule, prop, schema if isinstance(schema, dict) else {}, defs,
+                                  f"tools[{i}].function.parameters.properties.{prop}")
         parts.append(rule if prop in required else f"{rule}?")
     head = _lit(f'<{DSML}invoke name="{tool.name}">\n')
     body = " ".join(parts) if parts else _lit("\n")
@@ -143,7 +144,7 @@ def _invoke_rules(i: int, tool: Tool) -> tuple[str, list[str]]:
     return f"invoke{i}", rules
 
 
-def _parameter_rules(rule: str, prop: str, schema: dict[str, Any], defs: dict[str, Any]) -> list[str]:
+def _parameter_rules(rule: str, prop: str, schema: dict[str, Any], defs: dict[str, Any], where: str) -> list[str]:
     """`rule`: one parameter, its tags included and a newline after; `rule_v`: its value."""
     is_text = schema.get("type") == "string"
     head = _lit(f'<{DSML}parameter name="{prop}" string="{"true" if is_text else "false"}">')
@@ -156,7 +157,8 @@ def _parameter_rules(rule: str, prop: str, schema: dict[str, Any], defs: dict[st
         return [tagged, f"{rule}_v: {' | '.join(_lit(str(v)) for v in values)}"]
     low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
     if "pattern" in schema or high is not None or low:
-        pattern = schema.get("pattern", "").removeprefix("^").removesuffix("$") or f"(?s:.{{{low},{high or ''}}})"
+        pattern = _checked_pattern(schema.get("pattern", ""), f"{where}.pattern")
+        pattern = pattern.removeprefix("^").removesuffix("$") or f"(?s:.{{{low},{high or ''}}})"
         return [tagged, f"{rule}_v: /{_regex_body(pattern)}/"]
     # Any text: lazy, so the first closing tag ends it (the tag is part of the value's regex).
     any_text = f"(?s:.*){_regex_body(re.escape(f'</{DSML}parameter>'))}"
@@ -167,8 +169,34 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _checked_pattern(pattern: Any, param: str) -> str:
+    if not isinstance(pattern, str):
+        raise ApiError(400, f"{param} must be a string", param=param)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ApiError(400, f"{param} is not a valid regular expression: {exc}", param=param) from None
+    return pattern
+
+
+_LITERAL_ESCAPES = {"/": "\\/", "\n": "\\n", "\r": "\\r"}
+
+
 def _regex_body(pattern: str) -> str:
-    return pattern.replace("/", "\\/")
+    """A valid regex as the body of a Lark `/regex/` literal: a `/` gets a backslash unless it has one,
+    and line breaks are written as escapes, so nothing in the pattern can end the literal or the rule.
+    Escapes are read in pairs: in `a\\\\/b` the `\\\\` is one escaped backslash, and the `/` still
+    needs its own."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            escaped = pattern[i + 1]
+            out.append("\\" + {"\n": "n", "\r": "r"}.get(escaped, escaped))
+            i += 2
+            continue
+        out.append(_LITERAL_ESCAPES.get(pattern[i], pattern[i]))
+        i += 1
+    return "".join(out)
 
 
 def response_format_grammar(response_format: Any, after_token: int | None) -> GrammarSpec | None:

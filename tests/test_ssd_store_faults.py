@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tests.daemon import PATIENCE
 from tests.helpers import SMALL, engine_for, greedy, small_model, tokens
 from v4serve.cache import ssd_store
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT, temp_is_stale, temp_name
+from v4serve.cache.ssd_file import HEADER_BYTES, KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT, temp_is_stale, temp_name
 from v4serve.cache.ssd_store import SSDStore
 from v4serve.engine.engine import kv_namespace
 from v4serve.engine.model.checkpoint import write_checkpoint
@@ -94,7 +94,38 @@ CORRUPTIONS = {
     "payload one byte long": (lambda p, paths: rewrite_payload_length(p, 1), "format"),
     "a directory": (lambda p, paths: (p.unlink(), p.mkdir()), "unreadable"),
     "a FIFO": (lambda p, paths: (p.unlink(), os.mkfifo(p)), "unreadable"),
+    # Its own good bytes, but through a link: never followed (O_NOFOLLOW), so never served.
+    "a symlink to its own bytes": (lambda p, paths: link_to(p, p.read_bytes()), "unreadable"),
+    "a symlink to a huge sparse file": (lambda p, paths: link_to(p, sparse(p.parent / "big", 1 << 33)), "unreadable"),
+    # Its own header, 8 GiB long: refused by its size before a byte past the header is read.
+    "a huge sparse file": (lambda p, paths: sparse(p, 1 << 33, p.read_bytes()[:HEADER_BYTES]), "format"),
+    "a header claiming 2^30 tokens": (lambda p, paths: rewrite_token_count(p, 1 << 30), "format"),
 }
+
+
+def link_to(path: Path, target: Path | bytes) -> None:
+    """Replace `path` by a symlink to `target` (a file written outside the store's folders)."""
+    if isinstance(target, bytes):
+        (path.parent.parent.parent.parent / "elsewhere").write_bytes(target)
+        target = path.parent.parent.parent.parent / "elsewhere"
+    path.unlink()
+    path.symlink_to(target)
+
+
+def sparse(path: Path, size: int, head: bytes = b"") -> Path:
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    return path
+
+
+def rewrite_token_count(path: Path, n_tok: int) -> None:
+    data = bytearray(path.read_bytes())
+    head = struct.Struct("<8sHB32s32sIIQ")
+    fields = list(head.unpack_from(data))
+    fields[5] = n_tok
+    data[: head.size] = head.pack(*fields)
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
@@ -110,6 +141,48 @@ def test_a_bad_block_in_a_run_is_a_counted_quarantined_miss(tmp_path: Path, name
     assert req.output_token_ids == cold_output(small_model(), PROMPT)
     assert errors[kind] == 1 and sum(errors.values()) == 1, errors
     assert len(quarantined) == 1 and quarantined[0].name.startswith(paths["blk2"].name)
+
+
+def test_a_read_that_runs_out_of_memory_is_a_counted_quarantined_miss(tmp_path: Path, monkeypatch) -> None:
+    """Injected: the buffer cannot be had (a MemoryError). It was a miss, but neither counted nor
+    quarantined, so every later request tried the same file again."""
+    paths = populated(tmp_path)
+    read_file = SSDStore._read_file
+
+    def no_memory_for_blk2(self: SSDStore, path: Path, kind: int) -> bytearray:
+        if path == paths["blk2"]:
+            raise MemoryError
+        return read_file(self, path, kind)
+
+    monkeypatch.setattr(SSDStore, "_read_file", no_memory_for_blk2)
+    req, engine = restart(tmp_path)
+    errors = engine.kv.store.stats_snapshot().errors
+    engine.close()
+    assert req.num_disk_hit_tokens == 32 and req.output_token_ids == cold_output(small_model(), PROMPT)
+    assert errors == {"unreadable": 1}
+    assert [p.name.split(".")[0] for p in (tmp_path / "quarantine").iterdir()] == [paths["blk2"].stem]
+
+
+def test_evicted_response_files_leave_no_empty_folders(tmp_path: Path) -> None:
+    """One folder per prompt a response ended on: removed with its last file, by eviction, by a bad
+    read and by a reset."""
+    store = SSDStore(tmp_path, b"n" * 32, b"", {KIND_BLOCK: 8, KIND_RESPONSE: 8}, max_bytes=600)
+    for i in range(30):
+        assert store.put(KIND_RESPONSE, bytes([i]) * 32, [i, i + 1], [bytes(8)], parent=bytes([100 + i]) * 32)
+        store.flush(timeout=PATIENCE)
+    folders = [Path(d) for d, _, names in os.walk(store.dir / "resp")]
+    kept = [f for f in folders if any(f.iterdir())]
+    files = [f for f in (store.dir / "resp").rglob("*.resp")]
+    assert 0 < len(files) < 30  # the bound evicted most of them
+    assert folders == kept, [str(f) for f in folders if f not in kept]  # no empty folder left
+    files[0].write_bytes(b"bad")
+    parent = bytes.fromhex(files[0].parent.name)
+    key = bytes.fromhex(files[0].name.split("-")[1].removesuffix(".resp"))
+    assert store.responses(parent) and store.get(KIND_RESPONSE, key, None) is None  # quarantined
+    assert not files[0].parent.exists()
+    store.clear()
+    assert [p for p in (store.dir / "resp").rglob("*")] == []
+    store.close()
 
 
 def test_a_block_under_a_snapshots_name_is_a_miss(tmp_path: Path) -> None:

@@ -320,7 +320,7 @@ class AsyncEngine:
         asked = request.sampling.prompt_logprobs is not None
         choice.sink(TokenOutput(
             choice.index, tuple(out.new_token_ids), tuple(out.samples), out.finished, out.finish_reason, out.error,
-            num_cached_tokens=request.num_cached_tokens,
+            error_param=out.error_param, num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=tuple(request.prompt_logprobs) if first and asked else None))
         if out.finished:
             self._choices.pop(out.request_id, None)

@@ -34,6 +34,7 @@ class TokenOutput:
     finished: bool = False
     finish_reason: str | None = None  # stop, length, abort or error
     error: str | None = None
+    error_param: str | None = None  # the request's field that caused the error (a 400), if it did
     num_cached_tokens: int = 0  # prompt tokens whose computation a cache hit skipped
     prompt_logprobs: tuple[Sample | None, ...] | None = None  # with a choice's first output, when asked for
 

@@ -41,6 +41,7 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None  # set when the request caused the error: a 400 naming this field
 
 
 class ChoiceText:
@@ -60,7 +61,7 @@ class ChoiceText:
         self.finished = False
 
     def push(self, out: TokenOutput) -> Delta:
-        delta = Delta(index=out.index, error=out.error)
+        delta = Delta(index=out.index, error=out.error, error_param=out.error_param)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs

@@ -1,0 +1,202 @@
+"""Hostile clients against one real daemon (the tiny model): requests that are valid on the wire but
+malformed in meaning, or meant to break out of what the server builds from them, get a clear 4xx in
+OpenAI's error shape, and the daemon keeps serving everyone else the same tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import llguidance
+import pytest
+
+from tests.daemon import PATIENCE, Daemon, start_daemon
+from v4serve.server.text.tokenizer import ByteTokenizer
+from v4serve.server.tools import _regex_body
+
+MODEL = "v4serve-tiny"
+GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def running() -> Iterator[Daemon]:
+    served = start_daemon("--api-key", "sk-hostile")
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def url(running: Daemon) -> str:
+    return running.url
+
+
+@pytest.fixture(scope="module")
+def http(url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=PATIENCE, headers={"Authorization": "Bearer sk-hostile"}) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def greedy_text(http: httpx.Client) -> str:
+    """The greedy request's text, served alone before any hostile request."""
+    return completion_text(http)
+
+
+def completion_text(http: httpx.Client) -> str:
+    response = http.post("/v1/completions", json=GREEDY)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def assert_refused(response: httpx.Response, status: int, param: str | None, says: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert says in error["message"], error["message"]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 40,
+            "temperature": 0, **fields}
+
+
+# ---- logit_bias keys -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["²", "١٢", "1.5", "", "0x10"])
+def test_logit_bias_keys_that_are_not_ascii_token_ids_are_a_400(http: httpx.Client, greedy_text: str,
+                                                                key: str) -> None:
+    """`"²".isdigit()` is true but `int("²")` raises: the key once passed validation and failed later (a 500)."""
+    response = http.post("/v1/completions", json={**GREEDY, "logit_bias": {key: 5}})
+    assert_refused(response, 400, "logit_bias", "logit_bias keys must be token ids")
+    assert completion_text(http) == greedy_text
+
+
+# ---- schemas the grammar engine cannot finish --------------------------------------------------------------------
+def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+
+def test_a_schema_that_is_only_itself_is_a_400_before_any_work(http: httpx.Client, greedy_text: str) -> None:
+    """`{"$ref": "#"}` compiles but allows no first token: found when the request is checked."""
+    response = http.post("/v1/chat/completions", json=chat(response_format=json_schema({"$ref": "#"})))
+    assert_refused(response, 400, "response_format", "the grammar engine cannot continue after 0 tokens")
+    assert completion_text(http) == greedy_text
+
+
+# An object that must contain itself has no finite value: the grammar engine gives up after the first token.
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+def test_a_schema_the_grammar_engine_gives_up_on_midway_is_a_400_not_a_500(http: httpx.Client,
+                                                                          greedy_text: str) -> None:
+    response = http.post("/v1/chat/completions", json=chat(response_format=json_schema(ENDLESS)))
+    assert_refused(response, 400, "response_format", "the grammar engine cannot continue")
+    assert completion_text(http) == greedy_text
+
+
+def test_streamed_the_same_failure_is_an_invalid_request_error_event(http: httpx.Client) -> None:
+    with http.stream("POST", "/v1/chat/completions", json=chat(response_format=json_schema(ENDLESS),
+                                                               stream=True)) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert events[-1] == "[DONE]"
+    assert [(e["type"], e["param"]) for e in errors] == [("invalid_request_error", "response_format")]
+    assert "the grammar engine cannot continue" in errors[0]["message"]
+
+
+# ---- tool parameter patterns ---------------------------------------------------------------------------------------
+def pattern_matcher(pattern: str) -> llguidance.LLMatcher:
+    """A Lark grammar whose only rule is `pattern` as the tool grammar writes it, on the byte vocabulary."""
+    tokenizer = ByteTokenizer()
+    lltok = llguidance.LLTokenizer(tokenizer.vocabulary_json(), n_vocab=tokenizer.vocab_size,
+                                   eos_token=tokenizer.eos_token_id)
+    grammar = llguidance.LLMatcher.grammar_from_lark(f"start: /{_regex_body(pattern)}/")
+    return llguidance.LLMatcher(lltok, grammar, log_level=0)
+
+
+def accepts(pattern: str, text: str) -> bool:
+    matcher = pattern_matcher(pattern)
+    assert not matcher.is_error(), matcher.get_error()
+    tokens = ByteTokenizer().encode(text)
+    return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
+
+# Each pattern with strings Python's `re` matches in full and strings it does not: the grammar must agree.
+PATTERNS = {
+    r"a\/b": (["a/b"], ["a\\/b", "ab"]),  # an escaped slash: the old escaping closed the literal after `\\`
+    r"a\\/b": (["a\\/b"], ["a/b"]),  # an escaped backslash, then a slash
+    "x\ny": (["x\ny"], ["xy"]),  # a raw line break: the old escaping ended the rule there
+    r"[/]+": (["/", "//"], [""]),
+    r"[0-9]\/ | \/(?s:.*)": (["1/ ", " /anything"], ["12"]),
+}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_a_pattern_constrains_its_value_exactly_as_pythons_re(pattern: str) -> None:
+    matching, other = PATTERNS[pattern]
+    for text in matching:
+        assert re.fullmatch(pattern, text) and accepts(pattern, text), text
+    for text in other:
+        assert not re.fullmatch(pattern, text) and not accepts(pattern, text), text
+
+
+def forced_tool(pattern: str) -> dict[str, Any]:
+    parameters = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}},
+                  "required": ["code"]}
+    return chat(tools=[{"type": "function", "function": {"name": "lookup", "parameters": parameters}}],
+                tool_choice={"type": "function", "function": {"name": "lookup"}}, max_tokens=300)
+
+
+@pytest.mark.parametrize("pattern", ["[0-9]+\\", "(ab", "a{2,1}"])
+def test_an_invalid_pattern_is_a_400(http: httpx.Client, greedy_text: str, pattern: str) -> None:
+    """JSON Schema's own check of the tool's schema finds it (its `pattern` must be a regex)."""
+    response = http.post("/v1/chat/completions", json=forced_tool(pattern))
+    assert_refused(response, 400, "tools[0].function.parameters", "is not a valid JSON schema")
+    assert repr(pattern)[1:-1] in response.json()["error"]["message"] or pattern in response.json()["error"]["message"]
+    assert completion_text(http) == greedy_text
+
+
+def test_a_pattern_written_to_inject_rules_only_constrains_its_value(http: httpx.Client) -> None:
+    """The pattern is one regex: it neither ends the literal nor adds rules, and the forced call's
+    value matches it."""
+    pattern = '[0-9]{2}\\/\nstart: "pwned"'
+    response = http.post("/v1/chat/completions", json=forced_tool(pattern))
+    assert response.status_code == 200, response.text
+    call = response.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert re.fullmatch(pattern, json.loads(call["arguments"])["code"])
+
+
+# ---- the API key's scheme ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("header", ["bearer sk-hostile", "BEARER sk-hostile", "Bearer  sk-hostile"])
+def test_the_bearer_scheme_is_case_insensitive(url: str, header: str) -> None:
+    response = httpx.post(url + "/v1/completions", json=GREEDY, headers={"Authorization": header}, timeout=PATIENCE)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("header", ["Basic sk-hostile", "Bearer sk-other", "sk-hostile", "Bearersk-hostile"])
+def test_other_credentials_are_still_refused(url: str, header: str) -> None:
+    response = httpx.post(url + "/v1/completions", json=GREEDY, headers={"Authorization": header}, timeout=PATIENCE)
+    assert response.status_code == 401
+
+
+# ---- a client gone mid-body --------------------------------------------------------------------------------------
+def test_a_client_reset_mid_body_logs_no_traceback(running: Daemon, http: httpx.Client, greedy_text: str) -> None:
+    url = running.url
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    for _ in range(3):
+        with socket.create_connection((host, port), timeout=PATIENCE) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-hostile\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"ab")
+            time.sleep(0.2)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+    assert completion_text(http) == greedy_text
+    log = Path(running.log.name).read_text(errors="replace")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log
