@@ -8,8 +8,10 @@ import secrets
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -50,6 +52,32 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
+class BrowserGuard:
+    """Plain ASGI middleware that keeps other sites' web pages out. A page can make a browser send a
+    "simple" request (a form, text/plain, a bodiless POST) to any address, this daemon's included,
+    without asking it first; only browsers send `Origin`, so a request that changes anything (any
+    method but GET, HEAD and OPTIONS) from an origin that is neither this daemon's own (its /docs
+    page) nor listed in --allowed-origins gets a 403 before it reaches a route."""
+
+    def __init__(self, app: Any, allowed_origins: tuple[str, ...]) -> None:
+        self.app, self.allowed = app, set(allowed_origins)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            if origin and not self._allowed(origin, headers.get(b"host", b"").decode("latin-1")):
+                response = JSONResponse(error_json(
+                    f"requests from web pages of {origin} are refused; list the origin in --allowed-origins "
+                    "to let its pages call this API", code="origin_not_allowed"), status_code=403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, origin: str, host: str) -> bool:
+        return "*" in self.allowed or origin in self.allowed or (bool(host) and urlsplit(origin).netloc == host)
+
+
 def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,8 +96,12 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key, protect_metrics=config.protect_metrics)
+    app.add_middleware(BrowserGuard, allowed_origins=config.allowed_origins)
+    if config.allowed_origins:  # outermost: a preflight carries no key and must be answered first
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
-    generating = error_responses(400, 401, 404, 413, 500, 503)
+    generating = error_responses(400, 401, 403, 404, 413, 415, 500, 503)
     model_card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "v4serve",
                   "max_model_len": config.max_model_len}
 
@@ -106,7 +138,9 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), responses=error_responses(400, 401, 404, 413))
+    text_routes = error_responses(400, 401, 403, 404, 413, 415)
+
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), responses=text_routes)
     async def tokenize(raw: Request) -> dict[str, Any]:
         body = await parse_body(raw, TokenizeRequest)
         front.check_model(body.model)
@@ -116,8 +150,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
             tokens = await front.encode_text(body.prompt or "", add_bos=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
 
-    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest),
-              responses=error_responses(400, 401, 404, 413))
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest), responses=text_routes)
     async def detokenize(raw: Request) -> dict[str, Any]:
         body = await parse_body(raw, DetokenizeRequest)
         front.check_model(body.model)
@@ -127,7 +160,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     store_param = {"parameters": [{"name": "store", "in": "query", "required": False, "schema": {"type": "boolean"},
                                    "description": "also empty the SSD store"}]}
 
-    @app.post("/reset_prefix_cache", openapi_extra=store_param, responses=error_responses(400, 401, 503))
+    @app.post("/reset_prefix_cache", openapi_extra=store_param, responses=error_responses(400, 401, 403, 503))
     async def reset_prefix_cache(raw: Request) -> dict[str, Any]:
         """Empty the device prefix cache and host snapshots; with `?store=true` also remove every
         block and snapshot file of this model's namespace from the SSD store, including files other

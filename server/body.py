@@ -102,11 +102,17 @@ class BodyLimit:
 
 
 async def parse_body(raw: Request, model: type[M]) -> M:
-    """The body as `model`, parsed and validated on a worker thread; a bad body is a 400."""
+    """The body as `model`, parsed and validated on a worker thread; a bad body is a 400, one that is
+    not declared JSON a 415 (what a web page can send another site without asking first is a form or
+    text/plain: never parsed here)."""
     try:
         data = await raw.body()
     except ClientDisconnect:  # gone mid-body: nothing to answer, nothing worth a traceback in the log
         raise ClientGone from None
+    media_type = raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"request bodies must be sent as Content-Type: application/json, got "
+                            f"{media_type or 'no content type'}", code="unsupported_media_type")
     try:
         return await asyncio.to_thread(model.model_validate_json, data)
     except ValidationError as exc:

@@ -78,6 +78,13 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--api-key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
     ("--protect-metrics", bool, "with --api-key, require the key on /metrics too"),
     ("--max-request-bytes", int, "largest request body accepted (default 4 MiB; larger gets 413)"),
+    ("--allowed-origins", str, "comma-separated web origins (https://app.example.com) whose pages may call the "
+                               "API, or '*' (CORS); other pages' POSTs get 403"),
+    ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),
+    ("--header-timeout", float, "seconds a connection has to send a request's headers, from when it opens or "
+                                "its last response ends (default 10)"),
+    ("--max-connections", int, "open connections plus running requests before new requests get 503 "
+                               "(default 2048)"),
     ("--shutdown-timeout", float, "seconds running requests get to finish after SIGTERM (default 30)"),
     ("--seed", int, "seed of the embedded weights and of unseeded sampling"),
     ("--log-level", str, "debug, info, warning or error"),

@@ -5,6 +5,7 @@ resolved, which happens in the engine process."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +51,10 @@ class ServeConfig:
     api_key: str | None = None
     protect_metrics: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
+    keep_alive_timeout: float = 5.0
+    header_timeout: float = 10.0
+    max_connections: int = 2048
     shutdown_timeout: float = 30.0
     seed: int = 0
     log_level: str = "info"
@@ -87,6 +92,22 @@ class ServeConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         return getattr(torch, DTYPES[self.dtype])
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        """--allowed-origins as a tuple (each an origin as browsers send it: scheme://host[:port])."""
+        origins = tuple(o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip())
+        for origin in origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"--allowed-origins takes origins like https://app.example.com or *, got {origin!r}")
+        return origins
+
+    def check_http_settings(self) -> None:
+        """Clear errors for the front end's settings, before the port is taken."""
+        self.origins  # noqa: B018 - parsing them is the check
+        for name in ("keep_alive_timeout", "header_timeout", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
     @property
     def model_name(self) -> str:

@@ -36,7 +36,9 @@ ERROR_STATUSES = {
     400: "a bad request: invalid JSON or field, unknown parameter, prompt too long",
     401: "missing or wrong API key (with --api-key)",
     404: "unknown model or route",
+    403: "a web page of an origin not in --allowed-origins",
     413: "the request body is larger than --max-request-bytes",
+    415: "the request body is not sent as application/json",
     500: "the generation failed (only this request)",
     503: "the engine is dead, shutting down or overloaded (Retry-After says when to retry)",
 }

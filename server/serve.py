@@ -10,6 +10,7 @@ manager restarts it.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 import threading
@@ -24,6 +25,7 @@ from v4serve.engine.process.client import EngineClient
 from v4serve.engine.process.core_client import EngineCoreClient
 from v4serve.server.app import build_app
 from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig, check_parallel_flags, launched_rank
+from v4serve.server.connections import protocol_with_header_timeout
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
 from v4serve.server.metrics import Metrics
@@ -79,7 +81,7 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
                           healthy=lambda: engine.unavailable_reason() is None)
         server = ServerConfig(cfg.model_name, info["max_model_len"], api_key=cfg.api_key,
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
-                              version_info=info["version_info"])
+                              allowed_origins=cfg.origins, version_info=info["version_info"])
         return build_app(engine, tokenizer, server, metrics), engine
     except BaseException:
         engine.shutdown()
@@ -199,21 +201,35 @@ def served_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def warn_if_open(cfg: ServeConfig, sockets: list[socket.socket]) -> None:
+    """Anyone who can reach a non-loopback address can use the model and empty its caches when no key
+    is asked for: said at start, not discovered later."""
+    exposed = [sock.getsockname()[0] for sock in sockets if not ipaddress.ip_address(sock.getsockname()[0]).is_loopback]
+    if exposed and not cfg.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this address can generate, read "
+                    "/metrics and empty the caches (set --api-key, or --host 127.0.0.1 for this machine only)",
+                    ", ".join(exposed))
+
+
 def run(cfg: ServeConfig) -> None:
     # What is cheap to check is checked before the port is taken; the port is taken before the
     # engine loads, so a port in use is refused in a moment, not after loading a model.
     tokenizer = load_front_tokenizer(cfg)
     check_parallel_flags(cfg, launched_rank())
+    cfg.check_http_settings()
     sockets = bind_sockets(cfg.host, cfg.port)
     try:
         app, engine = build(cfg, tokenizer)
         try:
             port = sockets[0].getsockname()[1]
             config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level,
-                                    timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN)
+                                    timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN,
+                                    timeout_keep_alive=cfg.keep_alive_timeout, limit_concurrency=cfg.max_connections,
+                                    http=protocol_with_header_timeout(cfg.header_timeout))
             listen(sockets, cfg.host, config.backlog)
             log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
                      served_url(sockets[0]))
+            warn_if_open(cfg, sockets)
             server = GracefulServer(config, engine, cfg.shutdown_timeout)
             server.run(sockets=sockets)
         finally:

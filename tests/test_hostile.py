@@ -4,6 +4,7 @@ OpenAI's error shape, and the daemon keeps serving everyone else the same tokens
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -17,17 +18,20 @@ import httpx
 import llguidance
 import pytest
 
-from tests.daemon import PATIENCE, Daemon, start_daemon
+from tests.daemon import PATIENCE, Daemon, start_daemon, wait_until
 from v4serve.server.text.tokenizer import ByteTokenizer
 from v4serve.server.tools import _regex_body
 
 MODEL = "v4serve-tiny"
+ALLOWED = "https://app.example.com"
+MAX_CONNECTIONS = 40
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def running() -> Iterator[Daemon]:
-    served = start_daemon("--api-key", "sk-hostile")
+    served = start_daemon("--api-key", "sk-hostile", "--allowed-origins", ALLOWED, "--header-timeout", "2",
+                          "--keep-alive-timeout", "2", "--max-connections", str(MAX_CONNECTIONS))
     try:
         yield served
     finally:
@@ -200,3 +204,142 @@ def test_a_client_reset_mid_body_logs_no_traceback(running: Daemon, http: httpx.
     assert completion_text(http) == greedy_text
     log = Path(running.log.name).read_text(errors="replace")
     assert "Exception in ASGI application" not in log and "Traceback" not in log
+
+
+# ---- browsers -----------------------------------------------------------------------------------------------------
+KEY = {"Authorization": "Bearer sk-hostile"}
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_bodies_not_sent_as_json_are_a_415(url: str, http: httpx.Client, greedy_text: str,
+                                          content_type: str | None) -> None:
+    """What a page can make a browser send anywhere without asking first is never parsed as JSON."""
+    headers = {**KEY, **({"Content-Type": content_type} if content_type else {})}
+    response = httpx.post(url + "/v1/completions", content=json.dumps(GREEDY), headers=headers, timeout=PATIENCE)
+    assert response.status_code == 415
+    assert response.json()["error"]["code"] == "unsupported_media_type"
+    assert completion_text(http) == greedy_text
+
+
+def test_json_with_a_charset_is_json(http: httpx.Client, greedy_text: str) -> None:
+    response = http.post("/v1/completions", content=json.dumps(GREEDY),
+                         headers={"Content-Type": "application/json; charset=utf-8"})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == greedy_text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/reset_prefix_cache", "/tokenize"])
+def test_posts_from_other_sites_pages_are_a_403(url: str, path: str) -> None:
+    response = httpx.post(url + path, json={"model": MODEL, "prompt": "hi"}, timeout=PATIENCE,
+                          headers={**KEY, "Origin": "https://evil.example"})
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_the_daemons_own_pages_and_allowed_origins_may_post(url: str, greedy_text: str) -> None:
+    for origin in (url, ALLOWED):
+        response = httpx.post(url + "/v1/completions", json=GREEDY, timeout=PATIENCE, headers={**KEY, "Origin": origin})
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == greedy_text
+    assert response.headers["access-control-allow-origin"] == ALLOWED
+
+
+def test_a_preflight_is_answered_for_allowed_origins_only(url: str) -> None:
+    def preflight(origin: str) -> httpx.Response:
+        return httpx.options(url + "/v1/chat/completions", timeout=PATIENCE, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+
+    allowed = preflight(ALLOWED)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ALLOWED
+    refused = preflight("https://evil.example")
+    assert "access-control-allow-origin" not in refused.headers
+
+
+def test_a_read_from_another_origin_carries_no_cors_header(url: str) -> None:
+    """A GET changes nothing and is served, but without CORS headers the page cannot read the answer."""
+    response = httpx.get(url + "/v1/models", timeout=PATIENCE, headers={**KEY, "Origin": "https://evil.example"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog) -> None:
+    from v4serve.server.serve import ServeConfig, warn_if_open
+
+    with socket.socket() as wide, socket.socket() as local:
+        wide.bind(("0.0.0.0", 0))
+        local.bind(("127.0.0.1", 0))
+        with caplog.at_level("WARNING", logger="v4serve"):
+            warn_if_open(ServeConfig(), [local])
+            assert caplog.records == []
+            warn_if_open(ServeConfig(api_key="k"), [wide])
+            assert caplog.records == []
+            warn_if_open(ServeConfig(), [wide])
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["listening on 0.0.0.0 without --api-key"]
+
+
+@pytest.mark.parametrize("value", ["app.example.com", "https://app.example.com/path", "ftp://x"])
+def test_an_origin_that_is_not_one_is_refused_at_start(value: str) -> None:
+    from v4serve.server.serve import ServeConfig
+
+    with pytest.raises(ValueError, match="--allowed-origins takes origins"):
+        ServeConfig(allowed_origins=value).check_http_settings()
+
+
+# ---- connections --------------------------------------------------------------------------------------------------
+def open_connection(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=PATIENCE)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_idle_and_slow_header_connections_are_closed_and_others_served(url: str, http: httpx.Client,
+                                                                       greedy_text: str) -> None:
+    """Idle connections and ones that send their headers a line at a time are closed after
+    --header-timeout (2 s here); meanwhile everyone else is served the same text."""
+    idle = [open_connection(url) for _ in range(20)]
+    slow = [open_connection(url) for _ in range(10)]
+    for sock in slow:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    try:
+        deadline = time.monotonic() + PATIENCE
+        while not all(closed_by_server(s) for s in idle + slow):
+            assert time.monotonic() < deadline, "connections were left open past --header-timeout"
+            for sock in slow:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"X-Slow: 1\r\n")  # never the blank line that ends the headers
+            assert completion_text(http) == greedy_text
+            assert http.get("/health").status_code == 200
+    finally:
+        for sock in idle + slow:
+            sock.close()
+
+
+def test_connections_past_the_cap_get_503_and_are_served_once_others_go(url: str) -> None:
+    """--max-connections 40 here: with 40 other connections open, a new request is refused with 503
+    (retried with fresh connections, in case --header-timeout closed some first on a slow machine);
+    once they are gone, it is served."""
+
+    def status() -> int:
+        return httpx.post(url + "/v1/completions", json=GREEDY, headers=KEY, timeout=PATIENCE).status_code
+
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        others = [open_connection(url) for _ in range(MAX_CONNECTIONS)]
+        try:
+            code = status()
+        finally:
+            for sock in others:
+                sock.close()
+        if code == 503:
+            break
+        assert code == 200 and time.monotonic() < deadline, code
+    wait_until(lambda: status() == 200, "a request once the other connections are gone")
