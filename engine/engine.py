@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -373,6 +374,18 @@ class LLMEngine:
         """Forget every cached block no request holds (and, with `store`, the SSD store's files of
         this model's namespace). → (blocks dropped, store files removed)"""
         return self.kv.reset_prefix_cache(store=store)
+
+    def describe(self) -> dict[str, list[str]]:
+        """Each queue's requests in words: id, age, prompt and output tokens, tokens computed."""
+        now = time.monotonic()
+
+        def line(r: Request) -> str:
+            return (f"{r.request_id} age {now - r.arrival_time:.1f}s prompt {len(r.prompt_token_ids)} "
+                    f"output {len(r.output_token_ids)} computed {r.num_computed_tokens} {r.status.name.lower()}")
+
+        sched = self.scheduler
+        return {"running": [line(r) for r in sched.running], "loading": [line(r) for r in sched.loading],
+                "waiting": [line(r) for r in sched.waiting]}
 
     def stats(self) -> EngineStats:
         """An immutable snapshot of the engine's numbers (taken on the engine thread)."""

@@ -9,9 +9,11 @@ manager restarts it.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import logging
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -88,6 +90,9 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
         raise
 
 
+# Seconds the engine has to list its requests for SIGUSR1's dump (it answers between steps).
+DESCRIBE_TIMEOUT = 10.0
+
 # Seconds uvicorn waits beyond --shutdown-timeout: time for the streams ended then to send their last
 # events before it cuts what is left.
 _SHUTDOWN_MARGIN = 5.0
@@ -97,7 +102,13 @@ class GracefulServer(uvicorn.Server):
     """On SIGTERM (or Ctrl-C): uvicorn stops accepting connections; running requests get
     `shutdown_timeout` seconds to finish, then the engine ends the rest with an error, so every
     stream still closes with an error event and [DONE]; queued SSD-store writes are flushed at exit.
-    If the engine stops by itself, the server exits after `ENGINE_DEATH_GRACE` seconds."""
+    If the engine stops by itself, the server exits after `ENGINE_DEATH_GRACE` seconds.
+
+    Other signals whose default would end the daemon: SIGHUP is logged and changes nothing (every
+    setting is read at start), SIGUSR1 logs the engine's state and requests, SIGUSR2 is logged and
+    ignored; `run` ignores all three from the start, so one that comes while the model loads is
+    harmless too. SIGPIPE is ignored by Python itself; SIGQUIT keeps its default (a core dump, asked
+    for on purpose); nothing else is sent to a daemon in the normal course of things."""
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
         super().__init__(config)
@@ -113,6 +124,30 @@ class GracefulServer(uvicorn.Server):
         # uvicorn re-raises the signal once shut down, which would end the process with it: a
         # completed graceful shutdown exits 0 instead (what Docker and Kubernetes expect).
         self._captured_signals.clear()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, log.info, "SIGHUP: nothing to reload (settings are read at start); "
+                                "still serving")
+        loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(self.dump_state()))
+        loop.add_signal_handler(signal.SIGUSR2, log.info, "SIGUSR2 ignored (SIGUSR1 dumps the engine state)")
+
+    async def dump_state(self) -> None:
+        """SIGUSR1: the engine's numbers and every queued and running request, to the log."""
+        s = self.engine.stats
+        log.info("state (SIGUSR1): %d running, %d waiting; State Cache %.0f%%, Block Cache %.0f%% used; "
+                 "SSD store %.1f MiB, %d quarantined files; engine: %s", s.running, s.waiting,
+                 100 * s.state_cache_usage, 100 * s.block_cache_usage, s.store_usage_bytes / 2**20,
+                 s.store_quarantine_files, self.engine.unavailable_reason() or "serving")
+        try:
+            queues = await asyncio.wait_for(self.engine.describe(), DESCRIBE_TIMEOUT)
+        except Exception as exc:  # a dump must never take the daemon down
+            log.info("state: the engine did not list its requests within %.0f s (%r)", DESCRIBE_TIMEOUT, exc)
+            return
+        for queue, lines in queues.items():
+            for line in lines:
+                log.info("state: %s %s", queue, line)
 
     def _engine_died(self, reason: str) -> None:
         """From any thread: uvicorn polls should_exit."""
@@ -214,6 +249,8 @@ def warn_if_open(cfg: ServeConfig, sockets: list[socket.socket]) -> None:
 def run(cfg: ServeConfig) -> None:
     # What is cheap to check is checked before the port is taken; the port is taken before the
     # engine loads, so a port in use is refused in a moment, not after loading a model.
+    for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):  # handled once serving; harmless until then
+        signal.signal(sig, signal.SIG_IGN)
     tokenizer = load_front_tokenizer(cfg)
     check_parallel_flags(cfg, launched_rank())
     cfg.check_http_settings()

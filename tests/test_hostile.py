@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -343,3 +344,25 @@ def test_connections_past_the_cap_get_503_and_are_served_once_others_go(url: str
             break
         assert code == 200 and time.monotonic() < deadline, code
     wait_until(lambda: status() == 200, "a request once the other connections are gone")
+
+
+# ---- signals ------------------------------------------------------------------------------------------------------
+def test_hup_and_usr2_change_nothing_and_usr1_logs_the_state(running: Daemon, http: httpx.Client,
+                                                            greedy_text: str) -> None:
+    """A stream runs while the signals arrive: it goes on, and SIGUSR1's dump lists it."""
+    log = Path(running.log.name)
+    body = {**GREEDY, "prompt": "Tell me a long story.", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        next(events)
+        for sig in (signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1):
+            running.proc.send_signal(sig)
+        wait_until(lambda: "state: running" in log.read_text(errors="replace"), "SIGUSR1's state dump")
+        more = [next(events) for _ in range(5)]
+    assert all("error" not in json.loads(e.removeprefix("data: ")) for e in more)
+    assert running.proc.poll() is None
+    assert completion_text(http) == greedy_text
+    text = log.read_text(errors="replace")
+    assert "SIGHUP: nothing to reload" in text and "SIGUSR2 ignored" in text
+    assert re.search(r"state \(SIGUSR1\): \d+ running, \d+ waiting; State Cache \d+%, Block Cache \d+% used", text)
+    assert re.search(r"state: running \S+ age [0-9.]+s prompt 22 output \d+ computed \d+ running", text), text[-2000:]

@@ -191,6 +191,9 @@ class AsyncEngine:
     async def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
         return await self.call(lambda engine: engine.reset_prefix_cache(store=store))
 
+    async def describe(self) -> dict[str, list[str]]:
+        return await self.call(lambda engine: engine.describe())  # type: ignore[return-value]
+
     def _submit(self, run: Callable[[], None], if_stopped: Callable[[BaseException], None]) -> None:
         """Queue a command for the engine thread. If the loop has stopped (raises EngineDead now) or
         stops before running it, `if_stopped` runs instead, so no caller ever waits on a dead loop."""

@@ -78,6 +78,9 @@ class EngineClient(Protocol):
         """Forget unreferenced cached blocks (and the SSD store's files with `store`) →
         (blocks dropped, store files removed)."""
 
+    async def describe(self) -> dict[str, list[str]]:
+        """The engine's queues, each request in words (`LLMEngine.describe`), taken between steps."""
+
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` once, from any thread, if the engine stops by itself."""
 

@@ -58,6 +58,8 @@ COMMANDS: dict[str, Callable[..., object]] = {
     "check_cache_integrity": lambda engine: engine.kv.check_integrity([r.kv for r in engine.scheduler.running]),
     # Every rank's DeviceKV digest, rank 0 first (under parallelism they must all be equal).
     "kv_digests": lambda engine: engine.kv_digests(),
+    # The scheduler's queues and each request's progress (SIGUSR1's state dump).
+    "describe": lambda engine: engine.describe(),
 }
 
 Builder = Callable[[], tuple[LLMEngine, dict[str, Any]]]

@@ -192,6 +192,9 @@ class EngineCoreClient:
         dropped, removed = await self.command("reset_prefix_cache", store=store)
         return dropped, removed
 
+    async def describe(self) -> dict[str, list[str]]:
+        return await self.command("describe")
+
     async def command(self, name: str, **kwargs: Any) -> Any:
         """Run a named engine command (`engine.core.COMMANDS`) between steps and return its result;
         callable from any event loop (the socket is only ever used from the client's own)."""

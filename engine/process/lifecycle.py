@@ -7,13 +7,17 @@ from __future__ import annotations
 import ctypes
 import signal
 
+# Signals whose default ends a process and that reach a whole process group (a terminal's Ctrl-C and
+# hangup, a service manager's stop, an operator's SIGUSR1/2 to the group).
+GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
 
 def setup_subordinate(name: str) -> None:
-    """Name this process and ignore SIGINT and SIGTERM: a terminal's Ctrl-C, a service manager or a
-    launcher reaches every process of the group at once, and the one in charge (the front end for
-    the engine process, rank 0 for the other ranks) decides when and in what order they stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """Name this process and ignore GROUP_SIGNALS: they reach every process of the group at once, and
+    the one in charge (the front end for the engine process, rank 0 for the other ranks) decides what
+    they mean and when and in what order the others stop."""
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     name_process(name)
 
 
