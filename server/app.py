@@ -127,6 +127,10 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         reason = engine.unavailable_reason()
         if reason is not None:
             return JSONResponse(error_json(reason, "server_error", code="engine_dead"), status_code=503)
+        silent = engine.silent_for()
+        if silent > config.stall_timeout:
+            return JSONResponse(error_json(f"engine not responding for {silent:.0f} s (its current step has not "
+                                           "finished)", "server_error", code="engine_stalled"), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version", responses=error_responses(401))

@@ -85,6 +85,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                                 "its last response ends (default 10)"),
     ("--max-connections", int, "open connections plus running requests before new requests get 503 "
                                "(default 2048)"),
+    ("--stall-timeout", float, "seconds the engine may go without finishing a step before /health answers 503 "
+                               "(default 60)"),
+    ("--watchdog-timeout", float, "seconds the engine may go without finishing a step before the daemon exits 1 "
+                                  "for its service manager to restart it (default 300; 0: never)"),
     ("--shutdown-timeout", float, "seconds running requests get to finish after SIGTERM (default 30)"),
     ("--seed", int, "seed of the embedded weights and of unseeded sampling"),
     ("--log-level", str, "debug, info, warning or error"),

@@ -55,6 +55,8 @@ class ServeConfig:
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
     max_connections: int = 2048
+    stall_timeout: float = 60.0  # /health answers 503 once the engine has been silent this long
+    watchdog_timeout: float = 300.0  # the daemon exits 1 once it has been silent this long (0: never)
     shutdown_timeout: float = 30.0
     seed: int = 0
     log_level: str = "info"
@@ -105,9 +107,11 @@ class ServeConfig:
     def check_http_settings(self) -> None:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
-        for name in ("keep_alive_timeout", "header_timeout", "max_connections"):
+        for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.watchdog_timeout < 0:
+            raise ValueError(f"--watchdog-timeout must be 0 (off) or positive, got {self.watchdog_timeout}")
 
     @property
     def model_name(self) -> str:

@@ -38,6 +38,7 @@ class ServerConfig:
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
+    stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
     version_info: dict[str, str | bool | int] = field(default_factory=dict)
 

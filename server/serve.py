@@ -16,6 +16,8 @@ import logging
 import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -83,7 +85,8 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
                           healthy=lambda: engine.unavailable_reason() is None)
         server = ServerConfig(cfg.model_name, info["max_model_len"], api_key=cfg.api_key,
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
-                              allowed_origins=cfg.origins, version_info=info["version_info"])
+                              allowed_origins=cfg.origins, stall_timeout=cfg.stall_timeout,
+                              version_info=info["version_info"])
         return build_app(engine, tokenizer, server, metrics), engine
     except BaseException:
         engine.shutdown()
@@ -110,9 +113,11 @@ class GracefulServer(uvicorn.Server):
     harmless too. SIGPIPE is ignored by Python itself; SIGQUIT keeps its default (a core dump, asked
     for on purpose); nothing else is sent to a daemon in the normal course of things."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float,
+                 watchdog_timeout: float = 0.0, abandon_engine: Callable[[str], None] | None = None) -> None:
         super().__init__(config)
-        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+        self.engine, self.shutdown_timeout, self.watchdog_timeout = engine, shutdown_timeout, watchdog_timeout
+        self.abandon_engine = abandon_engine
         self.engine_failure: str | None = None
         engine.on_death(self._engine_died)
 
@@ -132,6 +137,23 @@ class GracefulServer(uvicorn.Server):
                                 "still serving")
         loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(self.dump_state()))
         loop.add_signal_handler(signal.SIGUSR2, log.info, "SIGUSR2 ignored (SIGUSR1 dumps the engine state)")
+        if self.watchdog_timeout:
+            threading.Thread(target=self._watchdog, name="v4serve-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """A thread, so a stuck event loop cannot hide a stuck engine: once the engine has been silent
+        for --watchdog-timeout, the daemon exits 1 and its service manager restarts it (a step stuck
+        on a hung GPU or collective never finishes by itself)."""
+        while not self.should_exit:
+            silent = self.engine.silent_for()
+            if silent > self.watchdog_timeout:
+                reason = (f"the engine has not finished a step for {silent:.0f} s "
+                          f"(--watchdog-timeout {self.watchdog_timeout:g})")
+                self._engine_died(reason)
+                if self.abandon_engine is not None:  # its open requests end with that error at once
+                    self.abandon_engine(reason)
+                return
+            time.sleep(min(1.0, self.watchdog_timeout / 4))
 
     async def dump_state(self) -> None:
         """SIGUSR1: the engine's numbers and every queued and running request, to the log."""
@@ -150,7 +172,9 @@ class GracefulServer(uvicorn.Server):
                 log.info("state: %s %s", queue, line)
 
     def _engine_died(self, reason: str) -> None:
-        """From any thread: uvicorn polls should_exit."""
+        """From any thread: uvicorn polls should_exit. The first cause is the one reported."""
+        if self.engine_failure is not None:
+            return
         self.engine_failure = reason
         log.error("the engine has stopped (%s); exiting in %.0f s", reason, ENGINE_DEATH_GRACE)
         timer = threading.Timer(ENGINE_DEATH_GRACE, lambda: setattr(self, "should_exit", True))
@@ -267,7 +291,8 @@ def run(cfg: ServeConfig) -> None:
             log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
                      served_url(sockets[0]))
             warn_if_open(cfg, sockets)
-            server = GracefulServer(config, engine, cfg.shutdown_timeout)
+            server = GracefulServer(config, engine, cfg.shutdown_timeout, cfg.watchdog_timeout,
+                                    abandon_engine=engine.abandon if isinstance(engine, EngineCoreClient) else None)
             server.run(sockets=sockets)
         finally:
             engine.shutdown()  # idempotent: normally the app's lifespan has done it

@@ -3,6 +3,7 @@ failing to start all end cleanly — an error or a 503 with the cause, an exit, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -91,6 +92,38 @@ def test_a_killed_engine_process_is_a_503_with_the_cause_then_an_exit() -> None:
     finally:
         running.stop(signal.SIGKILL)
     assert "engine process exited unexpectedly" in Path(running.log.name).read_text()
+
+
+def test_a_stopped_engine_is_a_503_then_healthy_again_then_past_the_watchdog_an_exit() -> None:
+    """`kill -STOP` of the engine process (a step that never finishes): /health says so after
+    --stall-timeout while everything else keeps answering; SIGCONT makes it healthy again; stopped
+    past --watchdog-timeout, the daemon ends the engine, the open stream gets an error and [DONE], and
+    the daemon exits 1 with the cause."""
+    running = start_daemon("--stall-timeout", "2", "--watchdog-timeout", "10")
+    pid = engine_pid(running.proc.pid)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: httpx.get(running.url + "/health", timeout=PATIENCE).status_code == 503,
+                   "/health to notice the stopped engine")
+        error = httpx.get(running.url + "/health", timeout=PATIENCE).json()["error"]
+        assert error["code"] == "engine_stalled" and "engine not responding for" in error["message"]
+        assert httpx.get(running.url + "/v1/models", timeout=PATIENCE).status_code == 200
+        os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: httpx.get(running.url + "/health", timeout=PATIENCE).status_code == 200,
+                   "/health once the engine runs again")
+        thread, lines, _ = stream_in_background(running)
+        os.kill(pid, signal.SIGSTOP)
+        thread.join(timeout=PATIENCE)
+        assert not thread.is_alive() and lines[-1] == "data: [DONE]"
+        assert "not finished a step" in json.loads(lines[-2][6:])["error"]["message"]
+        assert running.proc.wait(timeout=PATIENCE) == 1
+        assert gone(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        running.stop(signal.SIGKILL)
+    log = Path(running.log.name).read_text()
+    assert "--watchdog-timeout 10" in log
 
 
 def test_sigterm_exits_0_and_leaves_no_engine_process() -> None:

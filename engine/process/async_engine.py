@@ -18,6 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ class AsyncEngine:
         self._on_publish = on_publish
         self._death_callbacks: list[Callable[[str], None]] = []
         self._stats = engine.stats()
+        self._published_at = time.monotonic()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ended: BaseException | None = None  # set once the loop has stopped, for whatever reason
@@ -109,6 +111,10 @@ class AsyncEngine:
         """The latest snapshot the engine thread published."""
         with self._lock:
             return self._stats
+
+    def silent_for(self) -> float:
+        with self._lock:
+            return time.monotonic() - self._published_at
 
     # ---- the asyncio side ---------------------------------------------------------------------------
     def submit(self, requests: list[Request], on_output: Sink) -> None:
@@ -276,6 +282,7 @@ class AsyncEngine:
     def _publish(self, added: int = 0) -> None:
         stats = self.engine.stats()
         with self._lock:
+            self._published_at = time.monotonic()
             self._stats = stats
             self._pending -= added
         if self._on_publish is not None:

@@ -54,6 +54,10 @@ class EngineClient(Protocol):
     @property
     def alive(self) -> bool: ...
 
+    def silent_for(self) -> float:
+        """Seconds since the engine was last heard from. It publishes after every step and every idle
+        half second, so this grows only while a step is stuck (or the process is stopped)."""
+
     def unavailable_reason(self) -> str | None:
         """Why the engine takes no requests (None while it does): for /health and 503 answers."""
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,7 @@ class EngineCoreClient:
         self.info: dict[str, Any] = {}
         self.pid = self._process.pid
         self._stats = EngineStats()
+        self._heard_at = time.monotonic()  # set by the receiver thread: the event loop may be what is stuck
         self._grammars: Grammars | None = None
         self._open: dict[str, tuple[Sink, int]] = {}  # choice request id → (its sink, choice index)
         self._commands: dict[int, asyncio.Future] = {}
@@ -156,6 +158,9 @@ class EngineCoreClient:
     @property
     def stats(self) -> EngineStats:
         return self._stats
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self._heard_at
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         self._death_callbacks.append(callback)
@@ -228,6 +233,16 @@ class EngineCoreClient:
             log.warning("the engine process did not stop within %.0f s; killing it", SHUTDOWN_SECONDS)
         self.kill()
 
+    def abandon(self, reason: str) -> None:
+        """From any thread, for an engine that has stopped answering: end its open requests and
+        commands with `reason` (streams get an error event and [DONE]), then kill its process."""
+
+        def end() -> None:
+            self._die(reason)
+            self.kill()
+
+        self._post(end)
+
     def kill(self) -> None:
         """End the process at once (if it still runs) and release everything; idempotent."""
         self._stopped = True
@@ -268,6 +283,7 @@ class EngineCoreClient:
         while not self._stopped:
             events = dict(poller.poll(LAST_WORDS_MS if exited else RECEIVE_POLL_MS))
             if self._from_core in events:
+                self._heard_at = time.monotonic()
                 self._post(self._deliver, self._drain())
             elif exited:  # gone, and nothing more arrived: its last words are in
                 self._post(self._exited)
