@@ -24,9 +24,10 @@ MAX_CHOICES = 64  # prompts × n in one request
 
 async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) -> Response:
     front.check_model(body.model)
-    prompts = await _prompts(front, body.prompt)
-    if len(prompts) * body.n > MAX_CHOICES:
+    count = len(body.prompt) if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else 1
+    if count * body.n > MAX_CHOICES:  # before any prompt is tokenized
         raise ApiError(400, f"at most {MAX_CHOICES} prompts × n per request", param="prompt")
+    prompts = await _prompts(front, body.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     options = front.output_options(body)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None

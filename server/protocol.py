@@ -12,6 +12,13 @@ MAX_STOPS = 16
 # The detokenizer holds back every prefix of every stop string: this bounds what one request costs.
 MAX_STOP_CHARS = 256
 _TOKEN_ID = re.compile(r"-?[0-9]+")
+# Every list a request carries has a bound, checked while the body is validated (before any
+# tokenizing, id scanning or grammar compiling); README lists them.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_PROMPTS = 64  # completions: prompts in one request (× n, at most MAX_CHOICES choices)
+MAX_TOOLS = 128  # as OpenAI's API
+MAX_MESSAGES = 4096
 
 
 IGNORED = "x-v4serve-ignored"  # schema marker of fields accepted for compatibility and ignored
@@ -46,9 +53,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # Below 0.01 a penalty scales logits past what float32 holds.
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -107,12 +114,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -164,6 +171,8 @@ class CompletionRequest(SamplingFields):
     def _prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and isinstance(v[0], (str, list)) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
         return v
 
     @model_validator(mode="after")

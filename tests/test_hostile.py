@@ -366,3 +366,27 @@ def test_hup_and_usr2_change_nothing_and_usr1_logs_the_state(running: Daemon, ht
     assert "SIGHUP: nothing to reload" in text and "SIGUSR2 ignored" in text
     assert re.search(r"state \(SIGUSR1\): \d+ running, \d+ waiting; State Cache \d+%, Block Cache \d+% used", text)
     assert re.search(r"state: running \S+ age [0-9.]+s prompt 22 output \d+ computed \d+ running", text), text[-2000:]
+
+
+# ---- every list has a bound, checked before any work ---------------------------------------------------------------
+@pytest.mark.parametrize(("endpoint", "field", "value", "says"), [
+    ("/v1/completions", "stop_token_ids", [300] * 200_000, "at most 1024 items"),
+    ("/v1/completions", "logit_bias", {str(i): 1 for i in range(2000)}, "at most 1024 items"),
+    ("/v1/completions", "prompt", [""] * 300_000, "at most 64 prompts per request"),
+    ("/v1/completions", "prompt", [[5]] * 100, "at most 64 prompts per request"),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": f"t{i}"}} for i in range(200)],
+     "at most 128 items"),
+])
+def test_oversized_lists_are_a_400_before_any_work(http: httpx.Client, greedy_text: str, endpoint: str, field: str,
+                                                  value: Any, says: str) -> None:
+    body = {**(GREEDY if endpoint == "/v1/completions" else chat()), field: value}
+    response = http.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and says in error["message"], error
+    assert completion_text(http) == greedy_text
+
+
+def test_prompts_times_n_are_counted_before_tokenizing(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json={**GREEDY, "prompt": ["a"] * 8, "n": 16})
+    assert_refused(response, 400, "prompt", "at most 64 prompts × n per request")
