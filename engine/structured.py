@@ -16,6 +16,7 @@ apply on a 129K vocabulary) are small next to a forward pass.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import llguidance
 import llguidance.numpy as llg_np
@@ -23,15 +24,23 @@ import numpy as np
 
 from v4serve.engine.request import GrammarSpec, RequestError
 
+# Compiled grammars kept per process, weighed by their text: a compiled grammar takes roughly 30× its
+# text in memory (a 0.5 MB enum schema, ~14 MB), so 8 MiB of text is a few hundred MB at most.
+GRAMMAR_CACHE_TEXT_BYTES = 8 << 20
+
 
 class Grammars:
-    """Compiled grammars for one vocabulary; safe to use from the engine and the asyncio side."""
+    """Compiled grammars for one vocabulary, the least recently used dropped past `max_text_bytes` of
+    grammar text; safe to use from the engine and the asyncio side."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int,
+                 max_text_bytes: int = GRAMMAR_CACHE_TEXT_BYTES) -> None:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
-        self._compiled: dict[tuple[str, str], llguidance.LLMatcher] = {}
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self.max_text_bytes = max_text_bytes
+        self.text_bytes = 0  # of the grammars kept
         self.compiles = 0  # cache misses, for tests and the benchmark
 
     def check(self, spec: GrammarSpec) -> None:
@@ -47,6 +56,8 @@ class Grammars:
         key = (spec.kind, spec.text)
         with self._lock:
             template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
         if template is not None:
             return template
         if spec.kind == "json_schema":
@@ -60,7 +71,12 @@ class Grammars:
                                param=spec.param)
         with self._lock:
             self.compiles += 1
-            self._compiled.setdefault(key, template)
+            if key not in self._compiled:
+                self._compiled[key] = template
+                self.text_bytes += len(spec.text)
+            while self.text_bytes > self.max_text_bytes and len(self._compiled) > 1:
+                (_, text), _ = self._compiled.popitem(last=False)
+                self.text_bytes -= len(text)
         return template
 
 

@@ -41,7 +41,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     options = front.output_options(body, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
                                    parallel_tool_calls=tools.parallel)
     generation = front.generation(rid, prompt, body, max_tokens, logprobs, options, grammar=grammar)
-    front.check([generation])
+    await front.check([generation])
     created = int(time.time())
     if body.stream:
         chunk = stream_chunker(rid, "chat.completion.chunk", created, front.config.served_model_name,

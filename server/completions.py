@@ -33,7 +33,7 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     generations = [front.generation(f"{rid}-{p}", prompt, body, front.default_max_tokens(body.max_tokens, len(prompt)),
                                     body.logprobs, options, prompt_logprobs) for p, prompt in enumerate(prompts)]
-    front.check(generations)
+    await front.check(generations)
     created = int(time.time())
     if body.stream:
         chunk = stream_chunker(rid, "text_completion", created, front.config.served_model_name, body.stream_options,

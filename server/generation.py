@@ -164,9 +164,14 @@ class FrontEnd:
         raw = self.tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def check(self, generations: list[Generation]) -> None:
-        """Raise now if the engine cannot take these (so errors come before a stream's first byte)."""
-        self.engine.check([r for g in generations for r in g.requests])
+    async def check(self, generations: list[Generation]) -> None:
+        """Raise now if the engine cannot take these (so errors come before a stream's first byte). A
+        grammar not compiled yet compiles here, off the event loop (a large schema takes a while)."""
+        requests = [r for g in generations for r in g.requests]
+        if any(r.sampling.grammar is not None for r in requests):
+            await asyncio.to_thread(self.engine.check, requests)
+        else:
+            self.engine.check(requests)
 
     @staticmethod
     async def collect(generation: Generation, raw: Request) -> list[list[Delta]]:

@@ -390,3 +390,29 @@ def test_oversized_lists_are_a_400_before_any_work(http: httpx.Client, greedy_te
 def test_prompts_times_n_are_counted_before_tokenizing(http: httpx.Client) -> None:
     response = http.post("/v1/completions", json={**GREEDY, "prompt": ["a"] * 8, "n": 16})
     assert_refused(response, 400, "prompt", "at most 64 prompts × n per request")
+
+
+# ---- nothing grows without bound ----------------------------------------------------------------------------------
+def test_compiled_grammars_are_kept_least_recently_used_within_their_bound() -> None:
+    from v4serve.engine.request import GrammarSpec
+    from v4serve.engine.structured import Grammars
+
+    tokenizer = ByteTokenizer()
+    grammars = Grammars(tokenizer.vocabulary_json(), tokenizer.vocab_size, tokenizer.eos_token_id,
+                        max_text_bytes=2000)
+
+    def spec(i: int) -> GrammarSpec:
+        schema = {"type": "string", "enum": [f"choice-{i}-{j}" for j in range(20)]}
+        return GrammarSpec("json_schema", json.dumps(schema), param="response_format")
+
+    size = len(spec(0).text)
+    for i in range(30):
+        grammars.check(spec(i))
+        grammars.check(spec(0))  # kept in use: never the least recently used
+    assert 2000 - 2 * size < grammars.text_bytes <= 2000  # full, and within its bound
+    compiled = grammars.compiles
+    grammars.check(spec(0))
+    grammars.check(spec(29))
+    assert grammars.compiles == compiled  # both still kept
+    grammars.check(spec(1))
+    assert grammars.compiles == compiled + 1  # long gone: compiled again
