@@ -70,7 +70,7 @@ def _choice(front: FrontEnd, index: int, generation: Generation, j: int, deltas:
     echoed = front.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens) if body.echo else ""
     logprobs = None
     if body.logprobs is not None:
-        entries = (list(generation.texts[j].prompt_logprobs or ()) if body.echo else []) + samples
+        entries = (list(generation.prompt_logprobs) if body.echo else []) + samples
         tokens = (prompt if body.echo else []) + [s.token for s in samples]
         logprobs, _ = _legacy_logprobs(front, tokens, entries)
     return {"index": index, "text": echoed + "".join(d.text for d in deltas), "logprobs": logprobs,
@@ -151,5 +151,5 @@ def _echo_chunk(front: FrontEnd, chunk: Chunker, generation: Generation, j: int,
     text = front.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens)
     lp = None
     if body.logprobs is not None:
-        lp, offsets[index] = _legacy_logprobs(front, prompt, list(generation.texts[j].prompt_logprobs or ()))
+        lp, offsets[index] = _legacy_logprobs(front, prompt, list(generation.prompt_logprobs))
     return chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": None}])

@@ -56,6 +56,12 @@ class Generation:
         self._open = set(range(len(requests)))  # choices whose finished delta has not been made
         self._ready: asyncio.Queue[Delta] = asyncio.Queue()
 
+    @property
+    def prompt_logprobs(self) -> tuple:
+        """The prompt's logprobs, shared by every choice (the first choice's request computes them and
+        its first output, which comes before any other choice's, carries them)."""
+        return self.texts[0].prompt_logprobs or ()
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """Submit the choices and yield their deltas until each has finished (one finished delta
         per choice). Closing this early (a client disconnect) aborts the choices still running."""
@@ -137,9 +143,12 @@ class FrontEnd:
     def generation(self, request_id: str, prompt: list[int], body: SamplingFields, max_tokens: int,
                    logprobs: int | None, options: OutputOptions, prompt_logprobs: int | None = None,
                    grammar: GrammarSpec | None = None) -> Generation:
-        """The n choices of one prompt (not yet submitted)."""
+        """The n choices of one prompt (not yet submitted). The prompt's logprobs are the same for every
+        choice: only the first computes them (`Generation.prompt_logprobs`); the others start after it
+        and reuse its prefix from the cache like any sibling."""
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
-                                  self.sampling(body, max_tokens, logprobs, prompt_logprobs, i, grammar),
+                                  self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None, i,
+                                                grammar),
                                   cache_salt=body.cache_salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options)
 

@@ -416,3 +416,29 @@ def test_compiled_grammars_are_kept_least_recently_used_within_their_bound() -> 
     assert grammars.compiles == compiled  # both still kept
     grammars.check(spec(1))
     assert grammars.compiles == compiled + 1  # long gone: compiled again
+
+
+# ---- the prompt's logprobs: computed once per prompt --------------------------------------------------------------
+def test_echoed_prompt_logprobs_are_computed_once_and_shared_by_every_choice(http: httpx.Client) -> None:
+    """`echo` + `logprobs` with n=4: one choice computes the prompt's logprobs, the other three reuse its
+    prefix from the cache (300 tokens: two 128-token blocks each), and all four report the same ones,
+    those of n=1."""
+    prompt = [65 + (i * 7) % 90 for i in range(300)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    single = http.post("/v1/completions", json={**body, "n": 1}).json()
+    http.post("/reset_prefix_cache")
+    before = device_hits(http)
+    four = http.post("/v1/completions", json={**body, "n": 4}).json()
+    want = single["choices"][0]["logprobs"]["token_logprobs"][:300]
+    for choice in four["choices"]:
+        assert choice["logprobs"]["token_logprobs"][:300] == want
+        assert choice["logprobs"]["top_logprobs"][:300] == single["choices"][0]["logprobs"]["top_logprobs"][:300]
+    # Engine stats are published after each step: wait for the one that counts the last sibling's hit.
+    wait_until(lambda: device_hits(http) == before + 3 * 256, "three siblings' prefix hits in /metrics")
+
+
+def device_hits(http: httpx.Client) -> float:
+    metrics = http.get("/metrics").text
+    found = re.search(r'^v4serve_prefix_cache_hits_total\{[^}]*source="device"[^}]*\} (\S+)$', metrics, re.M)
+    assert found, metrics[:2000]
+    return float(found.group(1))
