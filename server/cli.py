@@ -78,6 +78,8 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--api-key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
     ("--protect-metrics", bool, "with --api-key, require the key on /metrics too"),
     ("--max-request-bytes", int, "largest request body accepted (default 4 MiB; larger gets 413)"),
+    ("--max-unread-tokens", int, "output a stream's client may leave unread (tokens; logprob entries count "
+                                 "too) before its request ends with an error (default 65536)"),
     ("--allowed-origins", str, "comma-separated web origins (https://app.example.com) whose pages may call the "
                                "API, or '*' (CORS); other pages' POSTs get 403"),
     ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),

@@ -20,6 +20,7 @@ from v4serve.server.protocol import CompletionRequest
 from v4serve.server.text.output import Delta
 
 MAX_CHOICES = 64  # prompts × n in one request
+MERGED_DELTAS = 64  # a stream's deltas between its prompts' pumps and the client
 
 
 async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) -> Response:
@@ -98,7 +99,9 @@ def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], off
 
 async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation],
                   body: CompletionRequest) -> AsyncIterator[str]:
-    merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
+    # Bounded: a pump waits while the client is not reading, so unread output stays in its Generation,
+    # which bounds it (--max-unread-tokens), and not here.
+    merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue(maxsize=MERGED_DELTAS)
 
     async def pump(p: int, generation: Generation) -> None:
         try:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# Output a stream's client may leave unread before its request ends (tokens; logprob entries count too).
+DEFAULT_MAX_UNREAD_TOKENS = 65536
 DEFAULT_STORE_BYTES = 32 << 30
 
 # --dtype names → torch dtype names.
@@ -51,6 +53,7 @@ class ServeConfig:
     api_key: str | None = None
     protect_metrics: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
@@ -107,7 +110,7 @@ class ServeConfig:
     def check_http_settings(self) -> None:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
-        for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout"):
+        for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.watchdog_timeout < 0:

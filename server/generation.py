@@ -18,7 +18,7 @@ from fastapi import Request
 from v4serve.engine.process.client import EngineClient, TokenOutput
 from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
-from v4serve.server.config import DEFAULT_MAX_REQUEST_BYTES
+from v4serve.server.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UNREAD_TOKENS
 from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
@@ -37,24 +37,33 @@ class ServerConfig:
     api_key: str | None = None
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
     version_info: dict[str, str | bool | int] = field(default_factory=dict)
 
 
+def _weight(delta: Delta) -> int:
+    """What a delta holds, in tokens plus their logprob entries (the bulk of a delta's bytes)."""
+    return max(len(delta.token_ids), sum(1 + len(s.top) for s in delta.samples)) if delta.samples else \
+        len(delta.token_ids)
+
+
 class Generation:
     """Text is made as token outputs arrive (on the event loop), not when the client reads it: a
     stop string stops the engine request at once and latency is measured at arrival, however slowly
-    the client consumes the stream."""
+    the client consumes the stream. What the client has not read yet is bounded: past `max_unread`
+    (tokens, each logprob entry counting as one more), the choices still running end with an error."""
 
     def __init__(self, engine: EngineClient, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
-                 options: OutputOptions) -> None:
+                 options: OutputOptions, max_unread: int = DEFAULT_MAX_UNREAD_TOKENS) -> None:
         self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
         self._tracker = metrics.track(requests)
         self._open = set(range(len(requests)))  # choices whose finished delta has not been made
         self._ready: asyncio.Queue[Delta] = asyncio.Queue()
+        self._unread, self._max_unread = 0, max_unread
 
     @property
     def prompt_logprobs(self) -> tuple:
@@ -70,6 +79,7 @@ class Generation:
         try:
             while remaining:
                 delta = await self._ready.get()
+                self._unread -= _weight(delta)
                 remaining -= delta.finished
                 yield delta
         finally:
@@ -95,6 +105,21 @@ class Generation:
             if not out.finished:  # a stop string (or a text failure) ended it before the engine did
                 self.engine.abort([self.requests[out.index].request_id])
         self._ready.put_nowait(delta)
+        self._unread += _weight(delta)
+        if self._unread > self._max_unread and self._open:
+            self._end_unread()
+
+    def _end_unread(self) -> None:
+        """The client is not reading (or reads far slower than the engine writes): end what still runs
+        rather than hold its output without bound; the error follows what was made, for whoever reads."""
+        message = (f"the client left {self._unread} tokens of output unread (--max-unread-tokens "
+                   f"{self._max_unread}); the request was ended")
+        log.warning("%s: %s", self.requests[0].request_id.rsplit("-", 1)[0], message)
+        self.engine.abort([self.requests[i].request_id for i in sorted(self._open)])
+        for i in sorted(self._open):
+            self._tracker.finish(i, "abort")
+            self._ready.put_nowait(Delta(index=i, finished=True, finish_reason="error", error=message))
+        self._open.clear()
 
     def usage(self) -> PromptUsage:
         return PromptUsage(prompt_tokens=self.requests[0].num_prompt_tokens,
@@ -150,7 +175,8 @@ class FrontEnd:
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None, i,
                                                 grammar),
                                   cache_salt=body.cache_salt) for i in range(body.n)]
-        return Generation(self.engine, self.metrics, self.tokenizer, requests, options)
+        return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
+                          self.config.max_unread_tokens)
 
     async def encode_text(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a text prompt (BOS first unless asked not to), off the event loop."""

@@ -442,3 +442,50 @@ def device_hits(http: httpx.Client) -> float:
     found = re.search(r'^v4serve_prefix_cache_hits_total\{[^}]*source="device"[^}]*\} (\S+)$', metrics, re.M)
     assert found, metrics[:2000]
     return float(found.group(1))
+
+
+# ---- a client that never reads its stream -------------------------------------------------------------------------
+def test_a_stream_nobody_reads_is_ended_once_its_unread_output_passes_the_bound() -> None:
+    """Two clients open streams (n=16, top logprobs) and never read: each request is ended once 300
+    tokens (logprob entries included) wait unread, so the engine stops working for them and the front
+    end holds no more; what they read afterwards ends with that error and [DONE]."""
+    served = start_daemon("--max-unread-tokens", "300")
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "Never read", "max_tokens": 20000, "ignore_eos": True,
+                           "n": 16, "logprobs": 5, "stream": True}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sockets = []
+        for _ in range(2):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            parts = urlsplit(served.url)
+            sock.connect((parts.hostname, parts.port))
+            sock.sendall(request)
+            sockets.append(sock)
+        with httpx.Client(base_url=served.url, timeout=PATIENCE) as http:
+            wait_until(lambda: running_requests(http) == 0 and "left" in Path(served.log.name).read_text(),
+                       "the unread streams to be ended")
+            assert completion_text(http)  # everyone else is served
+        for sock in sockets:
+            text = read_all(sock).decode(errors="replace")
+            assert "data: [DONE]" in text and "tokens of output unread (--max-unread-tokens 300)" in text
+    finally:
+        served.stop()
+
+
+def running_requests(http: httpx.Client) -> float:
+    found = re.search(r"^v4serve_requests_running\{[^}]*\} (\S+)$", http.get("/metrics").text, re.M)
+    assert found
+    return float(found.group(1))
+
+
+def read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(PATIENCE)
+    chunks = []
+    while chunk := sock.recv(1 << 16):
+        chunks.append(chunk)
+        if b"data: [DONE]" in b"".join(chunks[-2:]):
+            break
+    sock.close()
+    return b"".join(chunks)
