@@ -80,6 +80,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--max-request-bytes", int, "largest request body accepted (default 4 MiB; larger gets 413)"),
     ("--max-unread-tokens", int, "output a stream's client may leave unread (tokens; logprob entries count "
                                  "too) before its request ends with an error (default 65536)"),
+    ("--max-logprob-entries", int, "logprob entries (chosen tokens and alternatives, echoed prompts included) one "
+                                   "request may return; more is refused up front or ends the request (default "
+                                   "1048576)"),
     ("--allowed-origins", str, "comma-separated web origins (https://app.example.com) whose pages may call the "
                                "API, or '*' (CORS); other pages' POSTs get 403"),
     ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),

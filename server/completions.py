@@ -29,6 +29,12 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     if count * body.n > MAX_CHOICES:  # before any prompt is tokenized
         raise ApiError(400, f"at most {MAX_CHOICES} prompts × n per request", param="prompt")
     prompts = await _prompts(front, body.prompt)
+    if body.echo and body.logprobs is not None:  # every choice returns its prompt's logprobs
+        echoed = sum(len(p) for p in prompts) * body.n * (1 + body.logprobs)
+        if echoed > front.config.max_logprob_entries:
+            raise ApiError(400, f"echo with logprobs would return {echoed} logprob entries (prompt tokens × n × "
+                                f"(logprobs + 1)); at most {front.config.max_logprob_entries} "
+                                "(--max-logprob-entries): lower n or logprobs, or drop echo", param="logprobs")
     rid = f"cmpl-{uuid.uuid4().hex}"
     options = front.output_options(body)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None

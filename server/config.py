@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# Logprob entries (a chosen token's or one of its alternatives') one request may return: ~40 MB of JSON.
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 # Output a stream's client may leave unread before its request ends (tokens; logprob entries count too).
 DEFAULT_MAX_UNREAD_TOKENS = 65536
 DEFAULT_STORE_BYTES = 32 << 30
@@ -54,6 +56,7 @@ class ServeConfig:
     protect_metrics: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
@@ -110,7 +113,8 @@ class ServeConfig:
     def check_http_settings(self) -> None:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
-        for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens"):
+        for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
+                     "max_logprob_entries"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.watchdog_timeout < 0:

@@ -18,7 +18,7 @@ from fastapi import Request
 from v4serve.engine.process.client import EngineClient, TokenOutput
 from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
-from v4serve.server.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UNREAD_TOKENS
+from v4serve.server.config import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UNREAD_TOKENS
 from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
@@ -38,6 +38,7 @@ class ServerConfig:
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
@@ -57,13 +58,15 @@ class Generation:
     (tokens, each logprob entry counting as one more), the choices still running end with an error."""
 
     def __init__(self, engine: EngineClient, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
-                 options: OutputOptions, max_unread: int = DEFAULT_MAX_UNREAD_TOKENS) -> None:
+                 options: OutputOptions, max_unread: int = DEFAULT_MAX_UNREAD_TOKENS,
+                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> None:
         self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
         self._tracker = metrics.track(requests)
         self._open = set(range(len(requests)))  # choices whose finished delta has not been made
         self._ready: asyncio.Queue[Delta] = asyncio.Queue()
         self._unread, self._max_unread = 0, max_unread
+        self._logprob_entries, self._max_logprob_entries = 0, max_logprob_entries
 
     @property
     def prompt_logprobs(self) -> tuple:
@@ -106,19 +109,24 @@ class Generation:
                 self.engine.abort([self.requests[out.index].request_id])
         self._ready.put_nowait(delta)
         self._unread += _weight(delta)
+        self._logprob_entries += sum(1 + len(s.top) for s in delta.samples)
         if self._unread > self._max_unread and self._open:
-            self._end_unread()
+            self._end(f"the client left {self._unread} tokens of output unread (--max-unread-tokens "
+                      f"{self._max_unread}); the request was ended")
+        elif self._logprob_entries > self._max_logprob_entries and self._open:
+            self._end(f"the request's logprobs passed {self._max_logprob_entries} entries (--max-logprob-entries; "
+                      "ask for fewer tokens, choices or top logprobs); the request was ended", param="logprobs")
 
-    def _end_unread(self) -> None:
-        """The client is not reading (or reads far slower than the engine writes): end what still runs
-        rather than hold its output without bound; the error follows what was made, for whoever reads."""
-        message = (f"the client left {self._unread} tokens of output unread (--max-unread-tokens "
-                   f"{self._max_unread}); the request was ended")
+    def _end(self, message: str, param: str | None = None) -> None:
+        """End what still runs with `message`, rather than hold or return its output without bound (a
+        client not reading, or far slower than the engine writes; logprobs past their bound); the
+        error follows what was made, for whoever reads."""
         log.warning("%s: %s", self.requests[0].request_id.rsplit("-", 1)[0], message)
         self.engine.abort([self.requests[i].request_id for i in sorted(self._open)])
         for i in sorted(self._open):
             self._tracker.finish(i, "abort")
-            self._ready.put_nowait(Delta(index=i, finished=True, finish_reason="error", error=message))
+            self._ready.put_nowait(Delta(index=i, finished=True, finish_reason="error", error=message,
+                                         error_param=param))
         self._open.clear()
 
     def usage(self) -> PromptUsage:
@@ -176,7 +184,7 @@ class FrontEnd:
                                                 grammar),
                                   cache_salt=body.cache_salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
-                          self.config.max_unread_tokens)
+                          self.config.max_unread_tokens, self.config.max_logprob_entries)
 
     async def encode_text(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a text prompt (BOS first unless asked not to), off the event loop."""

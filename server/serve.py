@@ -85,7 +85,8 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
                           healthy=lambda: engine.unavailable_reason() is None)
         server = ServerConfig(cfg.model_name, info["max_model_len"], api_key=cfg.api_key,
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
-                              max_unread_tokens=cfg.max_unread_tokens, allowed_origins=cfg.origins,
+                              max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
+                              allowed_origins=cfg.origins,
                               stall_timeout=cfg.stall_timeout,
                               version_info=info["version_info"])
         return build_app(engine, tokenizer, server, metrics), engine

@@ -32,7 +32,8 @@ GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4, "tem
 @pytest.fixture(scope="module")
 def running() -> Iterator[Daemon]:
     served = start_daemon("--api-key", "sk-hostile", "--allowed-origins", ALLOWED, "--header-timeout", "2",
-                          "--keep-alive-timeout", "2", "--max-connections", str(MAX_CONNECTIONS))
+                          "--keep-alive-timeout", "2", "--max-connections", str(MAX_CONNECTIONS),
+                          "--max-logprob-entries", "5000")
     try:
         yield served
     finally:
@@ -489,3 +490,25 @@ def read_all(sock: socket.socket) -> bytes:
             break
     sock.close()
     return b"".join(chunks)
+
+
+# ---- what a request may return --------------------------------------------------------------------------------------
+def test_echoed_logprobs_past_the_bound_are_a_400_up_front(http: httpx.Client, greedy_text: str) -> None:
+    """--max-logprob-entries 5000 here: 300 prompt tokens × n 4 × (4 + 1) = 6000."""
+    body = {"model": MODEL, "prompt": [65 + i % 90 for i in range(300)], "max_tokens": 1, "echo": True,
+            "logprobs": 4, "n": 4}
+    assert_refused(http.post("/v1/completions", json=body), 400, "logprobs", "would return 6000 logprob entries")
+    assert completion_text(http) == greedy_text
+
+
+def test_generated_logprobs_past_the_bound_end_the_request_with_a_400(http: httpx.Client, greedy_text: str) -> None:
+    body = {**GREEDY, "max_tokens": 3000, "ignore_eos": True, "logprobs": 4}
+    assert_refused(http.post("/v1/completions", json=body), 400, "logprobs", "(--max-logprob-entries")
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["param"] == "logprobs" and "passed 5000 entries" in error["message"]
+    returned = sum(len(json.loads(e)["choices"][0]["logprobs"]["tokens"]) for e in events[:-2])
+    assert 5000 // 5 <= returned <= 5000 // 5 + 4  # ended at the output that passed the bound (1 token per step)
+    assert completion_text(http) == greedy_text
