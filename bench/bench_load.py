@@ -2,9 +2,12 @@
 streams dropped mid-way. Counts what a production engine must get right under load: no 5xx, nothing
 leaked afterwards, and every completed temperature-0 request equal to its solo output.
 
-    .venv/bin/python bench/bench_load.py [--clients 48] [--requests 1000]
+    .venv/bin/python bench/bench_load.py [--clients 48] [--requests 1000] [--hostile]
 
-runs it against a fresh daemon and writes bench/results/bench_load.json. tests/test_load.py runs the
+runs it against a fresh daemon and writes bench/results/bench_load.json. With --hostile it then
+probes a greedy request quietly, beside the load, and beside the load plus hostile clients
+(requests meant to cost or break, idle and slow-header connections) and writes
+bench/results/bench_load_hostile.json. tests/test_load.py runs the
 same load against an in-process server, where it also checks the cache's integrity.
 """
 
@@ -12,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -186,16 +191,141 @@ def report(result: LoadResult, name: str = "bench_load") -> Path:
     return write_results(name, figures)
 
 
+# ---- hostile clients beside the load ------------------------------------------------------------------------------
+GREEDY = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+NOT_JSON = {"Content-Type": "text/plain"}
+
+
+def hostile_requests() -> list[tuple[str, str, dict[str, Any], dict[str, str]]]:
+    """(name, path, body, headers) of requests that are small on the wire but meant to cost or break:
+    each must get a 4xx and cost the others nothing."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+    return [
+        ("stop_token_ids x 200k", "/v1/completions", {**GREEDY, "stop_token_ids": [300] * 200_000, "n": 16}, {}),
+        ("prompt = 300k empty strings", "/v1/completions", {**GREEDY, "prompt": [""] * 300_000}, {}),
+        ("logit_bias key '²'", "/v1/completions", {**GREEDY, "logit_bias": {"²": 5}}, {}),
+        ("schema with no finite value", "/v1/chat/completions",
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}}, {}),
+        ("echo + logprobs 20 x n 16", "/v1/completions",
+         {**GREEDY, "prompt": [65 + i % 90 for i in range(4000)], "echo": True, "logprobs": 20, "n": 16}, {}),
+        ("text/plain body", "/v1/completions", GREEDY, NOT_JSON),
+        ("another site's page", "/reset_prefix_cache", {}, {"Origin": "https://evil.example"}),
+    ]
+
+
+async def hostile_loop(url: str, stop: asyncio.Event, statuses: dict[str, dict[int, int]]) -> None:
+    """Send the hostile requests round and round until `stop`, counting each one's answers."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        while not stop.is_set():
+            for name, path, body, headers in hostile_requests():
+                if headers.get("Content-Type") == "text/plain":
+                    resp = await client.post(path, content=json.dumps(body), headers=headers)
+                else:
+                    resp = await client.post(path, json=body, headers=headers)
+                counts = statuses.setdefault(name, {})
+                counts[resp.status_code] = counts.get(resp.status_code, 0) + 1
+
+
+async def hold_connections(url: str, stop: asyncio.Event, idle: int = 200, slow: int = 50) -> None:
+    """Idle connections, and ones that send their headers a line at a time, reopened as the server
+    closes them (--header-timeout), until `stop`."""
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+
+    async def one(slow_headers: bool) -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                if slow_headers:
+                    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                while not stop.is_set() and not reader.at_eof():
+                    if slow_headers:
+                        writer.write(b"X-Slow: 1\r\n")
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(reader.read(1), 0.5)
+                writer.close()
+            except OSError:
+                await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(one(i < slow) for i in range(idle + slow)))
+
+
+async def probe(url: str, stop: asyncio.Event, seconds: list[float], health: list[float]) -> None:
+    """A greedy 4-token request and a /health check, again and again until `stop`: their latencies."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            (await client.post("/v1/completions", json=GREEDY)).raise_for_status()
+            seconds.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await client.get("/health")
+            health.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.1)
+
+
+async def probed(url: str, work: Any, quiet_seconds: float = 5.0) -> tuple[list[float], list[float]]:
+    """Probe latencies while `work(stop)` runs (or for `quiet_seconds` when it is None)."""
+    stop = asyncio.Event()
+    seconds: list[float] = []
+    health: list[float] = []
+    prober = asyncio.ensure_future(probe(url, stop, seconds, health))
+    if work is None:
+        await asyncio.sleep(quiet_seconds)
+    else:
+        await work(stop)
+    stop.set()
+    await prober
+    return seconds, health
+
+
+async def run_hostile(url: str, clients: int, requests: int, idle: int = 200, slow: int = 50,
+                      quiet_seconds: float = 5.0) -> dict[str, Any]:
+    """Three phases side by side: quiet, the load alone, the load with hostile clients beside it."""
+    statuses: dict[str, dict[int, int]] = {}
+
+    async def load(stop: asyncio.Event) -> None:
+        await run_load(url, clients, requests)
+
+    async def load_and_hostile(stop: asyncio.Event) -> None:
+        side = asyncio.Event()
+        extra = [asyncio.ensure_future(hostile_loop(url, side, statuses)),
+                 asyncio.ensure_future(hold_connections(url, side, idle, slow))]
+        await run_load(url, clients, requests)
+        side.set()
+        await asyncio.gather(*extra)
+
+    phases = {"quiet": await probed(url, None, quiet_seconds), "load": await probed(url, load),
+              "load + hostile": await probed(url, load_and_hostile)}
+    return {"phases": {name: {"greedy_p50_s": statistics.median(s), "greedy_max_s": max(s),
+                              "health_max_s": max(h), "probes": len(s)} for name, (s, h) in phases.items()},
+            "hostile_statuses": statuses}
+
+
+def report_hostile(figures: dict[str, Any]) -> Path:
+    quiet = figures["phases"]["quiet"]["greedy_p50_s"]
+    rows = [[name, f"{p['greedy_p50_s'] / quiet:.2f}", f"{p['greedy_max_s'] / quiet:.2f}",
+             f"{p['health_max_s'] * 1000:.0f}", p["probes"]] for name, p in figures["phases"].items()]
+    print_table("a greedy 4-token probe beside the load, then beside the load and hostile clients "
+                "(ratios to the quiet median)", ["phase", "p50 ratio", "max ratio", "/health max ms", "probes"], rows)
+    print_table("hostile requests: answers", ["request", "statuses"],
+                [[name, json.dumps(counts)] for name, counts in figures["hostile_statuses"].items()])
+    return write_results("bench_load_hostile", figures)
+
+
 def main() -> None:
     from tests.daemon import daemon
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=48)
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--hostile", action="store_true",
+                        help="also run the load with hostile clients beside it, probing a greedy request")
     args = parser.parse_args()
     with daemon("--max-num-seqs", "16") as url:
         result, _ = asyncio.run(run_load(url, args.clients, args.requests))
-    report(result)
+        report(result)
+        if args.hostile:
+            report_hostile(asyncio.run(run_hostile(url, args.clients, args.requests)))
 
 
 if __name__ == "__main__":

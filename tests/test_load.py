@@ -29,3 +29,19 @@ def test_load_with_disconnects_leaks_nothing_and_changes_no_output(tmp_path) -> 
     assert 150 <= result.aborted <= 350 and result.completed + result.aborted == result.sent
     assert result.mismatched == 0 and not result.leaked
     assert len(set(solo.values())) > 1  # the comparison is not between identical strings
+
+
+def test_the_hostile_load_bench_runs_and_every_hostile_request_gets_its_4xx(tmp_path) -> None:
+    """bench/bench_load.py --hostile at a smoke size: the probe runs in every phase and each hostile
+    request is answered with its 4xx, never a 5xx."""
+    from bench.bench_load import hostile_requests, run_hostile
+
+    cfg = ServeConfig(no_kv_store=True, max_num_seqs=8)
+    with in_process_server(cfg) as (url, _):
+        figures = asyncio.run(run_hostile(url, clients=2, requests=12, idle=8, slow=4, quiet_seconds=0.5))
+    assert set(figures["phases"]) == {"quiet", "load", "load + hostile"}
+    assert all(p["probes"] >= 1 and p["greedy_p50_s"] > 0 for p in figures["phases"].values())
+    want = {"text/plain body": 415, "another site's page": 403}
+    assert set(figures["hostile_statuses"]) == {name for name, _, _, _ in hostile_requests()}
+    for name, counts in figures["hostile_statuses"].items():
+        assert set(counts) == {want.get(name, 400)}, (name, counts)
