@@ -59,14 +59,15 @@ class BrowserGuard:
     method but GET, HEAD and OPTIONS) from an origin that is neither this daemon's own (its /docs
     page) nor listed in --allowed-origins gets a 403 before it reaches a route."""
 
-    def __init__(self, app: Any, allowed_origins: tuple[str, ...]) -> None:
-        self.app, self.allowed = app, set(allowed_origins)
+    def __init__(self, app: Any, allowed_origins: tuple[str, ...], metrics: Metrics) -> None:
+        self.app, self.allowed, self.metrics = app, set(allowed_origins), metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
             headers = dict(scope["headers"])
             origin = headers.get(b"origin", b"").decode("latin-1")
             if origin and not self._allowed(origin, headers.get(b"host", b"").decode("latin-1")):
+                self.metrics.count_limited("origin")
                 response = JSONResponse(error_json(
                     f"requests from web pages of {origin} are refused; list the origin in --allowed-origins "
                     "to let its pages call this API", code="origin_not_allowed"), status_code=403)
@@ -96,7 +97,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=config.api_key, protect_metrics=config.protect_metrics)
-    app.add_middleware(BrowserGuard, allowed_origins=config.allowed_origins)
+    app.add_middleware(BrowserGuard, allowed_origins=config.allowed_origins, metrics=metrics)
     if config.allowed_origins:  # outermost: a preflight carries no key and must be answered first
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

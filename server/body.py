@@ -111,6 +111,7 @@ async def parse_body(raw: Request, model: type[M]) -> M:
         raise ClientGone from None
     media_type = raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
+        raw.app.state.front.metrics.count_limited("media_type")
         raise ApiError(415, f"request bodies must be sent as Content-Type: application/json, got "
                             f"{media_type or 'no content type'}", code="unsupported_media_type")
     try:

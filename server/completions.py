@@ -32,6 +32,7 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     if body.echo and body.logprobs is not None:  # every choice returns its prompt's logprobs
         echoed = sum(len(p) for p in prompts) * body.n * (1 + body.logprobs)
         if echoed > front.config.max_logprob_entries:
+            front.metrics.count_limited("logprob_entries")
             raise ApiError(400, f"echo with logprobs would return {echoed} logprob entries (prompt tokens × n × "
                                 f"(logprobs + 1)); at most {front.config.max_logprob_entries} "
                                 "(--max-logprob-entries): lower n or logprobs, or drop echo", param="logprobs")

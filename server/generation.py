@@ -63,6 +63,7 @@ class Generation:
         self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
         self._tracker = metrics.track(requests)
+        self._metrics = metrics
         self._open = set(range(len(requests)))  # choices whose finished delta has not been made
         self._ready: asyncio.Queue[Delta] = asyncio.Queue()
         self._unread, self._max_unread = 0, max_unread
@@ -111,9 +112,11 @@ class Generation:
         self._unread += _weight(delta)
         self._logprob_entries += sum(1 + len(s.top) for s in delta.samples)
         if self._unread > self._max_unread and self._open:
+            self._metrics.count_limited("unread_output")
             self._end(f"the client left {self._unread} tokens of output unread (--max-unread-tokens "
                       f"{self._max_unread}); the request was ended")
         elif self._logprob_entries > self._max_logprob_entries and self._open:
+            self._metrics.count_limited("logprob_entries")
             self._end(f"the request's logprobs passed {self._max_logprob_entries} entries (--max-logprob-entries; "
                       "ask for fewer tokens, choices or top logprobs); the request was ended", param="logprobs")
 

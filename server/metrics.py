@@ -104,6 +104,13 @@ class HealthCollector:
         yield family
 
 
+# What `v4serve_requests_limited_total{limit=...}` counts: requests a bound refused or ended.
+LIMITS = ("unread_output",  # --max-unread-tokens: a stream's client left that much unread
+          "logprob_entries",  # --max-logprob-entries: refused up front or ended
+          "media_type",  # a body not sent as application/json (415)
+          "origin")  # a POST from another site's page (403)
+
+
 class Metrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0,
                  healthy: Callable[[], bool] = lambda: True) -> None:
@@ -131,6 +138,13 @@ class Metrics:
             metric.labels(**self.label)
         for reason in FINISH_REASONS:
             self.finished.labels(**self.label, finished_reason=reason)
+        self.limited = Counter("v4serve_requests_limited", "Requests refused or ended by a server limit",
+                               [*label, "limit"], registry=r)
+        for limit in LIMITS:
+            self.limited.labels(**self.label, limit=limit)
+
+    def count_limited(self, limit: str) -> None:
+        self.limited.labels(**self.label, limit=limit).inc()
 
     def track(self, requests: list[Request]) -> RequestTracker:
         return RequestTracker(self, requests)

@@ -512,3 +512,19 @@ def test_generated_logprobs_past_the_bound_end_the_request_with_a_400(http: http
     returned = sum(len(json.loads(e)["choices"][0]["logprobs"]["tokens"]) for e in events[:-2])
     assert 5000 // 5 <= returned <= 5000 // 5 + 4  # ended at the output that passed the bound (1 token per step)
     assert completion_text(http) == greedy_text
+
+
+def test_refusals_and_ends_by_a_bound_are_counted_by_limit(url: str, http: httpx.Client) -> None:
+    def counts() -> dict[str, float]:
+        text = http.get("/metrics").text
+        return {m.group(1): float(m.group(2)) for m in
+                re.finditer(r'^v4serve_requests_limited_total\{[^}]*limit="(\w+)"[^}]*\} (\S+)$', text, re.M)}
+
+    before = counts()
+    assert set(before) == {"unread_output", "logprob_entries", "media_type", "origin"}
+    httpx.post(url + "/v1/completions", content=b"{}", headers={**KEY, "Content-Type": "text/plain"}, timeout=PATIENCE)
+    httpx.post(url + "/reset_prefix_cache", headers={**KEY, "Origin": "https://evil.example"}, timeout=PATIENCE)
+    http.post("/v1/completions", json={**GREEDY, "prompt": [65] * 300, "echo": True, "logprobs": 20, "n": 4})
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {"unread_output": 0, "logprob_entries": 1, "media_type": 1,
+                                                        "origin": 1}
