@@ -216,6 +216,12 @@ class LLMEngine:
         self.sampler.forget(request_id)
         return True
 
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Hold a request (its client is not reading) or let it go on; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.paused = paused
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -117,6 +117,9 @@ class Request:
     num_disk_hit_tokens: int = 0  # of those, tokens read from the SSD store for this request
     num_recomputed_tokens: int = 0  # tokens recomputed to rebuild the window state after a hit
     num_preemptions: int = 0
+    # Held by the front end (its client is not reading what it made): the scheduler skips it until
+    # it is resumed; it keeps its cache meanwhile (and may be preempted like any request).
+    paused: bool = False
     # One entry per prompt token from the second on (the first has none), when asked for.
     prompt_logprobs: list = field(default_factory=lambda: [None])
     grammar: TokenGrammar | None = None  # its matcher, when sampling.grammar is set

@@ -83,7 +83,8 @@ class Scheduler:
         self.kv.free(request.kv)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        """Anything to compute: paused requests alone are not (the engine waits instead of spinning)."""
+        return bool(self.waiting or self.loading or any(not r.paused for r in self.running))
 
     # ---- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
@@ -91,7 +92,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for request in self._running_decodes_first():
-            if request.status is not RequestStatus.RUNNING or budget <= 0:
+            if request.status is not RequestStatus.RUNNING or request.paused or budget <= 0:
                 continue
             n = self._chunk_size(request, request.num_computed_tokens, budget)
             if n <= 0 or not self._grow_or_preempt(request, n, chunks):

@@ -79,7 +79,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--protect-metrics", bool, "with --api-key, require the key on /metrics too"),
     ("--max-request-bytes", int, "largest request body accepted (default 4 MiB; larger gets 413)"),
     ("--max-unread-tokens", int, "output a stream's client may leave unread (tokens; logprob entries count "
-                                 "too) before its request ends with an error (default 65536)"),
+                                 "too): past half the engine holds the request, past all of it the request ends "
+                                 "(default 65536)"),
+    ("--unread-timeout", float, "seconds a stream may stay held (its client reading nothing, past half of "
+                                "--max-unread-tokens) before its request ends (default 60)"),
     ("--max-logprob-entries", int, "logprob entries (chosen tokens and alternatives, echoed prompts included) one "
                                    "request may return; more is refused up front or ends the request (default "
                                    "1048576)"),

@@ -19,6 +19,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 # Output a stream's client may leave unread before its request ends (tokens; logprob entries count too).
 DEFAULT_MAX_UNREAD_TOKENS = 65536
+# Seconds a stream's requests may be held (their client reading nothing) before they end.
+DEFAULT_UNREAD_TIMEOUT = 60.0
 DEFAULT_STORE_BYTES = 32 << 30
 
 # --dtype names → torch dtype names.
@@ -57,6 +59,7 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
@@ -114,7 +117,7 @@ class ServeConfig:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
-                     "max_logprob_entries"):
+                     "max_logprob_entries", "unread_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.watchdog_timeout < 0:

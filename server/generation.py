@@ -18,7 +18,12 @@ from fastapi import Request
 from v4serve.engine.process.client import EngineClient, TokenOutput
 from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
-from v4serve.server.config import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UNREAD_TOKENS
+from v4serve.server.config import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_UNREAD_TOKENS,
+    DEFAULT_UNREAD_TIMEOUT,
+)
 from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
@@ -39,6 +44,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
@@ -54,12 +60,15 @@ def _weight(delta: Delta) -> int:
 class Generation:
     """Text is made as token outputs arrive (on the event loop), not when the client reads it: a
     stop string stops the engine request at once and latency is measured at arrival, however slowly
-    the client consumes the stream. What the client has not read yet is bounded: past `max_unread`
-    (tokens, each logprob entry counting as one more), the choices still running end with an error."""
+    the client consumes the stream. What the client has not read yet is bounded: past half of
+    `max_unread` (tokens, each logprob entry counting as one more) the engine holds the choices (they
+    keep their cache) until the client has read down to a quarter; held for `unread_timeout` seconds,
+    or past `max_unread` (what was already on its way), they end with an error."""
 
     def __init__(self, engine: EngineClient, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
                  options: OutputOptions, max_unread: int = DEFAULT_MAX_UNREAD_TOKENS,
-                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> None:
+                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+                 unread_timeout: float = DEFAULT_UNREAD_TIMEOUT) -> None:
         self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
         self._tracker = metrics.track(requests)
@@ -68,6 +77,8 @@ class Generation:
         self._ready: asyncio.Queue[Delta] = asyncio.Queue()
         self._unread, self._max_unread = 0, max_unread
         self._logprob_entries, self._max_logprob_entries = 0, max_logprob_entries
+        self._unread_timeout = unread_timeout
+        self._held: asyncio.TimerHandle | None = None  # while the engine holds the choices: the deadline
 
     @property
     def prompt_logprobs(self) -> tuple:
@@ -84,9 +95,14 @@ class Generation:
             while remaining:
                 delta = await self._ready.get()
                 self._unread -= _weight(delta)
+                if self._held is not None and self._unread <= self._max_unread // 4:
+                    self._hold(False)
                 remaining -= delta.finished
                 yield delta
         finally:
+            if self._held is not None:
+                self._held.cancel()
+                self._held = None
             if self._open:
                 self.engine.abort([self.requests[i].request_id for i in sorted(self._open)])
                 for i in self._open:
@@ -111,6 +127,8 @@ class Generation:
         self._ready.put_nowait(delta)
         self._unread += _weight(delta)
         self._logprob_entries += sum(1 + len(s.top) for s in delta.samples)
+        if self._held is None and self._unread > self._max_unread // 2 and self._open:
+            self._hold(True)
         if self._unread > self._max_unread and self._open:
             self._metrics.count_limited("unread_output")
             self._end(f"the client left {self._unread} tokens of output unread (--max-unread-tokens "
@@ -120,11 +138,31 @@ class Generation:
             self._end(f"the request's logprobs passed {self._max_logprob_entries} entries (--max-logprob-entries; "
                       "ask for fewer tokens, choices or top logprobs); the request was ended", param="logprobs")
 
+    def _hold(self, held: bool) -> None:
+        """Have the engine stop (or resume) scheduling the open choices; a hold has a deadline."""
+        self.engine.pause([self.requests[i].request_id for i in sorted(self._open)], held)
+        if held:
+            self._metrics.count_limited("unread_held")
+            self._held = asyncio.get_running_loop().call_later(self._unread_timeout, self._held_too_long)
+        elif self._held is not None:
+            self._held.cancel()
+            self._held = None
+
+    def _held_too_long(self) -> None:
+        self._held = None
+        if self._open:
+            self._metrics.count_limited("unread_output")
+            self._end(f"the client read none of its stream's last {self._unread} tokens for {self._unread_timeout:g} "
+                      "s (--unread-timeout); the request was ended")
+
     def _end(self, message: str, param: str | None = None) -> None:
         """End what still runs with `message`, rather than hold or return its output without bound (a
         client not reading, or far slower than the engine writes; logprobs past their bound); the
         error follows what was made, for whoever reads."""
         log.warning("%s: %s", self.requests[0].request_id.rsplit("-", 1)[0], message)
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
         self.engine.abort([self.requests[i].request_id for i in sorted(self._open)])
         for i in sorted(self._open):
             self._tracker.finish(i, "abort")
@@ -187,7 +225,7 @@ class FrontEnd:
                                                 grammar),
                                   cache_salt=body.cache_salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
-                          self.config.max_unread_tokens, self.config.max_logprob_entries)
+                          self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout)
 
     async def encode_text(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a text prompt (BOS first unless asked not to), off the event loop."""

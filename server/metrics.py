@@ -105,7 +105,8 @@ class HealthCollector:
 
 
 # What `v4serve_requests_limited_total{limit=...}` counts: requests a bound refused or ended.
-LIMITS = ("unread_output",  # --max-unread-tokens: a stream's client left that much unread
+LIMITS = ("unread_held",  # half of --max-unread-tokens unread: the engine holds the stream's requests
+          "unread_output",  # a stream ended: --max-unread-tokens unread, or held past --unread-timeout
           "logprob_entries",  # --max-logprob-entries: refused up front or ended
           "media_type",  # a body not sent as application/json (415)
           "origin")  # a POST from another site's page (403)

@@ -86,6 +86,7 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
         server = ServerConfig(cfg.model_name, info["max_model_len"], api_key=cfg.api_key,
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
                               max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
+                              unread_timeout=cfg.unread_timeout,
                               allowed_origins=cfg.origins,
                               stall_timeout=cfg.stall_timeout,
                               version_info=info["version_info"])

@@ -446,31 +446,79 @@ def device_hits(http: httpx.Client) -> float:
 
 
 # ---- a client that never reads its stream -------------------------------------------------------------------------
-def test_a_stream_nobody_reads_is_ended_once_its_unread_output_passes_the_bound() -> None:
-    """Two clients open streams (n=16, top logprobs) and never read: each request is ended once 300
-    tokens (logprob entries included) wait unread, so the engine stops working for them and the front
-    end holds no more; what they read afterwards ends with that error and [DONE]."""
-    served = start_daemon("--max-unread-tokens", "300")
+def never_reading(url: str, body: dict[str, Any]) -> socket.socket:
+    """A client that sends a streamed request and then reads nothing."""
+    raw = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    parts = urlsplit(url)
+    sock.connect((parts.hostname, parts.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return sock
+
+
+def limited(http: httpx.Client, limit: str) -> float:
+    found = re.search(rf'^v4serve_requests_limited_total\{{[^}}]*limit="{limit}"[^}}]*\}} (\S+)$',
+                      http.get("/metrics").text, re.M)
+    assert found
+    return float(found.group(1))
+
+
+def generated_tokens(http: httpx.Client) -> float:
+    found = re.search(r"^v4serve_generation_tokens_total\{[^}]*\} (\S+)$", http.get("/metrics").text, re.M)
+    assert found
+    return float(found.group(1))
+
+
+NEVER_READ = {"model": MODEL, "prompt": "Never read", "max_tokens": 20000, "ignore_eos": True, "n": 16,
+              "logprobs": 5, "stream": True}
+
+
+def test_a_stream_nobody_reads_is_held_then_ended_and_costs_nothing_meanwhile() -> None:
+    """Two clients open streams (n=16, top logprobs) and never read. Once 1500 tokens (half of
+    --max-unread-tokens 3000, logprob entries included) wait unread, the engine holds their requests:
+    it generates nothing more for them; held for --unread-timeout (3 s here), they end, and what the
+    clients read afterwards ends with that error and [DONE]. Everyone else is served meanwhile."""
+    served = start_daemon("--max-unread-tokens", "3000", "--unread-timeout", "3")
     try:
-        body = json.dumps({"model": MODEL, "prompt": "Never read", "max_tokens": 20000, "ignore_eos": True,
-                           "n": 16, "logprobs": 5, "stream": True}).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        sockets = []
-        for _ in range(2):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
-            parts = urlsplit(served.url)
-            sock.connect((parts.hostname, parts.port))
-            sock.sendall(request)
-            sockets.append(sock)
         with httpx.Client(base_url=served.url, timeout=PATIENCE) as http:
-            wait_until(lambda: running_requests(http) == 0 and "left" in Path(served.log.name).read_text(),
-                       "the unread streams to be ended")
-            assert completion_text(http)  # everyone else is served
+            sockets = [never_reading(served.url, NEVER_READ) for _ in range(2)]
+            wait_until(lambda: limited(http, "unread_held") == 2, "both streams to be held")
+            held_at = generated_tokens(http)
+            assert completion_text(http)  # served while they are held (4 tokens)
+            wait_until(lambda: limited(http, "unread_output") == 2, "the held streams to end")
+            assert generated_tokens(http) <= held_at + 4 + 2 * 16 * 4  # the greedy request, and steps in flight
+            assert running_requests(http) == 0
         for sock in sockets:
             text = read_all(sock).decode(errors="replace")
-            assert "data: [DONE]" in text and "tokens of output unread (--max-unread-tokens 300)" in text
+            assert "data: [DONE]" in text and "for 3 s (--unread-timeout)" in text
+    finally:
+        served.stop()
+
+
+def test_a_slow_reader_is_held_and_resumed_and_gets_all_its_output() -> None:
+    """A client that reads nothing for a while (its stream is held once 1500 tokens and logprob entries
+    wait unread: the kernel's socket buffers, ~3 MB, fill first), then reads everything: its stream
+    resumes and ends complete, nothing dropped."""
+    served = start_daemon("--max-unread-tokens", "3000", "--unread-timeout", str(PATIENCE))
+    try:
+        body = {**NEVER_READ, "max_tokens": 1500}
+        with httpx.Client(base_url=served.url, timeout=PATIENCE) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                first = next(lines)
+                wait_until(lambda: limited(http, "unread_held") >= 1, "the stream to be held")
+                events = [e for e in (first, *lines) if e]
+            data = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+            assert all("error" not in d for d in data) and events[-1] == "data: [DONE]"
+            finished = [c for d in data for c in d["choices"] if c["finish_reason"]]
+            assert sorted(c["index"] for c in finished) == list(range(16))
+            assert {c["finish_reason"] for c in finished} == {"length"}
+            per_choice = [sum(len(c["logprobs"]["tokens"]) for d in data for c in d["choices"] if c["index"] == i)
+                          for i in range(16)]
+            assert per_choice == [1500] * 16
+            assert limited(http, "unread_output") == 0
     finally:
         served.stop()
 
@@ -521,10 +569,10 @@ def test_refusals_and_ends_by_a_bound_are_counted_by_limit(url: str, http: httpx
                 re.finditer(r'^v4serve_requests_limited_total\{[^}]*limit="(\w+)"[^}]*\} (\S+)$', text, re.M)}
 
     before = counts()
-    assert set(before) == {"unread_output", "logprob_entries", "media_type", "origin"}
+    assert set(before) == {"unread_held", "unread_output", "logprob_entries", "media_type", "origin"}
     httpx.post(url + "/v1/completions", content=b"{}", headers={**KEY, "Content-Type": "text/plain"}, timeout=PATIENCE)
     httpx.post(url + "/reset_prefix_cache", headers={**KEY, "Origin": "https://evil.example"}, timeout=PATIENCE)
     http.post("/v1/completions", json={**GREEDY, "prompt": [65] * 300, "echo": True, "logprobs": 20, "n": 4})
     after = counts()
-    assert {k: after[k] - before[k] for k in after} == {"unread_output": 0, "logprob_entries": 1, "media_type": 1,
-                                                        "origin": 1}
+    assert {k: after[k] - before[k] for k in after} == {"unread_held": 0, "unread_output": 0, "logprob_entries": 1,
+                                                        "media_type": 1, "origin": 1}

@@ -159,6 +159,10 @@ class AsyncEngine:
         `abort` output."""
         self._submit_quietly(lambda: self._abort(request_ids))
 
+    def pause(self, request_ids: list[str], paused: bool) -> None:
+        """Hold these requests (their client is not reading) or let them go on."""
+        self._submit_quietly(lambda: [self.engine.pause(rid, paused) for rid in request_ids])
+
     def _submit_quietly(self, run: Callable[[], None]) -> None:
         with contextlib.suppress(EngineDead):  # a stopped loop holds nothing left to act on
             self._submit(run, lambda _: None)

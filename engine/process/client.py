@@ -78,6 +78,10 @@ class EngineClient(Protocol):
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their cache at once."""
 
+    def pause(self, request_ids: list[str], paused: bool) -> None:
+        """Hold these requests, whose client is not reading (the engine stops scheduling them; they
+        keep their cache), or let them go on."""
+
     async def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
         """Forget unreferenced cached blocks (and the SSD store's files with `store`) →
         (blocks dropped, store files removed)."""

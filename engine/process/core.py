@@ -34,6 +34,7 @@ from v4serve.engine.process.ipc import (
     CoreAddresses,
     Dead,
     FromCore,
+    Pause,
     Ready,
     Shutdown,
     StartupFailed,
@@ -189,6 +190,8 @@ class EngineCore:
                               lambda out: self._outputs.append((ids[out.index], out)))
         elif isinstance(message, Abort):
             self.loop.abort(message.request_ids)
+        elif isinstance(message, Pause):
+            self.loop.pause(message.request_ids, message.paused)
         elif isinstance(message, Command):
             self._command(message)
         elif isinstance(message, BeginShutdown):

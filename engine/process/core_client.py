@@ -36,6 +36,7 @@ from v4serve.engine.process.ipc import (
     CoreAddresses,
     Dead,
     FromCore,
+    Pause,
     Ready,
     Shutdown,
     StartupFailed,
@@ -192,6 +193,10 @@ class EngineCoreClient:
     def abort(self, request_ids: list[str]) -> None:
         with contextlib.suppress(EngineDead):  # a dead engine holds nothing left to free
             self._send(Abort(request_ids))
+
+    def pause(self, request_ids: list[str], paused: bool) -> None:
+        with contextlib.suppress(EngineDead):
+            self._send(Pause(request_ids, paused))
 
     async def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
         dropped, removed = await self.command("reset_prefix_cache", store=store)

@@ -54,6 +54,11 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class Pause(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    paused: bool
+
+
 class Command(msgspec.Struct, tag=True, array_like=True):
     """A named engine operation run between steps (`engine.core.COMMANDS`); answered by a
     `CommandResult` with the same id."""
@@ -71,7 +76,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToCore = Submit | Abort | Command | BeginShutdown | Shutdown
+ToCore = Submit | Abort | Pause | Command | BeginShutdown | Shutdown
 
 
 # ---- engine core → front end ------------------------------------------------------------------------
