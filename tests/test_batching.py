@@ -103,3 +103,27 @@ def test_abort_frees_slot_and_blocks_at_once():
     assert engine.kv.pool.num_used == 0 and engine.kv.state.slots.num_free == 2
     engine.check()
     assert not engine.has_work()
+
+
+def test_a_held_request_is_not_scheduled_and_resumes_to_its_solo_tokens() -> None:
+    """The front end holds a request whose client is not reading: the engine skips it (the others go
+    on), has no work while only held requests remain, and once resumed it finishes with the tokens
+    it makes alone."""
+    model = small_model()
+    want = engine_for(model).generate([greedy("a", tokens(20, 1), n=8)])["a"]
+    engine = engine_for(model)
+    held, other = greedy("a", tokens(20, 1), n=8), greedy("b", tokens(12, 2), n=8)
+    engine.add_request(held)
+    engine.add_request(other)
+    engine.step()
+    engine.pause("a", True)
+    made, computed = list(held.output_token_ids), held.num_computed_tokens
+    while not other.status.name.startswith("FINISHED"):
+        engine.step()
+    assert held.output_token_ids == made and held.num_computed_tokens == computed
+    assert not engine.has_work()
+    engine.pause("a", False)
+    assert engine.has_work()
+    while engine.has_work():
+        engine.step()
+    assert held.output_token_ids == want
