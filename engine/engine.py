@@ -28,7 +28,7 @@ from v4serve.engine.sampler import Sampler
 from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.stats import EngineStats
 from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, Ranks, StepPlan, kv_digest, step_threads
-from v4serve.engine.structured import Grammars, RequestGrammar, require
+from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
 from v4serve.kernels.attention import upload
 
@@ -67,6 +67,7 @@ class EngineConfig:
     kv_store_retry_seconds: float = 30.0  # after a full disk: how often to look for space again
     weights_digest: bytes | None = None  # of the checkpoint files; None: digest the tensors if needed
     tokenizer_json: str | None = None  # the vocabulary, as data, for structured outputs (None: unsupported)
+    grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES  # compiled grammars kept, by their text's bytes
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
 
 
@@ -173,7 +174,7 @@ class LLMEngine:
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
                                     cache=self.cache_config)
         self.sampler = Sampler(config.seed, self.eos_token_id)
-        self.grammars = (Grammars(config.tokenizer_json, cfg.vocab_size, self.eos_token_id)
+        self.grammars = (Grammars(config.tokenizer_json, cfg.vocab_size, self.eos_token_id, config.grammar_cache_bytes)
                          if config.tokenizer_json else None)
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()

@@ -86,6 +86,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--max-logprob-entries", int, "logprob entries (chosen tokens and alternatives, echoed prompts included) one "
                                    "request may return; more is refused up front or ends the request (default "
                                    "1048576)"),
+    ("--grammar-cache-bytes", int, "compiled grammars (structured outputs, forced tool calls) kept per process, "
+                                   "least recently used dropped first, weighed by their text (default 8 MiB; "
+                                   "~30x that in memory)"),
     ("--allowed-origins", str, "comma-separated web origins (https://app.example.com) whose pages may call the "
                                "API, or '*' (CORS); other pages' POSTs get 403"),
     ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),

@@ -60,6 +60,7 @@ class ServeConfig:
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
+    grammar_cache_bytes: int = 8 << 20  # compiled grammars kept per process, weighed by their text
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
@@ -117,7 +118,7 @@ class ServeConfig:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
-                     "max_logprob_entries", "unread_timeout"):
+                     "max_logprob_entries", "unread_timeout", "grammar_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.watchdog_timeout < 0:

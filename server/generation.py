@@ -252,6 +252,10 @@ class FrontEnd:
         """Raise now if the engine cannot take these (so errors come before a stream's first byte). A
         grammar not compiled yet compiles here, off the event loop (a large schema takes a while)."""
         requests = [r for g in generations for r in g.requests]
+        silent = self.engine.silent_for()
+        if silent > self.config.stall_timeout:  # it would only wait: say so now, as /health does
+            raise ApiError(503, f"engine not responding for {silent:.0f} s (its current step has not finished); "
+                                "retry later", "server_error", code="engine_stalled", headers={"Retry-After": "5"})
         if any(r.sampling.grammar is not None for r in requests):
             await asyncio.to_thread(self.engine.check, requests)
         else:

@@ -69,7 +69,7 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
         return AsyncEngine(engine), info
     vocabulary = tokenizer.vocabulary_json()
     client = EngineCoreClient(main, EngineSpec(cfg, vocabulary, tokenizer.eos_token_id), vocabulary,
-                              tokenizer.eos_token_id)
+                              tokenizer.eos_token_id, cfg.grammar_cache_bytes)
     client.wait_ready()
     return client, client.info
 

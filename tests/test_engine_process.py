@@ -108,6 +108,8 @@ def test_a_stopped_engine_is_a_503_then_healthy_again_then_past_the_watchdog_an_
         error = httpx.get(running.url + "/health", timeout=PATIENCE).json()["error"]
         assert error["code"] == "engine_stalled" and "engine not responding for" in error["message"]
         assert httpx.get(running.url + "/v1/models", timeout=PATIENCE).status_code == 200
+        refused = httpx.post(running.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=PATIENCE)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_stalled"
         os.kill(pid, signal.SIGCONT)
         wait_until(lambda: httpx.get(running.url + "/health", timeout=PATIENCE).status_code == 200,
                    "/health once the engine runs again")

@@ -503,7 +503,7 @@ def test_a_slow_reader_is_held_and_resumed_and_gets_all_its_output() -> None:
     resumes and ends complete, nothing dropped."""
     served = start_daemon("--max-unread-tokens", "3000", "--unread-timeout", str(PATIENCE))
     try:
-        body = {**NEVER_READ, "max_tokens": 1500}
+        body = {**NEVER_READ, "max_tokens": 1000}
         with httpx.Client(base_url=served.url, timeout=PATIENCE) as http:
             with http.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
@@ -517,7 +517,7 @@ def test_a_slow_reader_is_held_and_resumed_and_gets_all_its_output() -> None:
             assert {c["finish_reason"] for c in finished} == {"length"}
             per_choice = [sum(len(c["logprobs"]["tokens"]) for d in data for c in d["choices"] if c["index"] == i)
                           for i in range(16)]
-            assert per_choice == [1500] * 16
+            assert per_choice == [1000] * 16
             assert limited(http, "unread_output") == 0
     finally:
         served.stop()

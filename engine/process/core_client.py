@@ -47,7 +47,7 @@ from v4serve.engine.process.ipc import (
 from v4serve.engine.process.lifecycle import describe_exit
 from v4serve.engine.request import GrammarSpec, Request, RequestLimits
 from v4serve.engine.stats import EngineStats
-from v4serve.engine.structured import Grammars, require
+from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, require
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,11 @@ class EngineCommandError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, target: CoreTarget, spec: Any, tokenizer_json: str | None, eos_token_id: int) -> None:
+    def __init__(self, target: CoreTarget, spec: Any, tokenizer_json: str | None, eos_token_id: int,
+                 grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES) -> None:
         """Start the engine process now (`target(spec, addresses, parent_pid)` runs there); it loads
         while the caller does other work, and `wait_ready` collects it."""
+        self._grammar_cache_bytes = grammar_cache_bytes
         self._folder = tempfile.mkdtemp(prefix="v4serve-ipc-")  # 0700: no other user can connect
         addresses = CoreAddresses(f"ipc://{self._folder}/in", f"ipc://{self._folder}/out")
         self._context = zmq.Context()
@@ -136,7 +138,8 @@ class EngineCoreClient:
     def _ready(self, ready: Ready) -> None:
         self.limits, self.max_waiting, self.info, self._stats = ready.limits, ready.max_waiting, ready.info, ready.stats
         if self._tokenizer_json:  # grammars are checked here, before a stream's first byte
-            self._grammars = Grammars(self._tokenizer_json, ready.limits.vocab_size, self._eos_token_id)
+            self._grammars = Grammars(self._tokenizer_json, ready.limits.vocab_size, self._eos_token_id,
+                                      self._grammar_cache_bytes)
         log.info("engine process %d ready", ready.pid)
 
     def start(self) -> None:
