@@ -34,7 +34,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     grammar = _grammar(body, tools, think_end)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     prompt = await front.encode_chat(messages, thinking=thinking, tools=tools.offered,
-                                     reasoning_effort=body.reasoning_effort)
+                                     reasoning_effort=body.v4_effort())
     max_tokens = front.default_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"

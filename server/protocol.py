@@ -29,6 +29,14 @@ def ignored(reason: str, default: Any = None) -> Any:
     return Field(default, description=f"Accepted and ignored: {reason}", json_schema_extra={IGNORED: reason})
 
 
+class ThinkingSwitch(BaseModel):
+    """DeepSeek's API shape of the thinking switch: `{"type": "enabled" | "disabled"}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["enabled", "disabled"]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -123,8 +131,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    thinking: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    thinking: bool | ThinkingSwitch | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = ignored('text is the only output; anything but ["text"] is a 400')
     metadata: dict[str, str] | None = ignored("for stored completions; v4serve stores none")
@@ -151,10 +159,21 @@ class ChatCompletionRequest(SamplingFields):
         return v
 
     def thinking_mode(self) -> bool:
+        """V4's thinking mode: `thinking` as a boolean or DeepSeek's `{"type": "enabled"}`, else the
+        chat-template switches; `reasoning_effort: "none"` turns it off."""
+        if self.reasoning_effort == "none":
+            return False
+        if isinstance(self.thinking, ThinkingSwitch):
+            return self.thinking.type == "enabled"
         if self.thinking is not None:
             return self.thinking
         kwargs = self.chat_template_kwargs or {}
         return bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+
+    def v4_effort(self) -> str | None:
+        """OpenAI's and DeepSeek's efforts on V4's two: `max` (and `xhigh`) prepend V4's fixed
+        maximum-effort instruction in thinking mode; every other value thinks as V4 does by default."""
+        return "max" if self.reasoning_effort in ("xhigh", "max") else None
 
 
 class CompletionRequest(SamplingFields):

@@ -607,3 +607,26 @@ def test_metrics_expose_every_contract_name(http: httpx.Client) -> None:
     missing = [(name, want) for name, want in DESIGN_METRICS
                if not any(n == name and want.items() <= labels.items() for n, labels in series)]
     assert not missing, missing
+
+
+def test_deepseeks_thinking_switch_and_every_reasoning_effort(http: httpx.Client) -> None:
+    """DeepSeek's `{"type": "enabled"|"disabled"}` is the boolean switch; `xhigh` is `max` (V4's
+    maximum-effort instruction, in thinking mode), `none` turns thinking off, the others think as V4 does."""
+    def reply(**fields: Any) -> tuple[int, str]:
+        body = {"model": MODEL, "messages": user("a question to think about"), "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, **fields}
+        got = http.post("/v1/chat/completions", json=body)
+        assert got.status_code == 200, got.text
+        message = got.json()["choices"][0]["message"]
+        return got.json()["usage"]["prompt_tokens"], (message.get("reasoning_content") or "") + message["content"]
+
+    assert reply(thinking={"type": "enabled"}) == reply(thinking=True) != reply(thinking=False)
+    assert reply(thinking={"type": "disabled"}) == reply(thinking=False)
+    assert reply(thinking=True, reasoning_effort="xhigh") == reply(thinking=True, reasoning_effort="max")
+    assert reply(thinking=True, reasoning_effort="max")[0] > reply(thinking=True)[0]  # its instruction
+    assert reply(thinking=True, reasoning_effort="none") == reply(thinking=False)
+    for effort in ("minimal", "low", "medium", "high"):
+        assert reply(thinking=True, reasoning_effort=effort) == reply(thinking=True)
+    for bad in ({"reasoning_effort": "turbo"}, {"thinking": {"type": "on"}}, {"thinking": {"type": "enabled", "x": 1}}):
+        got = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("x"), **bad})
+        assert got.status_code == 400 and got.json()["error"]["param"].split(".")[0] == next(iter(bad)), got.text
