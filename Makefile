@@ -1,6 +1,4 @@
 # Two commands: `make serve` and `make test`. Each creates .venv and installs what it needs.
-# --no-compile: pip would byte-compile every file of every package (torch alone: 31 s instead of 8 s);
-# Python compiles the modules it imports, once, as it imports them.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,8 +16,8 @@ TEST_WORKERS ?= auto
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile $(TORCH_SPEC)
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $@
 
 install: $(STAMP)
