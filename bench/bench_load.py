@@ -113,9 +113,11 @@ async def solo_outputs(url: str) -> dict[Job, str]:
         return out
 
 
-async def run_load(url: str, clients: int = 48, requests: int = 1000, seed: int = 0) -> tuple[LoadResult, dict]:
-    """The load against a running daemon; → (figures, the solo outputs it compared against)."""
-    solo = await solo_outputs(url)
+async def run_load(url: str, clients: int = 48, requests: int = 1000, seed: int = 0,
+                   solo: dict[Job, str] | None = None) -> tuple[LoadResult, dict]:
+    """The load against a running daemon; → (figures, the solo outputs it compared against: `solo`, or
+    each job run alone first)."""
+    solo = solo if solo is not None else await solo_outputs(url)
     result, rng = LoadResult(clients=clients), random.Random(seed)
     plan = [(rng.choice(ALL_JOBS), rng.random()) for _ in range(requests)]
     queue: asyncio.Queue[tuple[Job, float]] = asyncio.Queue()
@@ -282,15 +284,16 @@ async def run_hostile(url: str, clients: int, requests: int, idle: int = 200, sl
                       quiet_seconds: float = 5.0) -> dict[str, Any]:
     """Three phases side by side: quiet, the load alone, the load with hostile clients beside it."""
     statuses: dict[str, dict[int, int]] = {}
+    solo = await solo_outputs(url)  # once: the phases compare against the same outputs
 
     async def load(stop: asyncio.Event) -> None:
-        await run_load(url, clients, requests)
+        await run_load(url, clients, requests, solo=solo)
 
     async def load_and_hostile(stop: asyncio.Event) -> None:
         side = asyncio.Event()
         extra = [asyncio.ensure_future(hostile_loop(url, side, statuses)),
                  asyncio.ensure_future(hold_connections(url, side, idle, slow))]
-        await run_load(url, clients, requests)
+        await run_load(url, clients, requests, solo=solo)
         side.set()
         await asyncio.gather(*extra)
 

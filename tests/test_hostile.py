@@ -26,6 +26,7 @@ from v4serve.server.tools import _regex_body
 MODEL = "v4serve-tiny"
 ALLOWED = "https://app.example.com"
 MAX_CONNECTIONS = 40
+MAX_LOGPROB_ENTRIES = 1500
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
 
 
@@ -33,7 +34,7 @@ GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4, "tem
 def running() -> Iterator[Daemon]:
     served = start_daemon("--api-key", "sk-hostile", "--allowed-origins", ALLOWED, "--header-timeout", "2",
                           "--keep-alive-timeout", "2", "--max-connections", str(MAX_CONNECTIONS),
-                          "--max-logprob-entries", "5000")
+                          "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES))
     try:
         yield served
     finally:
@@ -422,20 +423,20 @@ def test_compiled_grammars_are_kept_least_recently_used_within_their_bound() -> 
 # ---- the prompt's logprobs: computed once per prompt --------------------------------------------------------------
 def test_echoed_prompt_logprobs_are_computed_once_and_shared_by_every_choice(http: httpx.Client) -> None:
     """`echo` + `logprobs` with n=4: one choice computes the prompt's logprobs, the other three reuse its
-    prefix from the cache (300 tokens: two 128-token blocks each), and all four report the same ones,
+    prefix from the cache (140 tokens: one 128-token block each), and all four report the same ones,
     those of n=1."""
-    prompt = [65 + (i * 7) % 90 for i in range(300)]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    prompt = [65 + (i * 7) % 90 for i in range(140)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
     single = http.post("/v1/completions", json={**body, "n": 1}).json()
     http.post("/reset_prefix_cache")
     before = device_hits(http)
     four = http.post("/v1/completions", json={**body, "n": 4}).json()
-    want = single["choices"][0]["logprobs"]["token_logprobs"][:300]
+    want = single["choices"][0]["logprobs"]["token_logprobs"][:140]
     for choice in four["choices"]:
-        assert choice["logprobs"]["token_logprobs"][:300] == want
-        assert choice["logprobs"]["top_logprobs"][:300] == single["choices"][0]["logprobs"]["top_logprobs"][:300]
+        assert choice["logprobs"]["token_logprobs"][:140] == want
+        assert choice["logprobs"]["top_logprobs"][:140] == single["choices"][0]["logprobs"]["top_logprobs"][:140]
     # Engine stats are published after each step: wait for the one that counts the last sibling's hit.
-    wait_until(lambda: device_hits(http) == before + 3 * 256, "three siblings' prefix hits in /metrics")
+    wait_until(lambda: device_hits(http) == before + 3 * 128, "three siblings' prefix hits in /metrics")
 
 
 def device_hits(http: httpx.Client) -> float:
@@ -446,15 +447,15 @@ def device_hits(http: httpx.Client) -> float:
 
 
 # ---- a client that never reads its stream -------------------------------------------------------------------------
-def never_reading(url: str, body: dict[str, Any]) -> socket.socket:
-    """A client that sends a streamed request and then reads nothing."""
+def never_reading(url: str, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:
+    """A client that sends a streamed request and then reads nothing (a small receive window)."""
     raw = json.dumps(body).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
     parts = urlsplit(url)
     sock.connect((parts.hostname, parts.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                 + b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
     return sock
 
 
@@ -471,56 +472,72 @@ def generated_tokens(http: httpx.Client) -> float:
     return float(found.group(1))
 
 
-NEVER_READ = {"model": MODEL, "prompt": "Never read", "max_tokens": 20000, "ignore_eos": True, "n": 16,
-              "logprobs": 5, "stream": True}
+# Chat with 20 top logprobs: ~1.2 KB per token, so the kernel's socket buffers (~3 MB on loopback,
+# whatever the client's window) fill after ~2,500 tokens and the bound is reached soon after.
+NEVER_READ = {"model": MODEL, "messages": [{"role": "user", "content": "Never read"}], "max_tokens": 20000,
+              "ignore_eos": True, "n": 16, "logprobs": True, "top_logprobs": 20, "stream": True}
+CHAT = "/v1/chat/completions"
 
 
 def test_a_stream_nobody_reads_is_held_then_ended_and_costs_nothing_meanwhile() -> None:
-    """Two clients open streams (n=16, top logprobs) and never read. Once 1500 tokens (half of
-    --max-unread-tokens 3000, logprob entries included) wait unread, the engine holds their requests:
+    """A client opens a stream (n=16, top logprobs) and never reads. Once 1500 tokens (half of
+    --max-unread-tokens 3000, logprob entries included) wait unread, the engine holds its requests:
     it generates nothing more for them; held for --unread-timeout (3 s here), they end, and what the
-    clients read afterwards ends with that error and [DONE]. Everyone else is served meanwhile."""
+    client reads afterwards ends with that error and [DONE]. Everyone else is served meanwhile."""
     served = start_daemon("--max-unread-tokens", "3000", "--unread-timeout", "3")
     try:
         with httpx.Client(base_url=served.url, timeout=PATIENCE) as http:
-            sockets = [never_reading(served.url, NEVER_READ) for _ in range(2)]
-            wait_until(lambda: limited(http, "unread_held") == 2, "both streams to be held")
+            sock = never_reading(served.url, NEVER_READ, CHAT)
+            wait_until(lambda: limited(http, "unread_held") == 1, "the stream to be held")
             held_at = generated_tokens(http)
-            assert completion_text(http)  # served while they are held (4 tokens)
-            wait_until(lambda: limited(http, "unread_output") == 2, "the held streams to end")
-            assert generated_tokens(http) <= held_at + 4 + 2 * 16 * 4  # the greedy request, and steps in flight
+            assert completion_text(http)  # served while it is held (4 tokens)
+            wait_until(lambda: limited(http, "unread_output") == 1, "the held stream to end")
+            assert generated_tokens(http) <= held_at + 4 + 16 * 4  # the greedy request, and steps in flight
             assert running_requests(http) == 0
-        for sock in sockets:
-            text = read_all(sock).decode(errors="replace")
-            assert "data: [DONE]" in text and "for 3 s (--unread-timeout)" in text
+        text = read_all(sock).decode(errors="replace")
+        assert "data: [DONE]" in text and "for 3 s (--unread-timeout)" in text
     finally:
         served.stop()
 
 
 def test_a_slow_reader_is_held_and_resumed_and_gets_all_its_output() -> None:
     """A client that reads nothing for a while (its stream is held once 1500 tokens and logprob entries
-    wait unread: the kernel's socket buffers, ~3 MB, fill first), then reads everything: its stream
-    resumes and ends complete, nothing dropped."""
+    wait unread, after the kernel's socket buffers fill), then reads everything: its stream resumes
+    and ends complete, nothing dropped."""
     served = start_daemon("--max-unread-tokens", "3000", "--unread-timeout", str(PATIENCE))
     try:
-        body = {**NEVER_READ, "max_tokens": 1000}
+        body = {**NEVER_READ, "max_tokens": 300}
         with httpx.Client(base_url=served.url, timeout=PATIENCE) as http:
-            with http.stream("POST", "/v1/completions", json=body) as response:
-                lines = response.iter_lines()
-                first = next(lines)
-                wait_until(lambda: limited(http, "unread_held") >= 1, "the stream to be held")
-                events = [e for e in (first, *lines) if e]
-            data = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
-            assert all("error" not in d for d in data) and events[-1] == "data: [DONE]"
+            sock = never_reading(served.url, body, CHAT)
+            wait_until(lambda: limited(http, "unread_held") >= 1, "the stream to be held")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # now a fast reader
+            events = sse_events(read_all(sock))
+            assert events[-1] == "[DONE]"
+            data = [json.loads(e) for e in events[:-1]]
+            assert all("error" not in d for d in data)
             finished = [c for d in data for c in d["choices"] if c["finish_reason"]]
             assert sorted(c["index"] for c in finished) == list(range(16))
             assert {c["finish_reason"] for c in finished} == {"length"}
-            per_choice = [sum(len(c["logprobs"]["tokens"]) for d in data for c in d["choices"] if c["index"] == i)
-                          for i in range(16)]
-            assert per_choice == [1000] * 16
+            per_choice = [sum(len(c["logprobs"]["content"]) for d in data for c in d["choices"]
+                              if c["index"] == i and c["logprobs"]) for i in range(16)]
+            assert per_choice == [300] * 16
             assert limited(http, "unread_output") == 0
     finally:
         served.stop()
+
+
+def sse_events(response: bytes) -> list[str]:
+    """The `data:` payloads of a raw HTTP/1.1 response with a chunked body."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+    joined = b""
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        joined, body = joined + rest[:size], rest[size + 2:]
+    return [line[6:] for line in joined.decode().split("\n") if line.startswith("data: ")]
 
 
 def running_requests(http: httpx.Client) -> float:
@@ -542,23 +559,24 @@ def read_all(sock: socket.socket) -> bytes:
 
 # ---- what a request may return --------------------------------------------------------------------------------------
 def test_echoed_logprobs_past_the_bound_are_a_400_up_front(http: httpx.Client, greedy_text: str) -> None:
-    """--max-logprob-entries 5000 here: 300 prompt tokens × n 4 × (4 + 1) = 6000."""
-    body = {"model": MODEL, "prompt": [65 + i % 90 for i in range(300)], "max_tokens": 1, "echo": True,
+    """--max-logprob-entries 1500 here: 80 prompt tokens × n 4 × (4 + 1) = 1600."""
+    body = {"model": MODEL, "prompt": [65 + i % 90 for i in range(80)], "max_tokens": 1, "echo": True,
             "logprobs": 4, "n": 4}
-    assert_refused(http.post("/v1/completions", json=body), 400, "logprobs", "would return 6000 logprob entries")
+    assert_refused(http.post("/v1/completions", json=body), 400, "logprobs", "would return 1600 logprob entries")
     assert completion_text(http) == greedy_text
 
 
 def test_generated_logprobs_past_the_bound_end_the_request_with_a_400(http: httpx.Client, greedy_text: str) -> None:
-    body = {**GREEDY, "max_tokens": 3000, "ignore_eos": True, "logprobs": 4}
+    body = {**GREEDY, "max_tokens": 600, "ignore_eos": True, "logprobs": 4}
     assert_refused(http.post("/v1/completions", json=body), 400, "logprobs", "(--max-logprob-entries")
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["param"] == "logprobs" and "passed 5000 entries" in error["message"]
+    assert error["param"] == "logprobs" and f"passed {MAX_LOGPROB_ENTRIES} entries" in error["message"]
     returned = sum(len(json.loads(e)["choices"][0]["logprobs"]["tokens"]) for e in events[:-2])
-    assert 5000 // 5 <= returned <= 5000 // 5 + 4  # ended at the output that passed the bound (1 token per step)
+    # Ended at the output that passed the bound (1 token per step, 5 entries per token).
+    assert MAX_LOGPROB_ENTRIES // 5 <= returned <= MAX_LOGPROB_ENTRIES // 5 + 4
     assert completion_text(http) == greedy_text
 
 
