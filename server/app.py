@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 from urllib.parse import urlsplit
@@ -103,25 +103,25 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
                            allow_headers=["*"])
 
     generating = error_responses(400, 401, 403, 404, 413, 415, 500, 503)
-    model_card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "v4serve",
-                  "max_model_len": config.max_model_len}
+    cards = {name: {"id": name, "object": "model", "created": config.created, "owned_by": "v4serve",
+                    "root": config.served_model_name, "max_model_len": config.max_model_len,
+                    "context_length": config.max_model_len} for name in config.model_names}
 
-    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest), responses=generating)
+    @api_route(app, "POST", "/chat/completions", openapi_extra=body_schema(ChatCompletionRequest), responses=generating)
     async def chat(raw: Request) -> Response:
         return await chat_completions(front, await parse_body(raw, ChatCompletionRequest), raw)
 
-    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), responses=generating)
+    @api_route(app, "POST", "/completions", openapi_extra=body_schema(CompletionRequest), responses=generating)
     async def complete(raw: Request) -> Response:
         return await completions(front, await parse_body(raw, CompletionRequest), raw)
 
-    @app.get("/v1/models", responses=error_responses(401))
+    @api_route(app, "GET", "/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(cards.values())}
 
-    @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
+    @api_route(app, "GET", "/models/{model_id:path}", responses=error_responses(401, 404))
     async def model(model_id: str) -> dict[str, Any]:
-        front.check_model(model_id)
-        return model_card
+        return cards[front.check_model(model_id)]
 
     @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
@@ -175,6 +175,17 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         return {"status": "ok", "dropped_blocks": dropped, "store_cleared": store, "store_files_removed": removed}
 
     return app
+
+
+def api_route(app: FastAPI, method: str, path: str, **options: Any) -> Callable[[Any], Any]:
+    """A route at `/v1{path}` and, for clients given DeepSeek's base URL (no `/v1`), at `{path}` too."""
+
+    def register(handler: Any) -> Any:
+        app.api_route("/v1" + path, methods=[method], **options)(handler)
+        app.api_route(path, methods=[method], include_in_schema=False, **options)(handler)
+        return handler
+
+    return register
 
 
 def query_flag(raw: Request, name: str) -> bool:

@@ -27,7 +27,7 @@ from v4serve.server.tools import plan_tools, response_format_grammar, tool_call_
 
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
-    front.check_model(body.model)
+    model = front.check_model(body.model)
     thinking = body.thinking_mode()
     think_end = front.think_end_id if thinking else None
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -44,13 +44,13 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     await front.check([generation])
     created = int(time.time())
     if body.stream:
-        chunk = stream_chunker(rid, "chat.completion.chunk", created, front.config.served_model_name,
+        chunk = stream_chunker(rid, "chat.completion.chunk", created, model,
                                body.stream_options, lambda: [generation.usage()])
         return sse(_stream(front, chunk, generation, body.logprobs))
     per_choice = await front.collect(generation, raw)
     choices = [_choice(front, generation, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice)]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                         "model": front.config.served_model_name, "choices": choices,
+                         "model": model, "choices": choices,
                          "usage": usage([generation.usage()])})
 
 

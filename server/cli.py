@@ -51,7 +51,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "'tiny' (the embedded model) or a checkpoint folder"),
     ("--host", str, "address to bind (default 0.0.0.0)"),
     ("--port", int, "port (default 8000; 0: a free one, named in the startup log)"),
-    ("--served-model-name", str, "model name clients send and see"),
+    ("--served-model-name", str, "model name(s) clients send and see: several (space- or comma-separated, a list "
+                                 "in --config) are aliases of one model, all listed by /v1/models; the first "
+                                 "labels metrics and logs"),
     ("--device", str, "auto, cpu or cuda"),
     ("--dtype", str, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16"),
     ("--attention-backend", str, "auto (Triton kernels on CUDA, plain torch elsewhere), torch or triton"),
@@ -108,6 +110,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
 ]
 
 
+# Flags that take several values: `--served-model-name a b`, "a,b" in the environment, a list in --config.
+LIST_FLAGS = frozenset({"served_model_name"})
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -134,12 +140,12 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[st
             name = str(key).lstrip("-").replace("-", "_")
             if name not in types:
                 raise ValueError(f"{args.config}: unknown setting {key!r}")
-            merged[name] = value
+            merged[name] = ",".join(map(str, value)) if name in LIST_FLAGS and isinstance(value, list) else value
     for name in types:
         env = environ.get("V4SERVE_" + name.upper())
         if env is not None:
             merged[name] = env
-    merged.update({k: v for k, v in vars(args).items() if k in types})
+    merged.update({k: ",".join(v) if isinstance(v, list) else v for k, v in vars(args).items() if k in types})
     out = {}
     for name, value in merged.items():
         kind = types[name]
@@ -258,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, doc in SERVE_FLAGS:
         if kind is bool:
             serve.add_argument(flag, action="store_true", help=doc)
+        elif flag[2:].replace("-", "_") in LIST_FLAGS:
+            serve.add_argument(flag, type=kind, nargs="+", help=doc)
         else:
             serve.add_argument(flag, type=kind, help=doc)
     serve.set_defaults(func=serve_main)

@@ -24,7 +24,7 @@ MERGED_DELTAS = 64  # a stream's deltas between its prompts' pumps and the clien
 
 
 async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) -> Response:
-    front.check_model(body.model)
+    model = front.check_model(body.model)
     count = len(body.prompt) if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else 1
     if count * body.n > MAX_CHOICES:  # before any prompt is tokenized
         raise ApiError(400, f"at most {MAX_CHOICES} prompts × n per request", param="prompt")
@@ -44,7 +44,7 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     await front.check(generations)
     created = int(time.time())
     if body.stream:
-        chunk = stream_chunker(rid, "text_completion", created, front.config.served_model_name, body.stream_options,
+        chunk = stream_chunker(rid, "text_completion", created, model, body.stream_options,
                                lambda: [g.usage() for g in generations])
         return sse(_stream(front, chunk, generations, body))
     results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
@@ -53,7 +53,7 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
         for j, deltas in enumerate(per_choice):
             choices.append(_choice(front, p * body.n + j, generation, j, deltas, body))
     return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                         "model": front.config.served_model_name, "choices": choices,
+                         "model": model, "choices": choices,
                          "usage": usage([g.usage() for g in generations])})
 
 

@@ -125,10 +125,17 @@ class ServeConfig:
             raise ValueError(f"--watchdog-timeout must be 0 (off) or positive, got {self.watchdog_timeout}")
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """--served-model-name's names (aliases of the one model), else one made from --model."""
+        names = tuple(dict.fromkeys(n.strip() for n in (self.served_model_name or "").split(",") if n.strip()))
+        if names:
+            return names
+        return ("v4serve-tiny" if self.model == "tiny" else Path(self.model).name,)
+
+    @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return "v4serve-tiny" if self.model == "tiny" else Path(self.model).name
+        """The first name: what metrics and logs are labelled with."""
+        return self.model_names[0]
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class PromptUsage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int  # all its choices together
+    reasoning_tokens: int = 0  # of those, thinking
 
 
 def usage(prompts: Sequence[PromptUsage]) -> dict[str, Any]:
@@ -91,4 +92,5 @@ def usage(prompts: Sequence[PromptUsage]) -> dict[str, Any]:
     completion = sum(p.completion_tokens for p in prompts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": sum(p.reasoning_tokens for p in prompts)},
             "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt - cached}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 class ServerConfig:
     served_model_name: str
     max_model_len: int
+    aliases: tuple[str, ...] = ()  # more names of the same model (--served-model-name a b c)
     api_key: str | None = None
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -49,6 +51,11 @@ class ServerConfig:
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
     version_info: dict[str, str | bool | int] = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when the daemon started
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.aliases)
 
 
 def _weight(delta: Delta) -> int:
@@ -173,7 +180,8 @@ class Generation:
     def usage(self) -> PromptUsage:
         return PromptUsage(prompt_tokens=self.requests[0].num_prompt_tokens,
                            cached_tokens=self.texts[0].num_cached_tokens,
-                           completion_tokens=sum(t.num_tokens for t in self.texts))
+                           completion_tokens=sum(t.num_tokens for t in self.texts),
+                           reasoning_tokens=sum(t.num_reasoning_tokens for t in self.texts))
 
 
 class FrontEnd:
@@ -184,9 +192,13 @@ class FrontEnd:
         think_end = tokenizer.encode(THINK_END)
         self.think_end_id = think_end[0] if len(think_end) == 1 else None
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
+    def check_model(self, name: str | None) -> str:
+        """The served name a request asked for (replies carry it), or the first one when it named none."""
+        if name is None:
+            return self.config.served_model_name
+        if name not in self.config.model_names:
             raise ApiError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
+        return name
 
     def default_max_tokens(self, requested: int | None, prompt_len: int) -> int:
         if requested is not None:

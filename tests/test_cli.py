@@ -17,6 +17,7 @@ from v4serve.engine.model.checkpoint import load_model
 from v4serve.engine.model.single import SingleSequence
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.server.cli import build_parser, serve_settings
+from v4serve.server.config import ServeConfig
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -60,6 +61,19 @@ def test_settings_precedence(tmp_path):
         serve_settings(build_parser().parse_args(["serve", "--config", str(config)]), {})
     with pytest.raises(ValueError, match="max-num-seqs"):
         serve_settings(build_parser().parse_args(["serve"]), {"V4SERVE_MAX_NUM_SEQS": "many"})
+
+
+def test_several_served_model_names_in_every_form(tmp_path):
+    def names(argv: list[str], environ: dict[str, str] | None = None) -> tuple[str, ...]:
+        return ServeConfig(**serve_settings(build_parser().parse_args(["serve", *argv]), environ or {})).model_names
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("served-model-name: [deepseek-chat, deepseek-reasoner]\n")
+    assert names(["--served-model-name", "a", "b,c", "a"]) == ("a", "b", "c")  # vLLM's form and commas, once each
+    assert names([], {"V4SERVE_SERVED_MODEL_NAME": "x, y"}) == ("x", "y")
+    assert names(["--config", str(config)]) == ("deepseek-chat", "deepseek-reasoner")
+    assert names(["--served-model-name", "one"]) == ("one",) and names([]) == ("v4serve-tiny",)
+    assert ServeConfig(served_model_name="a,b").model_name == "a"  # metrics and logs: the first
 
 
 def test_bad_serve_settings_exit_with_a_message(tmp_path):

@@ -28,6 +28,16 @@ NO_EOS: dict[str, Any] = {"extra_body": {"ignore_eos": True}}
 
 
 # ---- fixtures -------------------------------------------------------------------------------------------
+ALIASES = ("deepseek-chat", "deepseek-reasoner")
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    """The daemon of this module: the tiny model under its own name and two of DeepSeek's."""
+    with daemon("--served-model-name", MODEL, *ALIASES) as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def client(base_url: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=PATIENCE) as c:
@@ -543,7 +553,7 @@ def test_the_near_tie_allowance_only_covers_near_ties() -> None:
 # ---- small endpoints ----------------------------------------------------------------------------------------
 def test_models_health_version(client: openai.OpenAI, http: httpx.Client) -> None:
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, *ALIASES]
     assert models[0].object == "model" and isinstance(models[0].owned_by, str)
     assert http.get("/health").json() == {"status": "ok"}
     info = http.get("/version").json()
@@ -630,3 +640,44 @@ def test_deepseeks_thinking_switch_and_every_reasoning_effort(http: httpx.Client
     for bad in ({"reasoning_effort": "turbo"}, {"thinking": {"type": "on"}}, {"thinking": {"type": "enabled", "x": 1}}):
         got = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("x"), **bad})
         assert got.status_code == 400 and got.json()["error"]["param"].split(".")[0] == next(iter(bad)), got.text
+
+
+def test_deepseeks_base_url_and_model_names(http: httpx.Client) -> None:
+    """Every route also answers without `/v1` (DeepSeek's documented base URL); each served name is a
+    model of its own in /v1/models (created when the daemon started, with its context length), and a
+    reply carries the name it was asked for."""
+    listed = http.get("/models").json()["data"]
+    assert listed == http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == [MODEL, *ALIASES]
+    assert {m["created"] for m in listed} == {listed[0]["created"]} and 0 < time.time() - listed[0]["created"] < 3600
+    assert all(m["context_length"] == m["max_model_len"] > 0 and m["root"] == MODEL for m in listed)
+    assert http.get("/models/deepseek-reasoner").json() == listed[2]
+    body = {"messages": user("which model?"), "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    replies = {name: http.post("/chat/completions", json={**body, "model": name}).json() for name in ALIASES}
+    assert {name: r["model"] for name, r in replies.items()} == {name: name for name in ALIASES}
+    assert len({r["choices"][0]["message"]["content"] for r in replies.values()}) == 1  # one model
+    completion = http.post("/completions", json={"model": "deepseek-chat", "prompt": "x", "max_tokens": 2})
+    assert completion.status_code == 200 and completion.json()["model"] == "deepseek-chat"
+    assert http.post("/v1/chat/completions", json={**body}).json()["model"] == MODEL  # no name: the first
+    missing = http.post("/chat/completions", json={**body, "model": "deepseek-v4-flash"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_reasoning_tokens_in_usage(http: httpx.Client) -> None:
+    """`completion_tokens_details.reasoning_tokens`: the thinking tokens, `</think>` included."""
+    think_end = http.post("/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    assert len(think_end) == 1
+
+    def usage(thinking: bool, bias: float, stream: bool = False) -> dict[str, Any]:
+        body = {"model": MODEL, "messages": user("think"), "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "thinking": thinking, "logit_bias": {str(think_end[0]): bias}}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                return json.loads(sse_events(resp)[-2])["usage"]
+        return http.post("/v1/chat/completions", json=body).json()["usage"]
+
+    assert usage(True, 100)["completion_tokens_details"] == {"reasoning_tokens": 1}  # ends its thinking at once
+    assert usage(True, -100)["completion_tokens_details"] == {"reasoning_tokens": 5}  # thinks throughout
+    assert usage(True, -100, stream=True)["completion_tokens_details"] == {"reasoning_tokens": 5}
+    assert usage(False, 0)["completion_tokens_details"] == {"reasoning_tokens": 0}

@@ -56,6 +56,7 @@ class ChoiceText:
         self.reasoning = detok(()) if options.reasoning_end_token is not None else None
         self.tools = ToolCallParser(options.parallel_tool_calls) if options.tool_calls else None
         self.num_tokens = 0  # tokens of this choice's completion (up to a stop string, if one matched)
+        self.num_reasoning_tokens = 0  # of those, the thinking (its closing `</think>` included)
         self.num_cached_tokens = 0
         self.prompt_logprobs: tuple | None = None
         self.finished = False
@@ -81,6 +82,7 @@ class ChoiceText:
         return delta
 
     def _route(self, token: int, delta: Delta) -> None:
+        self.num_reasoning_tokens += self.reasoning is not None
         if self.reasoning is not None and token == self.options.reasoning_end_token:
             delta.reasoning += self.reasoning.flush()
             self.reasoning = None  # from here on, content
