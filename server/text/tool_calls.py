@@ -12,8 +12,10 @@ becomes the content "text…" and a call `get_weather` whose OpenAI `arguments` 
 JSON copied as written. The parser emits the call's id and name as soon as its invoke tag is
 complete and the arguments in fragments as they arrive, and never lets markup into the content (a
 possible partial tag is held back until the next text decides it). A non-streamed reply is the same
-fragments joined, so both agree exactly. A block still open when generation ends is `truncated`:
-a non-streamed reply gives its raw text back as content.
+fragments joined, so both agree exactly. A block still open when generation ends (the token limit
+cut it off) is `truncated`: its calls so far stand, the last one with the arguments produced so far,
+as OpenAI returns a call cut off by `max_tokens`. Text that opens a block but is not DSML after all
+is content without its DSML tags: no markup ever reaches a client's text.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ INVOKE_CLOSE, PARAM_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>"
 _INVOKE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">')
 _PARAM = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
 _SEPARATOR = "\n\n"  # what the chat encoding puts between text and the block
+_TAG = re.compile(rf"</?{DSML}[^>\n]*>?")
 
 
 @dataclass
@@ -44,7 +47,8 @@ class ToolCallParser:
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel  # False: only the first call counts
         self.calls = 0
-        self.truncated_text: str | None = None  # the open block's raw text, when generation ended inside it
+        self.truncated = False  # generation ended inside a block
+        self._cut_off = False
         self._state = "text"  # text | block | invoke | value | after
         self._buf = ""
         self._raw = ""  # everything from the separator before the block on
@@ -59,11 +63,12 @@ class ToolCallParser:
             self._raw += text
         return self._run(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """End of generation: release held text; an unfinished block becomes `truncated_text`."""
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """End of generation: release held text; an unfinished block is `truncated`. `cut_off` (by the
+        token limit): line breaks held back as a block's possible start are dropped too."""
+        self._cut_off = cut_off
         content, deltas = self._run(final=True)
-        if self._state not in ("text", "after"):
-            self.truncated_text = self._raw
+        self.truncated = self._state not in ("text", "after")
         return content, deltas
 
     # ---- the state machine --------------------------------------------------------------------------
@@ -84,7 +89,11 @@ class ToolCallParser:
             self._buf = self._buf[start + len(BLOCK_OPEN):]
             self._state = "block"
             return text
-        keep = 0 if final else _held(self._buf, _SEPARATOR + BLOCK_OPEN)
+        keep = _held(self._buf, _SEPARATOR + BLOCK_OPEN)
+        if final:  # the end: a block's start cut off there is dropped; at a natural end line breaks are text
+            keep = keep if self._cut_off or keep > len(_SEPARATOR) + 1 else 0
+            text, self._buf = self._buf[:len(self._buf) - keep], ""
+            return text or None
         if not self._buf or len(self._buf) == keep:
             return None
         text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
@@ -148,9 +157,9 @@ class ToolCallParser:
         return text or None
 
     def _malformed(self) -> str:
-        """Not DSML after all: the block's text so far is content, and parsing stops."""
+        """Not DSML after all: the block's text so far is content (its tags dropped), and parsing stops."""
         text, self._buf, self._state = self._raw, "", "after"
-        return text
+        return _TAG.sub("", text)
 
     def _escaped(self, value: str) -> str:
         return json.dumps(value, ensure_ascii=False)[1:-1] if self._quoted else value
