@@ -2,7 +2,8 @@
 
 Tools are offered in the prompt (unless `tool_choice` is "none"); DSML calls in the output come back
 as `message.tool_calls` (`delta.tool_calls` when streaming) with `finish_reason` "tool_calls".
-`tool_choice` "required" or a named function, and `response_format`, are enforced by a grammar.
+`tool_choice` "required" or a named function, and `response_format`, are enforced by a grammar; with
+tools under "auto", `response_format` makes the reply a call or the formatted answer.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from v4serve.engine.request import GrammarSpec
-from v4serve.server.errors import ApiError
 from v4serve.server.framing import DONE, Chunker, error_event, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
 from v4serve.server.text.tool_calls import ToolCallDelta
-from v4serve.server.tools import plan_tools, response_format_grammar, tool_call_grammar
+from v4serve.server.tools import (
+    ToolPlan,
+    call_or_answer_grammar,
+    plan_tools,
+    response_format_grammar,
+    response_format_schema,
+    tool_call_grammar,
+)
 
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -54,14 +61,15 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
                          "usage": usage([generation.usage()])})
 
 
-def _grammar(body: ChatCompletionRequest, tools: Any, think_end: int | None) -> GrammarSpec | None:
-    formatted = response_format_grammar(body.response_format, think_end)
-    if tools.forced is None:
-        return formatted
-    if formatted is not None:
-        raise ApiError(400, "response_format cannot be combined with a required or named tool_choice",
-                       param="response_format")
-    return tool_call_grammar(tools.forced, tools.parallel, think_end)
+def _grammar(body: ChatCompletionRequest, tools: ToolPlan, think_end: int | None) -> GrammarSpec | None:
+    """What the reply must be: under a required or named `tool_choice` a call (a `response_format` is
+    for the final answer, a later turn); under auto with a `response_format` a call or that answer."""
+    if tools.forced is not None:
+        response_format_schema(body.response_format)  # checked all the same
+        return tool_call_grammar(tools.forced, tools.parallel, think_end)
+    if tools.parse_calls:
+        return call_or_answer_grammar(tools.tools, tools.parallel, body.response_format, think_end)
+    return response_format_grammar(body.response_format, think_end)
 
 
 def _choice(front: FrontEnd, i: int, deltas: list[Delta], thinking: bool, logprobs: bool) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class ToolPlan:
     parse_calls: bool  # look for DSML calls in the output
     forced: list[Tool] | None  # calls must be to one of these (required / named), enforced by grammar
     parallel: bool = True
+    tools: tuple[Tool, ...] = ()  # every tool, checked
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
@@ -67,14 +68,14 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         return ToolPlan(offered=None, parse_calls=False, forced=None)
     offered = [t if isinstance(t, dict) else dict(t) for t in tools or []]
     if tool_choice == "auto":
-        return ToolPlan(offered, parse_calls=True, forced=None, parallel=parallel)
+        return ToolPlan(offered, parse_calls=True, forced=None, parallel=parallel, tools=tuple(checked))
     if tool_choice == "required":
-        return ToolPlan(offered, parse_calls=True, forced=checked, parallel=parallel)
+        return ToolPlan(offered, parse_calls=True, forced=checked, parallel=parallel, tools=tuple(checked))
     name = _named_choice(tool_choice)
     chosen = [t for t in checked if t.name == name]
     if not chosen:
         raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return ToolPlan(offered, parse_calls=True, forced=chosen, parallel=False)
+    return ToolPlan(offered, parse_calls=True, forced=chosen, parallel=False, tools=tuple(checked))
 
 
 def _named_choice(choice: Any) -> str:
@@ -114,13 +115,30 @@ def _check_schema(schema: Any, param: str) -> None:
 
 # ---- grammars ------------------------------------------------------------------------------------------
 def tool_call_grammar(forced: list[Tool], parallel: bool, after_token: int | None) -> GrammarSpec:
-    invokes = [_invoke_rules(i, tool) for i, tool in enumerate(forced)]
+    rules = ["start: calls", *_call_rules(forced, parallel)]
+    return GrammarSpec("lark", "\n".join(rules), param="tool_choice", after_token=after_token)
+
+
+def call_or_answer_grammar(tools: tuple[Tool, ...], parallel: bool, response_format: Any,
+                           after_token: int | None) -> GrammarSpec | None:
+    """`tool_choice` auto with a `response_format`: a call to one of the tools, or the formatted answer
+    (None when the format is plain text: calls are then parsed, not enforced)."""
+    schema = response_format_schema(response_format)
+    if schema is None:
+        return None
+    answer = f"answer: %json {json.dumps({**schema, 'x-guidance': _COMPACT})}"
+    rules = ["start: calls | answer", answer, *_call_rules(list(tools), parallel)]
+    return GrammarSpec("lark", "\n".join(rules), param="response_format", after_token=after_token)
+
+
+def _call_rules(tools: list[Tool], parallel: bool) -> list[str]:
+    """Rules whose `calls` is DeepSeek-V4's tool-call block with calls to `tools`."""
+    invokes = [_invoke_rules(i, tool) for i, tool in enumerate(tools)]
     rules = [rule for _, body in invokes for rule in body]
     any_invoke = " | ".join(name for name, _ in invokes)
     repeat = f"{{1,{MAX_PARALLEL_CALLS}}}" if parallel else ""
-    start = f'start: {_lit(NL * 2 + f"<{DSML}tool_calls>" + NL)} call{repeat} {_lit(f"</{DSML}tool_calls>")}'
-    return GrammarSpec("lark", "\n".join([start, f"call: {any_invoke}", *rules]), param="tool_choice",
-                       after_token=after_token)
+    block = f'calls: {_lit(NL * 2 + f"<{DSML}tool_calls>" + NL)} call{repeat} {_lit(f"</{DSML}tool_calls>")}'
+    return [block, f"call: {any_invoke}", *rules]
 
 
 def _invoke_rules(i: int, tool: Tool) -> tuple[str, list[str]]:
@@ -201,21 +219,28 @@ def _regex_body(pattern: str) -> str:
 
 def response_format_grammar(response_format: Any, after_token: int | None) -> GrammarSpec | None:
     """None for plain text; a JSON-schema grammar for json_object and json_schema."""
+    schema = response_format_schema(response_format)
+    if schema is None:
+        return None
+    return GrammarSpec("json_schema", json.dumps(schema), param="response_format", after_token=after_token)
+
+
+def response_format_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema a `response_format` asks for; None for plain text."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        schema: dict[str, Any] = {"type": "object"}
-    elif kind == "json_schema":
+        return {"type": "object"}
+    if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ApiError(400, 'response_format.json_schema needs a "name" and a "schema"',
                            param="response_format.json_schema")
         schema = spec.get("schema", {})
         _check_schema(schema, "response_format.json_schema.schema")
-    else:
-        raise ApiError(400, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
-                       param="response_format.type")
-    return GrammarSpec("json_schema", json.dumps(schema), param="response_format", after_token=after_token)
+        return schema
+    raise ApiError(400, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+                   param="response_format.type")

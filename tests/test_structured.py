@@ -183,8 +183,8 @@ BAD = {
         "name": "o", "schema": {"type": "strin"}}}}, "response_format.json_schema.schema"),
     "schema the grammar engine cannot enforce": ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "o", "schema": {"type": "object", "not": {"required": ["a"]}}}}}, "response_format"),
-    "response_format with a forced call": ({"tools": [GOOD], "tool_choice": "required",
-                                            "response_format": {"type": "json_object"}}, "response_format"),
+    "a bad response_format beside a forced call": ({"tools": [GOOD], "tool_choice": "required",
+                                                    "response_format": {"type": "yaml"}}, "response_format.type"),
     "an unknown field": ({"frobnicate": True}, "frobnicate"),
     "an unknown chat_template_kwargs key": ({"chat_template_kwargs": {"add_generation_prompt": False}},
                                             "chat_template_kwargs"),
@@ -266,3 +266,31 @@ def streamed_calls_of(ask: Any, **kwargs: Any) -> tuple[list[dict[str, str]], st
                 calls[d.index]["arguments"] += d.function.arguments or ""
             finish = choice.finish_reason or finish
     return [calls[i] for i in sorted(calls)], finish, content
+
+
+def test_tools_with_a_response_format(client: openai.OpenAI, base_url: str) -> None:
+    """What an agent with tools and an output type sends: under `required` the reply is a call; under
+    `auto` it is a call or the formatted answer, whichever the model starts (steered here by a bias on
+    the first character of each: `{` or the line break before a call block)."""
+    schema = SCHEMAS["enums and bounded integers"]
+    tools = [tool("first", schema)]
+    answer = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMAS["nested object"]}}
+    forced = chat(client, tools=tools, tool_choice="required", response_format=answer, parallel_tool_calls=False)
+    forced = forced.choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.content is None
+    jsonschema.validate(json.loads(forced.message.tool_calls[0].function.arguments), schema)
+
+    def first_token(text: str) -> str:
+        ids = httpx.post(base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                         timeout=PATIENCE).json()["tokens"]
+        return str(ids[0])
+
+    as_answer = chat(client, tools=tools, response_format=answer, extra_body={"logit_bias": {first_token("{"): 30}})
+    c = as_answer.choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls
+    jsonschema.validate(json.loads(c.message.content), SCHEMAS["nested object"])
+    as_call = chat(client, tools=tools, response_format=answer, parallel_tool_calls=False,
+                   extra_body={"logit_bias": {first_token("\n"): 30}})
+    c = as_call.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), schema)
