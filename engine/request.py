@@ -91,6 +91,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = only the chosen one)
     prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured output: a token mask at every step
+    # Thinking mode's budget: after this many output tokens without `thinking_end_token`, that token is
+    # the only one allowed (the thinking ends there; a grammar waiting for it starts).
+    thinking_budget: int | None = None
+    thinking_end_token: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -87,7 +87,23 @@ class _RowPrep:
         seen = sorted(set(prompt) | set(output)) if params.repetition_penalty != 1.0 else []
         penalised = output if params.presence_penalty or params.frequency_penalty else []
         key = None if request is None or params.seed is None else request.request_id
+        if _thinking_spent(params, output):
+            bitmask = _only(params.thinking_end_token)
         return cls(params, key, list(params.logit_bias.items()), ends, seen, penalised, bitmask)
+
+
+def _thinking_spent(params: SamplingParams, output: list[int]) -> bool:
+    """The thinking budget is used up and the thinking has not ended: the next token must end it."""
+    end = params.thinking_end_token
+    return (params.thinking_budget is not None and end is not None and len(output) == params.thinking_budget
+            and end not in output)
+
+
+def _only(token: int) -> np.ndarray:
+    """A bitmask allowing `token` alone (tokens past its words are barred, as in a grammar's)."""
+    words = np.zeros(token // 32 + 1, dtype=np.int32)
+    words[-1] = np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+    return words
 
 
 @dataclass
@@ -134,7 +150,8 @@ class _Rows:
             counted = (r, t, *f.view(len(preps), 2).unbind(1))
         masked = [i for i, p in enumerate(preps) if p.bitmask is not None]
         if masked:
-            words = np.stack([preps[i].bitmask for i in masked])
+            width = max(len(preps[i].bitmask) for i in masked)  # a short mask bars the tokens past it
+            words = np.stack([np.pad(preps[i].bitmask, (0, width - len(preps[i].bitmask))) for i in masked])
             host = torch.from_numpy(words).pin_memory() if device.type == "cuda" else torch.from_numpy(words)
             grammar = (upload(masked, device), host.to(device, non_blocking=device.type != "cpu"))
         return cls(len(preps), [p.params for p in preps], bias, ends, seen, counted, grammar)

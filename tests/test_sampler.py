@@ -211,3 +211,22 @@ def test_sampling_never_reads_the_device_back(monkeypatch):
     assert syncs.found == []
     assert syncs.transfers > 0  # the uploads happened (and were non-blocking, else found)
     assert result.device.type == "meta" and result.shape == (len(preps), 3 + 2 * 3)
+
+
+def test_a_spent_thinking_budget_forces_the_end_of_thinking_and_nothing_else() -> None:
+    """Budget 3, end token 7: the fourth token is 7 (whatever the logits), the others are the unbudgeted
+    run's until then; a thinking that ended before its budget is not touched; others in the batch neither."""
+    model, prompt = small_model(), tokens(10, 1)
+
+    def run(*params: SamplingParams) -> list[list[int]]:
+        out = engine_for(model).generate([Request(f"r{i}", list(prompt), p) for i, p in enumerate(params)])
+        return [out[f"r{i}"] for i in range(len(params))]
+
+    free = SamplingParams(max_tokens=8, ignore_eos=True)
+    budgeted = SamplingParams(max_tokens=8, ignore_eos=True, thinking_budget=3, thinking_end_token=7)
+    (plain,) = run(free)
+    got, beside = run(budgeted, free)
+    assert 7 not in plain[:4] and got[:4] == [*plain[:3], 7] and beside == plain
+    early = {7: 100.0, plain[0]: -100.0}  # the thinking ends at once
+    assert run(SamplingParams(**{**vars(budgeted), "logit_bias": early}))[0] == \
+        run(SamplingParams(**{**vars(free), "logit_bias": early}))[0]
