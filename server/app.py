@@ -21,6 +21,7 @@ from v4serve.server.chat import chat_completions
 from v4serve.server.completions import completions
 from v4serve.server.errors import ApiError, error_json, error_responses, install_error_handlers
 from v4serve.server.generation import FrontEnd, ServerConfig
+from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from v4serve.server.text.tokenizer import Tokenizer
@@ -33,20 +34,25 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 class ApiKeyAuth:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
-    handlers): `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it), the key
-    compared in constant time, on every route but the probes (`/health`, and `/metrics` unless it is
-    protected too)."""
+    handlers): `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it) or Anthropic's
+    `x-api-key: KEY`, the key compared in constant time, on every route but the probes (`/health`, and
+    `/metrics` unless it is protected too)."""
 
     def __init__(self, app: Any, api_key: str, protect_metrics: bool = False) -> None:
         self.app, self.expected = app, api_key.encode()
         self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("path", "") not in self.open_paths:
-            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if not (secrets.compare_digest(given.strip(b" "), self.expected) and scheme.lower() == b"bearer"):
-                response = JSONResponse(error_json("Incorrect API key provided.", "invalid_request_error",
-                                                   code="invalid_api_key"), status_code=401)
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in self.open_paths:
+            headers = dict(scope["headers"])
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            bearer = secrets.compare_digest(given.strip(b" "), self.expected) and scheme.lower() == b"bearer"
+            if not (bearer or secrets.compare_digest(headers.get(b"x-api-key", b"").strip(b" "), self.expected)):
+                message = "Incorrect API key provided."
+                body = anthropic_error(401, message) if "/messages" in path else \
+                    error_json(message, "invalid_request_error", code="invalid_api_key")
+                response = JSONResponse(body, status_code=401)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -92,7 +98,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     front = FrontEnd(engine, tokenizer, config, metrics)
     app.state.front = front
     install_error_handlers(app)
-    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          MessagesRequest, CountTokensRequest])
     # Added last, so it runs first: a refused key costs nothing, an oversized body is never read.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_key:
@@ -103,6 +110,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
                            allow_headers=["*"])
 
     generating = error_responses(400, 401, 403, 404, 413, 415, 500, 503)
+    text_routes = error_responses(400, 401, 403, 404, 413, 415)
     cards = {name: {"id": name, "object": "model", "created": config.created, "owned_by": "v4serve",
                     "root": config.served_model_name, "max_model_len": config.max_model_len,
                     "context_length": config.max_model_len} for name in config.model_names}
@@ -114,6 +122,16 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     @api_route(app, "POST", "/completions", openapi_extra=body_schema(CompletionRequest), responses=generating)
     async def complete(raw: Request) -> Response:
         return await completions(front, await parse_body(raw, CompletionRequest), raw)
+
+    @api_route(app, "POST", "/messages", openapi_extra=body_schema(MessagesRequest), responses=generating)
+    async def anthropic_messages(raw: Request) -> Response:
+        """Anthropic's Messages API (errors in its shape)."""
+        return await messages(front, raw)
+
+    @api_route(app, "POST", "/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest),
+               responses=text_routes)
+    async def anthropic_count_tokens(raw: Request) -> Response:
+        return await count_tokens(front, raw)
 
     @api_route(app, "GET", "/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
@@ -142,8 +160,6 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}, **error_responses(401)})
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    text_routes = error_responses(400, 401, 403, 404, 413, 415)
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), responses=text_routes)
     async def tokenize(raw: Request) -> dict[str, Any]:

@@ -17,20 +17,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from v4serve.engine.request import GrammarSpec
 from v4serve.server.framing import DONE, Chunker, error_event, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
 from v4serve.server.text.tool_calls import ToolCallDelta
-from v4serve.server.tools import (
-    ToolPlan,
-    call_or_answer_grammar,
-    plan_tools,
-    response_format_grammar,
-    response_format_schema,
-    tool_call_grammar,
-)
+from v4serve.server.tools import answer_grammar, plan_tools
 
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -38,7 +30,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     thinking = body.thinking_mode()
     think_end = front.think_end_id if thinking else None
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    grammar = _grammar(body, tools, think_end)
+    grammar = answer_grammar(tools, body.response_format, think_end)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     prompt = await front.encode_chat(messages, thinking=thinking, tools=tools.offered,
                                      reasoning_effort=body.v4_effort())
@@ -59,17 +51,6 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                          "model": model, "choices": choices,
                          "usage": usage([generation.usage()])})
-
-
-def _grammar(body: ChatCompletionRequest, tools: ToolPlan, think_end: int | None) -> GrammarSpec | None:
-    """What the reply must be: under a required or named `tool_choice` a call (a `response_format` is
-    for the final answer, a later turn); under auto with a `response_format` a call or that answer."""
-    if tools.forced is not None:
-        response_format_schema(body.response_format)  # checked all the same
-        return tool_call_grammar(tools.forced, tools.parallel, think_end)
-    if tools.parse_calls:
-        return call_or_answer_grammar(tools.tools, tools.parallel, body.response_format, think_end)
-    return response_format_grammar(body.response_format, think_end)
 
 
 def _choice(front: FrontEnd, i: int, deltas: list[Delta], thinking: bool, logprobs: bool) -> dict[str, Any]:

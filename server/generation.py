@@ -207,7 +207,9 @@ class FrontEnd:
 
     @staticmethod
     def sampling(body: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                 seed_offset: int = 0, grammar: GrammarSpec | None = None) -> SamplingParams:
+                 seed_offset: int = 0, grammar: GrammarSpec | None = None,
+                 thinking: tuple[int, int] | None = None) -> SamplingParams:
+        """`thinking`: (budget, end token) when the thinking has a token budget."""
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -217,7 +219,8 @@ class FrontEnd:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, grammar=grammar)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens, grammar=grammar,
+            thinking_budget=thinking[0] if thinking else None, thinking_end_token=thinking[1] if thinking else None)
 
     @staticmethod
     def output_options(body: SamplingFields, reasoning_end_token: int | None = None, tool_calls: bool = False,
@@ -228,16 +231,24 @@ class FrontEnd:
 
     def generation(self, request_id: str, prompt: list[int], body: SamplingFields, max_tokens: int,
                    logprobs: int | None, options: OutputOptions, prompt_logprobs: int | None = None,
-                   grammar: GrammarSpec | None = None) -> Generation:
+                   grammar: GrammarSpec | None = None, thinking_budget: int | None = None) -> Generation:
         """The n choices of one prompt (not yet submitted). The prompt's logprobs are the same for every
         choice: only the first computes them (`Generation.prompt_logprobs`); the others start after it
         and reuse its prefix from the cache like any sibling."""
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None, i,
-                                                grammar),
+                                                grammar, self._thinking(thinking_budget)),
                                   cache_salt=body.cache_salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
                           self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout)
+
+    def _thinking(self, budget: int | None) -> tuple[int, int] | None:
+        if budget is None:
+            return None
+        if self.think_end_id is None:
+            raise ApiError(400, "this model's tokenizer has no single </think> token, so a thinking budget cannot "
+                                "be enforced", param="thinking.budget_tokens")
+        return budget, self.think_end_id
 
     async def encode_text(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a text prompt (BOS first unless asked not to), off the event loop."""

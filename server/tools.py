@@ -119,6 +119,18 @@ def tool_call_grammar(forced: list[Tool], parallel: bool, after_token: int | Non
     return GrammarSpec("lark", "\n".join(rules), param="tool_choice", after_token=after_token)
 
 
+def answer_grammar(tools: ToolPlan, response_format: Any, think_end: int | None) -> GrammarSpec | None:
+    """What a reply must be: under a required or named tool choice a call (a `response_format` is for the
+    final answer, a later turn); under auto with a `response_format` a call or that answer; without
+    tools the answer."""
+    if tools.forced is not None:
+        response_format_schema(response_format)  # checked all the same
+        return tool_call_grammar(tools.forced, tools.parallel, think_end)
+    if tools.parse_calls:
+        return call_or_answer_grammar(tools.tools, tools.parallel, response_format, think_end)
+    return response_format_grammar(response_format, think_end)
+
+
 def call_or_answer_grammar(tools: tuple[Tool, ...], parallel: bool, response_format: Any,
                            after_token: int | None) -> GrammarSpec | None:
     """`tool_choice` auto with a `response_format`: a call to one of the tools, or the formatted answer

@@ -10,6 +10,20 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from v4serve.server.messages import (
+    AnthropicMessage,
+    AnthropicTool,
+    AnthropicToolChoice,
+    CountTokensRequest,
+    MessagesRequest,
+    OutputConfig,
+    OutputFormat,
+    TextBlock,
+    ThinkingBlock,
+    ThinkingConfig,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from v4serve.server.protocol import (
     IGNORED,
     ChatCompletionRequest,
@@ -22,11 +36,17 @@ from v4serve.server.protocol import (
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions,
-                                 TokenizeRequest, DetokenizeRequest]
+                                 TokenizeRequest, DetokenizeRequest,
+                                 MessagesRequest, CountTokensRequest, AnthropicMessage, AnthropicTool,
+                                 AnthropicToolChoice, ThinkingConfig, OutputConfig, OutputFormat, TextBlock,
+                                 ToolUseBlock, ToolResultBlock, ThinkingBlock]
 SOURCE = "\n".join(p.read_text() for folder in ("server", "engine") for p in (ROOT / folder).rglob("*.py")
-                   if p.name != "protocol.py")
+                   if p.name not in ("protocol.py", "messages.py"))
 # In the models' own module only a validator's or method's use counts (`self.field`), not the definition.
 SOURCE += "\n".join(re.findall(r"self\.\w+", (ROOT / "server" / "protocol.py").read_text()))
+# The Messages API's models share their module with the code that reads them: only uses count there.
+MESSAGES = (ROOT / "server" / "messages.py").read_text()
+SOURCE += "\n".join(re.findall(r"\w+(?:\.\w+)+|[\"']\w+[\"']", MESSAGES))
 README = (ROOT / "README.md").read_text()
 IGNORED_TABLE = README[README.index("| field | why it is ignored |"):].split("\n\n", 1)[0]
 

@@ -1,0 +1,457 @@
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic's Messages API over the same engine.
+
+A request becomes the chat endpoint's conversation (system → a system message; `tool_use` blocks →
+an assistant's tool calls; `tool_result` blocks → tool messages; `thinking` blocks → the assistant's
+reasoning), and the reply is Anthropic's: content blocks (`thinking`, `text`, `tool_use`), a
+`stop_reason`, usage with `cache_read_input_tokens`, or the typed stream events. `thinking`
+enabled with `budget_tokens` is V4's thinking mode, and the budget is enforced: past it the engine
+allows only `</think>`. Errors come in Anthropic's `{"type": "error", "error": {...}}` shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from v4serve.server.body import parse_body
+from v4serve.server.errors import ApiError, as_api_error, validation_message
+from v4serve.server.framing import PromptUsage
+from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.protocol import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS, SamplingFields, ignored
+from v4serve.server.text.output import Delta
+from v4serve.server.tools import answer_grammar, plan_tools
+
+CACHE_CONTROL = "prompt caching is automatic: every prefix is cached without markers"
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+    citations: list[Any] | None = ignored("a reply field, sent back with earlier assistant turns")
+
+
+class ToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+
+
+class ToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+
+
+class ThinkingBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = ignored("v4serve's thinking is plain text; nothing to verify")
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks come back empty
+
+
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(..., alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class MessagesRequest(BaseModel):
+    """Anthropic's request; anything else is a 400 (nothing silently dropped)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int = Field(..., ge=1)
+    messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOPS)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = ignored("an end-user id for the provider's abuse monitoring")
+    service_tier: str | None = ignored("v4serve has one service tier")
+    speed: str | None = ignored("v4serve has one speed")
+    cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+
+# ---- errors in Anthropic's shape --------------------------------------------------------------------------
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """The failure of a Messages request as Anthropic reports it (raises what has no HTTP meaning)."""
+    error = as_api_error(exc)
+    return JSONResponse(anthropic_error(error.status, error.message), status_code=error.status, headers=error.headers)
+
+
+# ---- request → conversation ----------------------------------------------------------------------------------
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+    """Anthropic's turns as the chat endpoint's messages (DeepSeek-V4's prompt is written from those)."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": _text(system)}] if system else []
+    for message in messages:
+        blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        if message.role == "assistant":
+            out.append(_assistant(blocks))
+            continue
+        text: list[str] = []
+        for block in blocks:
+            if isinstance(block, ToolResultBlock):
+                result = _text(block.content)
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {result}" if block.is_error else result})
+            elif isinstance(block, TextBlock):
+                text.append(block.text)
+            else:
+                raise ApiError(400, f"a user turn cannot hold a {block.type} block", param="messages")
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _assistant(blocks: list[Any]) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": "assistant", "content": ""}
+    calls = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            turn["content"] += block.text
+        elif isinstance(block, ThinkingBlock):
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + block.thinking
+        elif isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        else:
+            raise ApiError(400, f"an assistant turn cannot hold a {block.type} block", param="messages")
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def tool_plan(tools: list[AnthropicTool] | None, choice: AnthropicToolChoice | None) -> Any:
+    functions = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                   "parameters": t.input_schema}} for t in tools or []]
+    kind = choice.type if choice else ("auto" if functions else "none")
+    if kind == "tool" and not (choice and choice.name):
+        raise ApiError(400, 'tool_choice of type "tool" needs a "name"', param="tool_choice")
+    openai_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
+        {"type": "function", "function": {"name": choice.name if choice else ""}}
+    parallel = not (choice and choice.disable_parallel_tool_use)
+    return plan_tools(functions or None, openai_choice if functions or kind != "auto" else None, parallel)
+
+
+def thinking_mode(config: ThinkingConfig | None, max_tokens: int | None) -> tuple[bool, int | None]:
+    """(thinking on, its token budget): `enabled` with its budget, `adaptive` as V4 thinks."""
+    if config is None or config.type == "disabled":
+        return False, None
+    if config.type == "adaptive":
+        return True, None
+    budget = config.budget_tokens
+    if budget is None:
+        raise ApiError(400, "thinking.budget_tokens is required when thinking is enabled", param="thinking")
+    if max_tokens is not None and budget >= max_tokens:
+        raise ApiError(400, "thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens")
+    return True, budget
+
+
+# ---- the endpoints -------------------------------------------------------------------------------------------
+async def count_tokens(front: FrontEnd, raw: Request) -> Response:
+    try:
+        body: CountTokensRequest = await parse_body(raw, CountTokensRequest)
+        front.check_model(body.model)
+        tools = tool_plan(body.tools, body.tool_choice)
+        thinking, _ = thinking_mode(body.thinking, None)
+        prompt = await front.encode_chat(conversation(body.system, body.messages), thinking=thinking,
+                                         tools=tools.offered)
+    except Exception as exc:
+        return error_response(exc)
+    return JSONResponse({"input_tokens": len(prompt)})
+
+
+async def messages(front: FrontEnd, raw: Request) -> Response:
+    try:
+        body: MessagesRequest = await parse_body(raw, MessagesRequest)
+        model = front.check_model(body.model)
+        generation = await _generation(front, body)
+    except Exception as exc:
+        return error_response(exc)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    if body.stream:
+        return StreamingResponse(_stream(generation, message_id, model, shown(body)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        (deltas,) = await front.collect(generation, raw)
+    except Exception as exc:
+        return error_response(exc)
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
+                         "content": _blocks(deltas, shown(body)), **_stop(generation, deltas[-1]),
+                         "usage": _usage(generation.usage())})
+
+
+async def _generation(front: FrontEnd, body: MessagesRequest) -> Generation:
+    thinking, budget = thinking_mode(body.thinking, body.max_tokens)
+    think_end = front.think_end_id if thinking else None
+    tools = tool_plan(body.tools, body.tool_choice)
+    output = body.output_config or OutputConfig()
+    response_format = output.format and {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": output.format.schema_}}
+    grammar = answer_grammar(tools, response_format, think_end)
+    prompt = await front.encode_chat(conversation(body.system, body.messages), thinking=thinking,
+                                     tools=tools.offered, reasoning_effort="max" if output.effort in ("xhigh", "max")
+                                     else None)
+    try:
+        fields = SamplingFields.model_validate({"temperature": body.temperature, "top_p": body.top_p,
+                                               "top_k": body.top_k, "stop": body.stop_sequences})
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise ApiError(400, message.replace("stop", "stop_sequences", 1),
+                       param=param and param.replace("stop", "stop_sequences", 1)) from None
+    options = front.output_options(fields, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
+                                   parallel_tool_calls=tools.parallel)
+    rid = f"msg-{uuid.uuid4().hex}"
+    generation = front.generation(rid, prompt, fields, body.max_tokens, None, options, grammar=grammar,
+                                  thinking_budget=budget)
+    await front.check([generation])
+    return generation
+
+
+# ---- the reply -----------------------------------------------------------------------------------------------
+def shown(body: MessagesRequest) -> bool:
+    """Whether the thinking is returned (`display: "omitted"` asks for empty thinking blocks)."""
+    return not (body.thinking and body.thinking.display == "omitted")
+
+
+def _blocks(deltas: list[Delta], show_thinking: bool) -> list[dict[str, Any]]:
+    thinking = "".join(d.reasoning for d in deltas) if show_thinking else ""
+    text = "".join(d.text for d in deltas)
+    calls: dict[int, dict[str, Any]] = {}
+    for d in (c for delta in deltas for c in delta.tool_calls):
+        call = calls.setdefault(d.index, {"id": tool_use_id(d.id), "name": d.name, "arguments": ""})
+        call["arguments"] += d.arguments
+    blocks: list[dict[str, Any]] = []
+    if thinking or (not show_thinking and any(d.reasoning for d in deltas)):
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})
+    if text:
+        blocks.append({"type": "text", "text": text})
+    blocks += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": partial_json(c["arguments"])}
+               for _, c in sorted(calls.items())]
+    return blocks
+
+
+def tool_use_id(call_id: str | None) -> str:
+    return "toolu_" + (call_id or uuid.uuid4().hex).removeprefix("call_")
+
+
+def partial_json(text: str) -> dict[str, Any]:
+    """A call's arguments as an object, however much of it there is (a call cut off by max_tokens
+    gives what it has: each open string, array and object closed, an unfinished member dropped)."""
+    for candidate in _closings(text):
+        try:
+            value = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _closings(text: str) -> list[str]:
+    """`text` completed by closing what is open, then the same cut back to each earlier comma."""
+    out, cut = [], len(text)
+    while cut > 0:
+        head = text[:cut]
+        out.append(head + _closers(head))
+        cut = head.rfind(",")
+    return out
+
+
+def _closers(text: str) -> str:
+    stack: list[str] = []
+    quoted = escaped = False
+    for ch in text:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+    return ('"' if quoted else "") + "".join(reversed(stack))
+
+
+def _stop(generation: Generation, last: Delta) -> dict[str, Any]:
+    matched = generation.texts[0].content.stop_reason
+    reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(last.finish_reason or "", "end_turn")
+    if matched is not None:
+        reason = "stop_sequence"
+    return {"stop_reason": reason, "stop_sequence": matched}
+
+
+def _usage(usage: PromptUsage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def event(name: str, payload: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **payload}, ensure_ascii=False)}\n\n"
+
+
+class _Blocks:
+    """The stream's content blocks: one open at a time, each started, filled by deltas, stopped."""
+
+    def __init__(self) -> None:
+        self.index, self.open = -1, None  # the open block: "thinking", "text" or a call's index
+
+    def switch(self, kind: Any, start: dict[str, Any]) -> list[str]:
+        if self.open == kind:
+            return []
+        out = self.close()
+        self.index, self.open = self.index + 1, kind
+        return [*out, event("content_block_start", {"index": self.index, "content_block": start})]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def delta(self, body: dict[str, Any]) -> str:
+        return event("content_block_delta", {"index": self.index, "delta": body})
+
+
+async def _stream(generation: Generation, message_id: str, model: str, show_thinking: bool) -> AsyncIterator[str]:
+    usage = generation.usage()
+    yield event("message_start", {"message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {**_usage(usage), "output_tokens": 0}}})
+    yield event("ping", {})
+    blocks, started = _Blocks(), time.monotonic()
+    try:
+        async with contextlib.aclosing(generation.deltas()) as deltas:
+            async for delta in deltas:
+                if delta.error:
+                    yield event("error", {"error": anthropic_error(400 if delta.error_param else 500,
+                                                                   delta.error)["error"]})
+                    return
+                for piece in _pieces(blocks, delta, show_thinking):
+                    yield piece
+                if delta.finished:
+                    for piece in blocks.close():
+                        yield piece
+                    yield event("message_delta", {"delta": _stop(generation, delta),
+                                                  "usage": {"output_tokens": generation.usage().completion_tokens}})
+                    yield event("message_stop", {})
+    except Exception as exc:  # after the first byte an error can only be an event
+        yield event("error", {"error": anthropic_error(500, f"the stream failed after {time.monotonic() - started:.1f} "
+                                                            f"s: {exc!r}")["error"]})
+
+
+def _pieces(blocks: _Blocks, delta: Delta, show_thinking: bool) -> list[str]:
+    out: list[str] = []
+    if delta.reasoning:
+        out += blocks.switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        if show_thinking:
+            out.append(blocks.delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+    if delta.text:
+        out += blocks.switch("text", {"type": "text", "text": ""})
+        out.append(blocks.delta({"type": "text_delta", "text": delta.text}))
+    for call in delta.tool_calls:
+        if call.id is not None:
+            out += blocks.switch(("call", call.index), {"type": "tool_use", "id": tool_use_id(call.id),
+                                                        "name": call.name, "input": {}})
+        if call.arguments:
+            out.append(blocks.delta({"type": "input_json_delta", "partial_json": call.arguments}))
+    return out
