@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.process.client import EngineClient
+from v4serve.server import responses
 from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
 from v4serve.server.chat import chat_completions
 from v4serve.server.completions import completions
@@ -24,6 +25,7 @@ from v4serve.server.generation import FrontEnd, ServerConfig
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from v4serve.server.responses import ResponsesRequest
 from v4serve.server.text.tokenizer import Tokenizer
 
 try:
@@ -96,10 +98,11 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
 
     app = FastAPI(title="v4serve", version=VERSION, lifespan=lifespan)
     front = FrontEnd(engine, tokenizer, config, metrics)
+    stored = responses.StoredResponses()
     app.state.front = front
     install_error_handlers(app)
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
-                          MessagesRequest, CountTokensRequest])
+                          MessagesRequest, CountTokensRequest, ResponsesRequest])
     # Added last, so it runs first: a refused key costs nothing, an oversized body is never read.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_key:
@@ -132,6 +135,20 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
                responses=text_routes)
     async def anthropic_count_tokens(raw: Request) -> Response:
         return await count_tokens(front, raw)
+
+    @api_route(app, "POST", "/responses", openapi_extra=body_schema(ResponsesRequest), responses=generating)
+    async def create_response(raw: Request) -> Response:
+        """OpenAI's Responses API."""
+        return await responses.create(front, stored, await parse_body(raw, ResponsesRequest), raw)
+
+    @api_route(app, "GET", "/responses/{response_id}", responses=error_responses(401, 404))
+    async def get_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return stored.get(response_id, responses.owner_of(raw)).body
+
+    @api_route(app, "DELETE", "/responses/{response_id}", responses=error_responses(401, 404))
+    async def delete_response(response_id: str, raw: Request) -> dict[str, Any]:
+        stored.delete(response_id, responses.owner_of(raw))
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @api_route(app, "GET", "/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:

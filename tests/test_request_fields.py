@@ -33,19 +33,33 @@ from v4serve.server.protocol import (
     StreamOptions,
     TokenizeRequest,
 )
+from v4serve.server.responses import (
+    ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    ReasoningConfig,
+    ReasoningItem,
+    ResponsesRequest,
+    TextConfig,
+    TextFormat,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions,
                                  TokenizeRequest, DetokenizeRequest,
                                  MessagesRequest, CountTokensRequest, AnthropicMessage, AnthropicTool,
                                  AnthropicToolChoice, ThinkingConfig, OutputConfig, OutputFormat, TextBlock,
-                                 ToolUseBlock, ToolResultBlock, ThinkingBlock]
+                                 ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                                 ResponsesRequest, ContentPart, MessageItem, FunctionCallItem, FunctionCallOutputItem,
+                                 ReasoningItem, FunctionTool, TextFormat, TextConfig, ReasoningConfig]
 SOURCE = "\n".join(p.read_text() for folder in ("server", "engine") for p in (ROOT / folder).rglob("*.py")
-                   if p.name not in ("protocol.py", "messages.py"))
+                   if p.name not in ("protocol.py", "messages.py", "responses.py"))
 # In the models' own module only a validator's or method's use counts (`self.field`), not the definition.
 SOURCE += "\n".join(re.findall(r"self\.\w+", (ROOT / "server" / "protocol.py").read_text()))
-# The Messages API's models share their module with the code that reads them: only uses count there.
-MESSAGES = (ROOT / "server" / "messages.py").read_text()
+# The Messages and Responses APIs' models share their modules with the code that reads them: only uses count there.
+MESSAGES = (ROOT / "server" / "messages.py").read_text() + (ROOT / "server" / "responses.py").read_text()
 SOURCE += "\n".join(re.findall(r"\w+(?:\.\w+)+|[\"']\w+[\"']", MESSAGES))
 README = (ROOT / "README.md").read_text()
 IGNORED_TABLE = README[README.index("| field | why it is ignored |"):].split("\n\n", 1)[0]

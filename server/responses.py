@@ -1,0 +1,545 @@
+"""`POST /v1/responses` (OpenAI's Responses API), `GET` and `DELETE /v1/responses/{id}`.
+
+`input` (a string or items: messages, `function_call`, `function_call_output`, `reasoning`) and
+`instructions` become the chat endpoint's conversation; the reply is a response object whose
+`output` holds `reasoning`, `message` and `function_call` items, or the typed stream events.
+
+Stored responses (`store`, the default) make `previous_response_id` cheap: a follow-up's prompt is
+the earlier response's prompt and output token for token, then only its new items rendered after
+them, so the engine resumes from the earlier response's end and its cache hit covers everything
+before the new items. The store is bounded (responses and tokens, least recently used dropped
+first) and kept per API key: a response is found only with the key that made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+import uuid
+from array import array
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from v4serve.server.errors import ApiError
+from v4serve.server.framing import PromptUsage
+from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.protocol import MAX_MESSAGES, MAX_TOOLS, SamplingFields, ignored
+from v4serve.server.text.chat_encoding import encode_messages
+from v4serve.server.text.output import Delta
+from v4serve.server.tools import answer_grammar, plan_tools
+
+# What the stored responses may hold, together; past either bound the least recently used go.
+MAX_STORED_RESPONSES = 4096
+MAX_STORED_TOKENS = 16 * 1024 * 1024  # prompt and output ids (4 bytes each: 64 MiB)
+
+
+# ---- the request ---------------------------------------------------------------------------------------------
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
+    text: str
+    annotations: list[Any] | None = ignored("a reply field, sent back with earlier output items")
+    logprobs: list[Any] | None = ignored("a reply field, sent back with earlier output items")
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
+    status: str | None = ignored("an earlier output item's status")
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
+    status: str | None = ignored("an earlier output item's status")
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentPart]
+    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
+    status: str | None = ignored("an earlier output item's status")
+
+
+class ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["reasoning"]
+    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
+    summary: list[ContentPart] = []
+    content: list[ContentPart] | None = None
+    encrypted_content: str | None = ignored("v4serve's reasoning is plain text in `content`")
+    status: str | None = ignored("an earlier output item's status")
+
+
+def _item_kind(item: Any) -> str:
+    """An item's type; a message may leave it out (`{"role": "user", "content": "..."}`)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "message"
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_kind)]
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = ignored("a forced call's arguments always follow the schema (a grammar), whatever it "
+                                  "says; under auto calls are parsed, not constrained")
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = ignored("V4's prompt format has no place for a format's description")
+    strict: bool | None = ignored("the format is always enforced (a grammar), whatever it says")
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormat | None = None
+    verbosity: str | None = ignored("V4 has no verbosity setting")
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: str | None = ignored("the reasoning comes back whole, as `content`, never summarised")
+    generate_summary: str | None = ignored("the reasoning comes back whole, as `content`, never summarised")
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's request; anything else is a 400 (nothing silently dropped)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None  # returned with the response
+    truncation: Literal["disabled"] | None = None  # "auto" (dropping the conversation's middle) is a 400
+    include: list[str] | None = ignored("reasoning items always carry their text; nothing is encrypted or "
+                                        "held back")
+    user: str | None = ignored("an end-user id for the provider's abuse monitoring")
+    safety_identifier: str | None = ignored("an end-user id for the provider's abuse monitoring")
+    prompt_cache_key: str | None = ignored("a cache-routing hint; the prefix cache needs none")
+    service_tier: str | None = ignored("v4serve has one service tier")
+    stream_options: dict[str, Any] | None = ignored("stream obfuscation pads events against a network "
+                                                    "observer; v4serve adds none")
+
+    @field_validator("input")
+    @classmethod
+    def _items(cls, v: str | list[Any]) -> str | list[Any]:
+        if isinstance(v, list) and not 1 <= len(v) <= MAX_MESSAGES:
+            raise ValueError(f"input must hold 1 to {MAX_MESSAGES} items")
+        return v
+
+
+# ---- stored responses ------------------------------------------------------------------------------------------
+@dataclass
+class StoredResponse:
+    body: dict[str, Any]  # the response object, as returned
+    owner: str  # a digest of the API key that made it
+    messages: list[dict[str, Any]]  # the conversation it answered, the answer last
+    settings: tuple[Any, ...]  # what else shaped its prompt: instructions, tools, thinking, effort
+    tokens: array = field(default_factory=lambda: array("i"))  # its prompt and output ids
+
+
+class StoredResponses:
+    """Responses by id, least recently used dropped first past MAX_STORED_RESPONSES or MAX_STORED_TOKENS."""
+
+    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_tokens: int = MAX_STORED_TOKENS) -> None:
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._tokens, self.max_responses, self.max_tokens = 0, max_responses, max_tokens
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._items[response_id] = stored
+        self._tokens += len(stored.tokens)
+        while self._items and (len(self._items) > self.max_responses or self._tokens > self.max_tokens):
+            _, dropped = self._items.popitem(last=False)
+            self._tokens -= len(dropped.tokens)
+
+    def get(self, response_id: str, owner: str) -> StoredResponse:
+        stored = self._items.get(response_id)
+        if stored is None or stored.owner != owner:
+            raise ApiError(404, f"No response found with id '{response_id}'.", "NotFoundError",
+                           param="previous_response_id", code="response_not_found")
+        self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str, owner: str) -> None:
+        self.get(response_id, owner)
+        self._tokens -= len(self._items.pop(response_id).tokens)
+
+
+def owner_of(raw: Request) -> str:
+    key = raw.headers.get("authorization", "").partition(" ")[2].strip() or raw.headers.get("x-api-key", "")
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# ---- items → conversation --------------------------------------------------------------------------------------
+def _text(content: str | list[ContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def conversation(items: str | list[Any]) -> list[dict[str, Any]]:
+    """Input items as the chat endpoint's messages: calls and reasoning join the assistant turn they
+    belong to, call outputs become tool messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+
+    def assistant() -> dict[str, Any]:
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        return out[-1]
+
+    for item in items:
+        if isinstance(item, MessageItem) and item.role == "assistant":
+            assistant()["content"] += _text(item.content)
+        elif isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": _text(item.content)})
+        elif isinstance(item, ReasoningItem):
+            turn = assistant()
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + _text(item.content or item.summary)
+        elif isinstance(item, FunctionCallItem):
+            assistant().setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+    return out
+
+
+def _answer_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the assistant turn of the conversation."""
+    items = [_item(i) for i in output]
+    (turn,) = conversation(items) or [{"role": "assistant", "content": ""}]
+    return turn
+
+
+def _item(item: dict[str, Any]) -> Any:
+    kind = item["type"]
+    if kind == "message":
+        return MessageItem(role="assistant", content=[ContentPart(type="output_text", text=p["text"])
+                                                      for p in item["content"]])
+    if kind == "reasoning":
+        return ReasoningItem(type="reasoning", content=[ContentPart(type="reasoning_text", text=p["text"])
+                                                        for p in item["content"]])
+    return FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
+                            arguments=item["arguments"])
+
+
+# ---- the endpoint ----------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """One request, ready to run."""
+
+    response_id: str
+    model: str
+    generation: Generation
+    messages: list[dict[str, Any]]
+    settings: tuple[Any, ...]
+    prompt: list[int]
+    previous: str | None
+    thinking: bool
+
+
+async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> Response:
+    plan = await _plan(front, stored, body, owner_of(raw))
+    if body.stream:
+        return StreamingResponse(_stream(front, stored, body, plan, owner_of(raw)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    (deltas,) = await front.collect(plan.generation, raw)
+    response = _response(body, plan, _output(deltas, plan.thinking), deltas[-1], plan.generation.usage())
+    _keep(stored, body, plan, response, deltas, owner_of(raw), front.tokenizer.eos_token_id)
+    return JSONResponse(response)
+
+
+async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, owner: str) -> _Plan:
+    model = front.check_model(body.model)
+    thinking = body.reasoning is not None and body.reasoning.effort not in (None, "none")
+    effort = "max" if thinking and body.reasoning and body.reasoning.effort in ("xhigh", "max") else None
+    functions = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                   "parameters": t.parameters or {"type": "object", "properties": {}}}}
+                 for t in body.tools or []]
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    tools = plan_tools(functions or None, choice, body.parallel_tool_calls)
+    fmt = body.text.format if body.text else None
+    response_format = None if fmt is None or fmt.type == "text" else \
+        {"type": "json_object"} if fmt.type == "json_object" else \
+        {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_ or {}}}
+    think_end = front.think_end_id if thinking else None
+    grammar = answer_grammar(tools, response_format, think_end)
+    settings = (body.instructions, json.dumps(functions), thinking, effort)
+    new = conversation(body.input)
+    options = {"thinking": thinking, "tools": tools.offered, "reasoning_effort": effort}
+    prompt, messages = await _prompt(front, stored, body, owner, new, settings, options)
+    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p)
+    max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
+    output = front.output_options(fields, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
+                                  parallel_tool_calls=tools.parallel)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    generation = front.generation(response_id, prompt, fields, max_tokens, None, output, grammar=grammar)
+    await front.check([generation])
+    return _Plan(response_id, model, generation, messages, settings, prompt, body.previous_response_id, thinking)
+
+
+async def _prompt(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, owner: str,
+                  new: list[dict[str, Any]], settings: tuple[Any, ...], options: dict[str, Any]
+                  ) -> tuple[list[int], list[dict[str, Any]]]:
+    """(prompt ids, the conversation): a follow-up of a stored response with the same settings continues
+    its tokens; anything else is rendered whole."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if body.previous_response_id is None:
+        return await front.encode_chat(system + new, **options), new
+    earlier = stored.get(body.previous_response_id, owner)
+    messages = earlier.messages + new
+    if earlier.settings == settings:
+        suffix = _suffix(system + earlier.messages, new, options)
+        if suffix is not None:
+            tail = front.tokenizer.encode(suffix)
+            return earlier.tokens.tolist() + tail, messages
+    return await front.encode_chat(system + messages, **options), messages
+
+
+def _suffix(before: list[dict[str, Any]], new: list[dict[str, Any]], options: dict[str, Any]) -> str | None:
+    """What the new items add to a rendered conversation (None when it is not an addition at its end)."""
+    try:
+        done = encode_messages(before, add_generation_prompt=False, drop_thinking=False, **options)
+        more = encode_messages(before + new, drop_thinking=False, **options)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="input") from exc
+    return more[len(done):] if more.startswith(done) else None
+
+
+def _keep(stored: StoredResponses, body: ResponsesRequest, plan: _Plan, response: dict[str, Any],
+          deltas: list[Delta], owner: str, eos: int | None) -> None:
+    if not body.store:
+        return
+    output = [t for d in deltas for t in d.token_ids]
+    if eos is not None and output[-1:] != [eos]:  # cut off, or ended by a stop: the turn still ends
+        output.append(eos)
+    tokens = array("i", plan.prompt + output)
+    stored.put(plan.response_id, StoredResponse(response, owner, plan.messages + [_answer_message(response["output"])],
+                                                plan.settings, tokens))
+
+
+# ---- the response --------------------------------------------------------------------------------------------
+def _output(deltas: list[Delta], thinking: bool) -> list[dict[str, Any]]:
+    reasoning = "".join(d.reasoning for d in deltas)
+    text = "".join(d.text for d in deltas)
+    calls: dict[int, dict[str, Any]] = {}
+    for d in (c for delta in deltas for c in delta.tool_calls):
+        call = calls.setdefault(d.index, {"call_id": d.id, "name": d.name, "arguments": ""})
+        call["arguments"] += d.arguments
+    complete = deltas[-1].finish_reason != "length"
+    items: list[dict[str, Any]] = []
+    if thinking and reasoning:
+        items.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning))
+    if text:
+        items.append(_message_item(f"msg_{uuid.uuid4().hex}", text, "completed" if complete else "incomplete"))
+    for i, c in sorted(calls.items()):
+        last = i == max(calls)
+        items.append(_call_item(f"fc_{uuid.uuid4().hex}", c["call_id"], c["name"], c["arguments"],
+                                "completed" if complete or not last else "incomplete"))
+    return items
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _usage(usage: PromptUsage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def _response(body: ResponsesRequest, plan: _Plan, output: list[dict[str, Any]], last: Delta | None,
+              usage: PromptUsage | None) -> dict[str, Any]:
+    """The response object: in progress while `last` is None, then completed or incomplete."""
+    status = "in_progress" if last is None else "incomplete" if last.finish_reason == "length" else "completed"
+    return {
+        "id": plan.response_id, "object": "response", "created_at": int(time.time()), "status": status,
+        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": plan.model, "output": output, "instructions": body.instructions,
+        "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
+        "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+        "previous_response_id": plan.previous, "reasoning": body.reasoning.model_dump() if body.reasoning else None,
+        "text": body.text.model_dump(by_alias=True) if body.text else {"format": {"type": "text"}},
+        "truncation": "disabled", "store": body.store, "metadata": body.metadata or {},
+        "usage": _usage(usage) if usage is not None else None,
+    }
+
+
+# ---- the stream ------------------------------------------------------------------------------------------------
+class _Events:
+    """Typed events, numbered in order; the open output item (reasoning, message or a call) and its text."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self.open: Any = None  # "reasoning", "message" or ("call", index)
+
+    def __call__(self, kind: str, **payload: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **payload}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    @property
+    def index(self) -> int:
+        return len(self.items) - 1
+
+    def start(self, key: Any, item: dict[str, Any]) -> list[str]:
+        if self.open == key:
+            return []
+        out = self.finish()
+        self.items.append(item)
+        self.open = key
+        out.append(self("response.output_item.added", output_index=self.index, item=_opening(item)))
+        if item["type"] == "message":
+            out.append(self("response.content_part.added", item_id=item["id"], output_index=self.index,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def finish(self, status: str = "completed") -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        item, i = self.items[-1], self.index
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            item["status"] = status
+            out += [self("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                         text=part["text"], logprobs=[]),
+                    self("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part)]
+        elif item["type"] == "reasoning":
+            out.append(self("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                            text=item["content"][0]["text"]))
+        else:
+            item["status"] = status
+            out.append(self("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                            name=item["name"], arguments=item["arguments"]))
+        out.append(self("response.output_item.done", output_index=i, item=item))
+        return out
+
+
+def _opening(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as `output_item.added` shows it: nothing written yet."""
+    if item["type"] == "message":
+        return {**item, "status": "in_progress", "content": []}
+    if item["type"] == "reasoning":
+        return {**item, "content": []}
+    return {**item, "arguments": "", "status": "in_progress"}
+
+
+def _pieces(events: _Events, delta: Delta) -> list[str]:
+    out: list[str] = []
+    if delta.reasoning:
+        out += events.start("reasoning", _reasoning_item(f"rs_{uuid.uuid4().hex}", ""))
+        events.items[-1]["content"][0]["text"] += delta.reasoning
+        out.append(events("response.reasoning_text.delta", item_id=events.items[-1]["id"],
+                          output_index=events.index, content_index=0, delta=delta.reasoning))
+    if delta.text:
+        out += events.start("message", _message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
+        events.items[-1]["content"][0]["text"] += delta.text
+        out.append(events("response.output_text.delta", item_id=events.items[-1]["id"], output_index=events.index,
+                          content_index=0, delta=delta.text, logprobs=[]))
+    for call in delta.tool_calls:
+        if call.id is not None:
+            out += events.start(("call", call.index), _call_item(f"fc_{uuid.uuid4().hex}", call.id, call.name or "",
+                                                                 "", "in_progress"))
+        if call.arguments:
+            events.items[-1]["arguments"] += call.arguments
+            out.append(events("response.function_call_arguments.delta", item_id=events.items[-1]["id"],
+                              output_index=events.index, delta=call.arguments))
+    return out
+
+
+async def _stream(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, plan: _Plan,
+                  owner: str) -> AsyncIterator[str]:
+    events = _Events()
+    opening = _response(body, plan, [], None, None)
+    yield events("response.created", response=opening)
+    yield events("response.in_progress", response=opening)
+    deltas: list[Delta] = []
+    try:
+        async with contextlib.aclosing(plan.generation.deltas()) as stream:
+            async for delta in stream:
+                if delta.error:
+                    failed = {**opening, "status": "failed", "output": events.items,
+                              "error": {"code": "invalid_request" if delta.error_param else "server_error",
+                                        "message": delta.error}}
+                    yield events("response.failed", response=failed)
+                    return
+                deltas.append(delta)
+                for piece in _pieces(events, delta):
+                    yield piece
+    except Exception as exc:  # after the first byte an error can only be an event
+        yield events("error", code="server_error", message=f"the stream failed: {exc!r}", param=None)
+        return
+    last = deltas[-1]
+    for piece in events.finish("incomplete" if last.finish_reason == "length" else "completed"):
+        yield piece
+    response = _response(body, plan, events.items, last, plan.generation.usage())
+    _keep(stored, body, plan, response, deltas, owner, front.tokenizer.eos_token_id)
+    yield events("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                 response=response)
