@@ -51,46 +51,39 @@ class ContentPart(BaseModel):
     logprobs: list[Any] | None = ignored("a reply field, sent back with earlier output items")
 
 
-class MessageItem(BaseModel):
+class _Item(BaseModel):
+    """An input item; earlier output items come back with their id and status, which change nothing."""
+
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
     id: str | None = ignored("an earlier output item's id; the item itself is what counts")
     status: str | None = ignored("an earlier output item's status")
 
 
-class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
 
+
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
-    status: str | None = ignored("an earlier output item's status")
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[ContentPart]
-    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
-    status: str | None = ignored("an earlier output item's status")
 
 
-class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
-    id: str | None = ignored("an earlier output item's id; the item itself is what counts")
     summary: list[ContentPart] = []
     content: list[ContentPart] | None = None
     encrypted_content: str | None = ignored("v4serve's reasoning is plain text in `content`")
-    status: str | None = ignored("an earlier output item's status")
 
 
 def _item_kind(item: Any) -> str:

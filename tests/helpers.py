@@ -26,6 +26,9 @@ SMALL = dict(hidden_size=64, num_heads=4, head_dim=32, rope_dim=8, q_lora_rank=3
              o_lora_rank=32, index_n_heads=16, index_head_dim=16, index_topk=6, moe_intermediate_size=32,
              n_routed_experts=6, num_experts_per_tok=2, num_layers=5, compress_ratios=(0, 4, 16, 4, 16),
              window=8, num_hash_layers=1)
+# One layer of each kind (window only, CSA, HCA): what the tests of interpreted Triton kernels run. The
+# interpreter's cost is per launch, and a second layer of a kind launches the same kernels again.
+SMALL_ONE_OF_EACH = {**SMALL, "num_layers": 3, "compress_ratios": (0, 4, 16)}
 
 
 @functools.cache

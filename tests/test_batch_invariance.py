@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.daemon import PATIENCE, daemon
-from tests.helpers import SMALL, engine_for, greedy, requires_triton, tokens
+from tests.helpers import SMALL_ONE_OF_EACH, engine_for, greedy, requires_triton, tokens
 from tests.test_server import solo_then_together
 from v4serve.cache.layout import key_record
 from v4serve.engine.model import attention
@@ -31,7 +31,7 @@ MATES = {"short": tokens(5, 2), "long": tokens(20, 3)}
 
 
 def invariant_model(backend: str) -> DeepseekV4:
-    model = build_tiny(tiny_config(**SMALL), seed=11)
+    model = build_tiny(tiny_config(**SMALL_ONE_OF_EACH), seed=11)
     model.use_kernels(load_kernels(backend, "cpu", batch_invariant=True))
     return model
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.daemon import daemon
-from tests.helpers import SMALL, engine_for
+from tests.helpers import SMALL, SMALL_ONE_OF_EACH, engine_for
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.decode_graphs import DecodeGraphs, decode_buckets
@@ -34,7 +34,7 @@ def test_buckets() -> None:
 
 
 def setup(backend: str, batch_invariant: bool = False) -> tuple[object, DeviceKV, list[list[int]], int]:
-    model = build_tiny(tiny_config(**SMALL), seed=11)
+    model = build_tiny(tiny_config(**SMALL_ONE_OF_EACH), seed=11)
     cfg = model.cfg
     width = -(-MAX_LEN // cfg.block_size)
     n = len(CONTEXTS)

@@ -16,7 +16,7 @@ from schemathesis import GenerationMode
 
 from tests.daemon import PATIENCE, daemon
 
-EXAMPLES_PER_OPERATION = 100
+EXAMPLES_PER_OPERATION = 60
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from tests.daemon import PATIENCE, daemon
-from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, small_model, tiny_model, tokens
+from tests.helpers import (
+    SMALL_ONE_OF_EACH,
+    engine_for,
+    greedy,
+    rel_err,
+    requires_triton,
+    small_model,
+    tiny_model,
+    tokens,
+)
 from v4serve.cache.layout import KVLayout, KVRecord, cache_table, key_record
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels.attention import RaggedBatch
@@ -242,8 +251,8 @@ def test_small_model_on_triton_with_fp8_keys_gives_the_torch_tokens() -> None:
     rounding edge gets the neighbouring code on one of them (a step of 1/8 on that channel), and the
     difference carries through later layers: the logits agree to the FP8 step (as a zero-mode
     recompute's do, below), not to fp32 noise."""
-    torch_model = build_tiny(tiny_config(**SMALL), seed=11)
-    triton_model = build_tiny(tiny_config(**SMALL), seed=11)
+    torch_model = build_tiny(tiny_config(**SMALL_ONE_OF_EACH), seed=11)
+    triton_model = build_tiny(tiny_config(**SMALL_ONE_OF_EACH), seed=11)
     triton_model.use_kernels(load_kernels("triton"))
     prompts = {"a": tokens(37, 8), "b": tokens(21, 9)}
     runs = []

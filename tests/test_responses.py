@@ -56,6 +56,17 @@ def test_a_response_and_its_events_in_order(client: openai.OpenAI) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
     assert events[-1].response.output_text == reply.output_text
+    # The SDK's stream helper wants `response.completed` (a cut-off stream ends `response.incomplete`):
+    # a bounded JSON answer ends by itself.
+    small = {"format": {"type": "json_schema", "name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}
+    whole = create(client, input="A number?", text=small, max_output_tokens=40)
+    with client.responses.stream(model=MODEL, temperature=0, max_output_tokens=40, input="A number?",
+                                 text=small) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == stream.get_final_response().output_text == whole.output_text
+    assert whole.status == "completed" and json.loads(whole.output_text)["n"] in range(10)
 
 
 def test_stored_responses_resume_from_the_cache(client: openai.OpenAI, url: str) -> None:

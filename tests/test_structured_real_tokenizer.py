@@ -116,3 +116,27 @@ def test_a_call_cut_at_every_token_of_the_real_vocabulary_is_a_call_so_far() -> 
         assert bool(calls) == named and {c.name for c in calls if c.name} <= {"get_weather"}, cut
         assert whole.startswith("".join(c.arguments for c in calls)), (cut, calls)
     assert "".join(c.arguments for c in calls) == whole and deltas[-1].finish_reason == "tool_calls"
+
+
+def test_the_responses_and_messages_apis_with_the_real_vocabulary(client: openai.OpenAI) -> None:
+    """A forced call through the other two APIs, V4's own tokens underneath: a `function_call` item
+    and a `tool_use` block whose arguments follow the schema, streamed as not, no text beside them."""
+    import anthropic
+
+    ask_weather = {"model": MODEL, "input": "Wetter?", "temperature": 0, "max_output_tokens": 200,
+                   "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMS}],
+                   "tool_choice": "required", "parallel_tool_calls": False}
+    (item,) = client.responses.create(**ask_weather).output
+    assert item.type == "function_call" and item.status == "completed"
+    jsonschema.validate(json.loads(item.arguments), PARAMS)
+    with client.responses.stream(**ask_weather) as stream:
+        assert [(i.name, i.arguments) for i in stream.get_final_response().output] == [(item.name, item.arguments)]
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    with anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=PATIENCE) as messages:
+        reply = messages.messages.create(
+            model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Wetter?"}],
+            tools=[{"name": "get_weather", "input_schema": PARAMS}], extra_body={"temperature": 0},
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    assert reply.stop_reason == "tool_use" and [b.type for b in reply.content] == ["tool_use"]
+    jsonschema.validate(reply.content[0].input, PARAMS)
+    assert reply.content[0].input == json.loads(item.arguments)  # one prompt, one greedy call

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.daemon import PATIENCE, daemon
-from tests.helpers import SMALL, engine_for, greedy, rel_err, requires_triton, tokens
+from tests.helpers import SMALL, SMALL_ONE_OF_EACH, engine_for, greedy, rel_err, requires_triton, tokens
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels.registry import load_kernels
 
@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def model_pair(small: bool, **changes):
     """The same weights twice: one on torch kernels, one on Triton kernels."""
-    cfg = tiny_config(**SMALL, **changes) if small else tiny_config(**changes)
+    cfg = tiny_config(**SMALL_ONE_OF_EACH, **changes) if small else tiny_config(**changes)
     torch_model = build_tiny(cfg, seed=11 if small else 0).to(DEVICE)
     triton_model = build_tiny(cfg, seed=11 if small else 0).to(DEVICE)
     triton_model.use_kernels(load_kernels("triton", DEVICE))
@@ -43,7 +43,8 @@ def test_tiny_model_on_triton_gives_the_torch_tokens_in_ragged_batches() -> None
     so that short prompts cross them as the real ones cross 128: two requests whose chunks (32-token
     budget) and decodes share steps, across window, block and CSA/HCA entry edges, with the indexer
     choosing among entries from position 19 on."""
-    torch_model, triton_model = model_pair(small=False, window=16, compress_ratios=(0, 4, 16, 4), index_topk=4)
+    torch_model, triton_model = model_pair(small=False, window=16, num_layers=3, compress_ratios=(0, 4, 16),
+                                           index_topk=4)
     prompts = {"a": tokens(53, 1), "b": tokens(35, 2)}
     want, want_logits, _ = run(torch_model, prompts, 5, max_num_batched_tokens=32)
     got, got_logits, _ = run(triton_model, prompts, 5, max_num_batched_tokens=32)
@@ -126,7 +127,7 @@ def test_a_decode_step_stays_within_its_launch_budget_at_any_batch() -> None:
     views counted), must stay under 48 per layer and must not grow with the batch (the MoE once
     issued a few ops per expert in use; a transposed grouped output and a sliced head-weight input
     were once copied at every batch above one)."""
-    _, model = model_pair(small=True)
+    model = build_tiny(tiny_config(**SMALL), seed=11).to(DEVICE)  # five layers, as when the budget was set
     one, four = decode_step_items(model, 1), decode_step_items(model, 4)
     assert one <= 48
     assert four == one
