@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test]'
+	@# The rest is not byte-compiled up front (half of its install time, mostly for modules nothing
+	@# imports); Python compiles a module when it is first imported. Torch stays compiled: every
+	@# process imports it, and many starting at once would each compile it.
+	$(PY) -m pip install --quiet --no-compile -e '.[test]'
 	@touch $@
 
 install: $(STAMP)
