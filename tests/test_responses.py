@@ -153,7 +153,9 @@ def test_bad_requests_are_400s_naming_the_field(url: str, fields: dict, param: s
 
 
 def test_an_agent_runs_on_its_default_responses_model(url: str) -> None:
-    """The OpenAI Agents SDK, unmodified: a structured output type, then a function tool that ends the run."""
+    """The OpenAI Agents SDK, unmodified: an agent with a function tool and an output type. Its first
+    turn must call (tool_choice required), the SDK runs the tool and asks again with tool_choice reset
+    to auto, and the reply (a call or the typed answer, one grammar) is the answer: the run finishes."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
@@ -163,19 +165,16 @@ def test_an_agent_runs_on_its_default_responses_model(url: str) -> None:
         """The weather in a city."""
         return f"sunny in {city}"
 
-    async def run() -> tuple[Any, Any]:
+    async def run() -> Any:
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0) as client:
-            model = OpenAIResponsesModel(MODEL, client)
-            settings = ModelSettings(temperature=0, max_tokens=80)
-            judge = Agent(name="judge", instructions="Judge.", model=model, model_settings=settings,
-                          output_type=Verdict)
-            caller = Agent(name="caller", instructions="Use the tool.", model=model, tools=[get_weather],
-                           model_settings=ModelSettings(temperature=0, max_tokens=400, tool_choice="required",
-                                                        parallel_tool_calls=False),
-                           tool_use_behavior="stop_on_first_tool")
-            return (await Runner.run(judge, "Is this good?")).final_output, \
-                (await Runner.run(caller, "Weather?")).final_output
+            agent = Agent(name="forecaster", instructions="Use the tool, then judge.", tools=[get_weather],
+                          model=OpenAIResponsesModel(MODEL, client), output_type=Verdict,
+                          model_settings=ModelSettings(temperature=0, max_tokens=400, tool_choice="required",
+                                                       parallel_tool_calls=False))
+            return await Runner.run(agent, "Weather, then a verdict?", max_turns=4)
 
-    verdict, weather = asyncio.run(run())
-    assert isinstance(verdict, Verdict)
-    assert weather.startswith("sunny in ")
+    result = asyncio.run(run())
+    assert isinstance(result.final_output, Verdict)
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert result.new_items[1].output.startswith("sunny in ")
