@@ -3,9 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# CPU wheel by default so no multi-GB CUDA build is pulled on a CPU machine; on a GPU node pass
-# e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>".
+# Torch: PyTorch's CPU wheels unless this machine has an NVIDIA driver (then PyPI's build, which is
+# CUDA's on Linux x86_64); an index that cannot be reached is skipped and PyPI serves. On a GPU node
+# without the driver tools, or for another CUDA version, pass e.g.
+# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128". A changed spec or
+# index reinstalls torch (its stamp names them).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC) $(TORCH_INDEX)' | cksum | cut -d' ' -f1)
 ARGS ?=
 # pytest workers (pytest-xdist): one per core by default; tests that wait on daemons, disks and the
 # interpreted Triton kernels overlap instead of queueing.
@@ -13,13 +18,22 @@ TEST_WORKERS ?= auto
 
 .PHONY: install serve test lint bench clean prometheus
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	@# The rest is not byte-compiled up front (half of its install time, mostly for modules nothing
-	@# imports); Python compiles a module when it is first imported. Torch stays compiled: every
-	@# process imports it, and many starting at once would each compile it.
+$(TORCH_STAMP):
+	@test -x $(PY) || { echo "==> creating $(VENV) (a virtual environment for everything below)"; $(PYTHON) -m venv $(VENV); }
+	@$(PY) -m pip install --quiet --upgrade pip
+	@if ls $(VENV)/.torch-* >/dev/null 2>&1; then echo "==> TORCH_SPEC or TORCH_INDEX changed: removing the installed torch"; \
+	  $(PY) -m pip uninstall --quiet --yes torch; fi
+	@echo "==> installing $(TORCH_SPEC)$(if $(TORCH_INDEX), (CPU build from $(TORCH_INDEX); PyPI if unreachable)) ..."
+	$(PY) -m pip install --progress-bar on $(TORCH_SPEC) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1 --timeout 15)
+	@$(PY) -W ignore -c "import torch; print('==> torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU build)')"
+	@rm -f $(VENV)/.torch-* $(STAMP)
+	@touch $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
+	@echo "==> installing v4serve and its test tools (transformers as the numerical oracle, the client SDKs) ..."
+	@# Not byte-compiled up front (half of the install time, mostly for modules nothing imports);
+	@# Python compiles a module when it is first imported. Torch stays compiled: every process
+	@# imports it, and many starting at once would each compile it.
 	$(PY) -m pip install --quiet --no-compile -e '.[test]'
 	@touch $@
 
