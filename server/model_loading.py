@@ -199,10 +199,20 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
              " on rank 0" if ranks is not None else "", packed_count(model),
              str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
              (" (batch-invariant)" if model.kernels.batch_invariant else "") + split)
-    log.info("prefix caching %s, SWA cache mode %s (snapshot every %d tokens), max model len %d",
-             "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode, econf.swa_checkpoint_interval,
-             econf.max_model_len)
+    log.info("prefix caching %s, SWA cache mode %s (%s), max model len %d",
+             "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode,
+             swa_mode_words(econf.swa_cache_mode, econf.swa_checkpoint_interval), econf.max_model_len)
+    if cfg.model == "tiny":
+        log.info("the embedded tiny model has random weights: its text is noise, but every code path of a real "
+                 "DeepSeek-V4 checkpoint runs (serve one with --model FOLDER)")
     log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
              if econf.kv_store_dir else "off")
     return engine, {"version_info": {**version_info(model, econf), "cuda_graphs": engine.cuda_graphs},
                     "max_model_len": econf.max_model_len}
+
+
+def swa_mode_words(mode: str, interval: int) -> str:
+    """What an SWA cache mode keeps, as the startup log says it."""
+    return {"full": "window state snapshotted at every block: a hit never recomputes",
+            "periodic": f"window state snapshotted every {interval} tokens and at prompt and response ends",
+            "zero": "no window snapshots: a hit recomputes the window"}.get(mode, mode)

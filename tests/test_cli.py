@@ -117,6 +117,9 @@ def test_port_0_serves_on_a_port_the_system_picks_and_logs_it(host, shown):
         port = int(running.url.rsplit(":", 1)[1])
         assert port > 0
         assert httpx.get(running.url + "/health", timeout=PATIENCE).status_code == 200
+        log = Path(running.log.name).read_text()
+        assert "the embedded tiny model has random weights: its text is noise" in log  # it says what it is
+        assert "SWA cache mode periodic (window state snapshotted every 4096 tokens and at prompt and" in log
     finally:
         assert running.stop() == 0
 
@@ -167,3 +170,11 @@ def test_checkpoint_loading_shows_progress(tmp_path, caplog):
 def test_readme_names_the_two_commands():
     readme = (Path(ROOT) / "README.md").read_text()
     assert "make serve" in readme and "make test" in readme
+
+
+def test_the_startup_log_says_what_each_swa_mode_keeps():
+    from v4serve.server.model_loading import swa_mode_words
+
+    assert swa_mode_words("full", 4096) == "window state snapshotted at every block: a hit never recomputes"
+    assert "every 512 tokens and at prompt and response ends" in swa_mode_words("periodic", 512)
+    assert swa_mode_words("zero", 4096) == "no window snapshots: a hit recomputes the window"
