@@ -237,18 +237,27 @@ def _add_plan_parser(sub: Any) -> None:
 def config_reference() -> str:
     """The flags of `v4serve serve` as a Markdown table (README's configuration reference is this,
     and a test keeps the two equal): flag, environment variable, default, meaning."""
-    from dataclasses import fields
-
-    from v4serve.server.serve import ServeConfig
-
-    defaults = {f.name: f.default for f in fields(ServeConfig)}
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for flag, kind, doc in SERVE_FLAGS:
         name = flag[2:].replace("-", "_")
-        default = defaults.get(name)
-        shown = "off" if kind is bool and not default else "none" if default is None else f"`{default}`"
-        rows.append(f"| `{flag}` | `V4SERVE_{name.upper()}` | {shown} | {doc.replace('|', '/')} |")
+        rows.append(f"| `{flag}` | `V4SERVE_{name.upper()}` | {shown_default(name, kind, '`')} | "
+                    f"{doc.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
+
+
+def shown_default(name: str, kind: Any, quote: str = "") -> str:
+    """A serve setting's default as --help and the configuration reference give it: the value, or
+    what a default worked out at start comes to."""
+    from dataclasses import fields
+
+    from v4serve.server.config import DERIVED_DEFAULTS, ServeConfig
+
+    default = {f.name: f.default for f in fields(ServeConfig)}.get(name)
+    if kind is bool:
+        return "on" if default else "off"
+    if default is None:
+        return DERIVED_DEFAULTS.get(name, "none")
+    return f"{quote}{default}{quote}"
 
 
 def config_reference_main(_args: argparse.Namespace) -> int:
@@ -262,12 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible daemon", argument_default=argparse.SUPPRESS)
     serve.add_argument("--config", help="YAML file of settings (long flag names as keys; the command line wins)")
     for flag, kind, doc in SERVE_FLAGS:
+        name = flag[2:].replace("-", "_")
+        described = doc.replace("%", "%%") + f" [default: {shown_default(name, kind)}]".replace("%", "%%")
         if kind is bool:
-            serve.add_argument(flag, action="store_true", help=doc)
-        elif flag[2:].replace("-", "_") in LIST_FLAGS:
-            serve.add_argument(flag, type=kind, nargs="+", help=doc)
+            serve.add_argument(flag, action="store_true", help=described)
+        elif name in LIST_FLAGS:
+            serve.add_argument(flag, type=kind, nargs="+", help=described)
         else:
-            serve.add_argument(flag, type=kind, help=doc)
+            serve.add_argument(flag, type=kind, help=described)
     serve.set_defaults(func=serve_main)
     reference = sub.add_parser("config-reference", help="print the serve flags as a Markdown table (README's)")
     reference.set_defaults(func=config_reference_main)

@@ -28,6 +28,20 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 
 
+# Settings whose default is worked out at start (None in ServeConfig): what it comes to, in words.
+# `--help`, `v4serve config-reference` (README's table) and configs/serve.example.yaml say these.
+DERIVED_DEFAULTS = {
+    "served_model_name": "v4serve-tiny, or the checkpoint folder's name",
+    "max_model_len": "min(the model's max_position_embeddings, 32768)",
+    "num_blocks": "every slot can hold max-model-len tokens",
+    "kv_store_dir": "$XDG_CACHE_HOME/v4serve/kv-store (~/.cache/v4serve/kv-store)",
+    "kv_store_max_bytes": f"{DEFAULT_STORE_BYTES} (32 GiB)",
+    "swa_checkpoint_interval": "4096 (rounded down to whole blocks)",
+    "api_key": "none: no key asked",
+    "allowed_origins": "none: only the daemon's own pages",
+}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "tiny"

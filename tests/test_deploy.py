@@ -16,7 +16,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from tests.daemon import ROOT
-from v4serve.server.cli import SERVE_FLAGS, config_reference
+from v4serve.server.cli import SERVE_FLAGS, build_parser, config_reference, serve_settings, shown_default
 from v4serve.server.serve import ServeConfig, build
 
 CONFIGS = ROOT / "configs"
@@ -149,3 +149,25 @@ def test_readme_configuration_reference_is_the_cli() -> None:
     assert block, "README lost its configuration reference markers"
     assert block.group(1) == config_reference(), "README is stale: paste `v4serve config-reference` into it"
     assert len(block.group(1).splitlines()) == len(SERVE_FLAGS) + 2
+
+
+def test_one_set_of_defaults_in_help_readme_and_the_example_config(tmp_path) -> None:
+    """--help, config-reference (checked above), README's settings table and configs/serve.example.yaml
+    give each default as ServeConfig has it (or what it comes to at start): a change to one that the
+    others miss fails here."""
+    kinds = {flag: kind for flag, kind, _ in SERVE_FLAGS}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| flag | default | meaning |"):].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(--[\w-]+)` \| ([^|]*) \|", table, re.M)
+    assert len(rows) >= 20
+    for flag, shown in rows:
+        assert shown.strip() == shown_default(flag[2:].replace("-", "_"), kinds[flag], "`"), flag
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "[default: min(the model's max_position_embeddings, 32768)]" in help_text
+    assert "[default: 34359738368 (32 GiB)]" in help_text and "[default: periodic]" in help_text
+    example = ROOT / "configs" / "serve.example.yaml"
+    assert "configs/serve.example.yaml" in readme
+    settings = serve_settings(build_parser().parse_args(["serve", "--config", str(example)]), {})
+    defaults = {f: getattr(ServeConfig(), f) for f in settings}
+    assert {k: v for k, v in settings.items() if defaults[k] is not None} == \
+        {k: v for k, v in defaults.items() if v is not None}  # it shows the defaults, not other values
