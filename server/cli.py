@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -182,10 +183,13 @@ def serve_main(args: argparse.Namespace) -> int:
 
 def plan_main(args: argparse.Namespace) -> int:
     """Exit 0 when the model fits, 1 when it does not, 2 on bad input."""
-    from v4serve.engine.model.plan import GIB, PlanSettings, plan_model
+    from v4serve.engine.model.plan import GIB, PRESETS, PlanSettings, plan_model
 
     try:
-        memory = int(args.gpu_memory * GIB) if args.gpu_memory is not None else _local_gpu_memory(args.device)
+        if args.model not in PRESETS and not Path(args.model).is_dir():  # before asking what memory there is
+            raise ValueError(f"--model must be a checkpoint folder or a preset ({', '.join(PRESETS)}); "
+                             f"{args.model} is neither")
+        memory = int(args.gpu_memory * GIB) if args.gpu_memory is not None else _local_memory(args.device)
         settings = PlanSettings(
             memory_bytes=memory, tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
             device=args.device, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -199,10 +203,13 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _local_gpu_memory(device: str) -> int:
-    """Total memory of this machine's first GPU: the default of --gpu-memory."""
+def _local_memory(device: str) -> int:
+    """The default of --gpu-memory: this machine's first GPU's memory, or its own memory for --device
+    cpu (as `serve` measures it there)."""
     import torch
 
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
     raise ValueError("no CUDA device here to measure: give --gpu-memory GiB (per rank; e.g. 80 for an H100, "

@@ -3,6 +3,7 @@ settings come from defaults < --config FILE < V4SERVE_* < flags."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -32,6 +33,11 @@ def test_make_checkpoint_writes_the_served_tiny_model(tmp_path):
     names = sorted(p.name for p in folder.iterdir())
     assert "config.json" in names and "tokenizer.json" in names and "model.safetensors.index.json" in names
     assert sum(n.endswith(".safetensors") for n in names) >= 2  # sharded
+    # Every file gets the mode the umask gives any new file (safetensors alone made its own 0600, which a
+    # container's user cannot read).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in folder.iterdir()} == {oct(0o666 & ~umask)}
     ids = list(range(64, 200))
     loaded = SingleSequence(load_model(folder, progress=False), 200).prefill(ids)
     embedded = SingleSequence(build_tiny(), 200).prefill(ids)

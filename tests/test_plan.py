@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -376,10 +377,18 @@ def test_plan_command_table_json_and_exit_codes(flash_folder, capsys):
     assert set(plan["weight_bytes_per_rank"]) == {"attention", "routed_experts", "shared_experts",
                                                   "embedding_and_head", "other", "total"}
     for bad in (["--tensor-parallel-size", "3", "--gpu-memory", "80"], ["--gpu-memory", "0"],
-                ["--gpu-memory", "80", "--kv-cache-dtype", "fp4"], ["--device", "cpu"]):
+                ["--gpu-memory", "80", "--kv-cache-dtype", "fp4"]):
         assert main(["plan", "--model", "deepseek-v4-pro", *bad]) == 2
         assert "v4serve plan:" in capsys.readouterr().err
     assert main(["plan", "--model", str(flash_folder / "missing"), "--gpu-memory", "80"]) == 2
+    # A missing folder is named as such, before any question of memory; --device cpu plans in this
+    # machine's memory, as serve measures it there.
+    assert main(["plan", "--model", str(flash_folder / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "missing is neither" in err and "CUDA" not in err and "gpu-memory" not in err
+    assert main(["plan", "--model", "deepseek-v4-pro", "--device", "cpu", "--json"]) == 1  # 1.6T parameters: no
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert json.loads(capsys.readouterr().out)["gpu_memory_bytes"] == host
 
 
 def test_plan_command_as_a_process():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -50,17 +51,26 @@ def write_checkpoint(model: DeepseekV4, folder: str | Path, max_shard_bytes: int
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        _save(shards[0], folder / "model.safetensors")
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, folder / name, metadata={"format": "pt"})
+            _save(shard, folder / name)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return folder
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors writes its files readable by their owner alone; a checkpoint gets the mode any other
+    file would (the umask's), so a container's user can read one made on its host."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def quantize_checkpoint_state(state: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
