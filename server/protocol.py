@@ -204,7 +204,10 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"prompt": "Hello, world"},
+        {"messages": [{"role": "user", "content": "Hello"}]},
+        {"prompt": "no BOS", "add_special_tokens": False}]})
 
     model: str | None = None
     prompt: str | None = None
@@ -219,7 +222,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"tokens": [72, 101, 108, 108, 111]}]})
 
     model: str | None = None
     tokens: list[int]

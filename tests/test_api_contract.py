@@ -95,3 +95,14 @@ def test_wrong_method_is_405_with_allow(http: httpx.Client) -> None:
     resp = http.get("/v1/chat/completions")
     assert resp.status_code == 405 and resp.headers["allow"] == "POST"
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tokenize_and_detokenize_document_examples_that_work(http: httpx.Client) -> None:
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    for path, model in (("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        examples = schemas[model]["examples"]
+        assert examples
+        for example in examples:
+            reply = http.post(path, json=example)
+            assert reply.status_code == 200, (path, example, reply.text)
+    assert http.post("/tokenize", json={"text": "x"}).json()["error"]["param"] == "text"  # prompt, not text
