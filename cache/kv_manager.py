@@ -284,8 +284,12 @@ class KVCacheManager:
 
     def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
         """Forget every cached block no request holds and every host snapshot; with `store`, also
-        remove every file of this namespace from the SSD store. → (blocks dropped, files removed)"""
+        remove every file of this namespace from the SSD store. → (blocks dropped, files removed)
+        Writes already queued for the store land first: the next request's hit comes from disk, and a
+        write cannot bring back a file the clearing removed."""
         self.state.snapshots.clear()
+        if self.store is not None:
+            self.store.flush()
         removed = self.store.clear() if store and self.store is not None else 0
         return self.pool.reset(), removed
 
