@@ -519,7 +519,7 @@ async def _stream(front: FrontEnd, stored: StoredResponses, body: ResponsesReque
             async for delta in stream:
                 if delta.error:
                     failed = {**opening, "status": "failed", "output": events.items,
-                              "error": {"code": "invalid_request" if delta.error_param else "server_error",
+                              "error": {"code": "invalid_prompt" if delta.error_param else "server_error",
                                         "message": delta.error}}
                     yield events("response.failed", response=failed)
                     return

@@ -178,3 +178,20 @@ def test_an_agent_runs_on_its_default_responses_model(url: str) -> None:
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
     assert result.new_items[1].output.startswith("sunny in ")
+
+
+def test_streamed_reasoning_and_a_failure_mid_stream(client: openai.OpenAI) -> None:
+    """Thinking streams as `response.reasoning_text.*` events in a reasoning item; a generation that
+    fails after the stream began (here a schema the grammar engine gives up on after the first token)
+    ends with `response.failed` naming the cause."""
+    events = list(create(client, input="Think.", reasoning={"effort": "high"}, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "reasoning"
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") != ""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    failing = list(create(client, input="x", stream=True,
+                          text={"format": {"type": "json_schema", "name": "e", "schema": endless}}))
+    assert failing[-1].type == "response.failed" and failing[-1].response.status == "failed"
+    assert "the grammar engine cannot continue" in failing[-1].response.error.message
