@@ -195,3 +195,31 @@ def test_streamed_reasoning_and_a_failure_mid_stream(client: openai.OpenAI) -> N
                           text={"format": {"type": "json_schema", "name": "e", "schema": endless}}))
     assert failing[-1].type == "response.failed" and failing[-1].response.status == "failed"
     assert "the grammar engine cannot continue" in failing[-1].response.error.message
+
+
+def test_stored_responses_are_bounded_least_recently_used_first() -> None:
+    from array import array
+
+    from v4serve.server.errors import ApiError
+    from v4serve.server.responses import StoredResponse, StoredResponses
+
+    def one(tokens: int, owner: str = "a") -> StoredResponse:
+        return StoredResponse({}, owner, [], (), array("i", range(tokens)))
+
+    kept = StoredResponses(max_responses=3, max_tokens=100)
+    for name in ("r1", "r2", "r3"):
+        kept.put(name, one(10))
+    kept.get("r1", "a")  # used: r2 is now the least recent
+    kept.put("r4", one(10))
+    with pytest.raises(ApiError):
+        kept.get("r2", "a")
+    assert [kept.get(n, "a") is not None for n in ("r1", "r3", "r4")] == [True] * 3
+    kept.put("big", one(80))  # 110 tokens: the least recent go until 100 or fewer remain
+    with pytest.raises(ApiError):
+        kept.get("r1", "a")
+    kept.get("big", "a")
+    with pytest.raises(ApiError):
+        kept.get("big", "b")  # another key's
+    kept.delete("big", "a")
+    with pytest.raises(ApiError):
+        kept.get("big", "a")
