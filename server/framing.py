@@ -23,6 +23,11 @@ def event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def typed_event(kind: str, payload: dict[str, Any]) -> str:
+    """An event of the Responses and Messages APIs: its type named on the `event:` line and in the data."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
 def error_event(message: str, param: str | None = None) -> str:
     """A generation that failed after the stream began: OpenAI's error body as an event (an
     invalid_request_error naming `param` when the request caused it)."""

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from v4serve.server.body import parse_body
 from v4serve.server.errors import ApiError, as_api_error, validation_message
-from v4serve.server.framing import PromptUsage
+from v4serve.server.framing import PromptUsage, typed_event
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS, SamplingFields, ignored
 from v4serve.server.text.output import Delta
@@ -385,10 +385,6 @@ def _usage(usage: PromptUsage) -> dict[str, Any]:
             "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **payload}, ensure_ascii=False)}\n\n"
-
-
 class _Blocks:
     """The stream's content blocks: one open at a time, each started, filled by deltas, stopped."""
 
@@ -400,30 +396,30 @@ class _Blocks:
             return []
         out = self.close()
         self.index, self.open = self.index + 1, kind
-        return [*out, event("content_block_start", {"index": self.index, "content_block": start})]
+        return [*out, typed_event("content_block_start", {"index": self.index, "content_block": start})]
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
         self.open = None
-        return [event("content_block_stop", {"index": self.index})]
+        return [typed_event("content_block_stop", {"index": self.index})]
 
     def delta(self, body: dict[str, Any]) -> str:
-        return event("content_block_delta", {"index": self.index, "delta": body})
+        return typed_event("content_block_delta", {"index": self.index, "delta": body})
 
 
 async def _stream(generation: Generation, message_id: str, model: str, show_thinking: bool) -> AsyncIterator[str]:
     usage = generation.usage()
-    yield event("message_start", {"message": {
+    yield typed_event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {**_usage(usage), "output_tokens": 0}}})
-    yield event("ping", {})
+    yield typed_event("ping", {})
     blocks, started = _Blocks(), time.monotonic()
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
                 if delta.error:
-                    yield event("error", {"error": anthropic_error(400 if delta.error_param else 500,
+                    yield typed_event("error", {"error": anthropic_error(400 if delta.error_param else 500,
                                                                    delta.error)["error"]})
                     return
                 for piece in _pieces(blocks, delta, show_thinking):
@@ -431,12 +427,12 @@ async def _stream(generation: Generation, message_id: str, model: str, show_thin
                 if delta.finished:
                     for piece in blocks.close():
                         yield piece
-                    yield event("message_delta", {"delta": _stop(generation, delta),
+                    yield typed_event("message_delta", {"delta": _stop(generation, delta),
                                                   "usage": {"output_tokens": generation.usage().completion_tokens}})
-                    yield event("message_stop", {})
+                    yield typed_event("message_stop", {})
     except Exception as exc:  # after the first byte an error can only be an event
-        yield event("error", {"error": anthropic_error(500, f"the stream failed after {time.monotonic() - started:.1f} "
-                                                            f"s: {exc!r}")["error"]})
+        failed = f"the stream failed after {time.monotonic() - started:.1f} s: {exc!r}"
+        yield typed_event("error", {"error": anthropic_error(500, failed)["error"]})
 
 
 def _pieces(blocks: _Blocks, delta: Delta, show_thinking: bool) -> list[str]:

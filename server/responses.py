@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from v4serve.server.errors import ApiError
-from v4serve.server.framing import PromptUsage
+from v4serve.server.framing import PromptUsage, typed_event
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import MAX_MESSAGES, MAX_TOOLS, SamplingFields, ignored
 from v4serve.server.text.chat_encoding import encode_messages
@@ -432,9 +432,8 @@ class _Events:
         self.open: Any = None  # "reasoning", "message" or ("call", index)
 
     def __call__(self, kind: str, **payload: Any) -> str:
-        data = {"type": kind, "sequence_number": self.sequence, **payload}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return typed_event(kind, {"sequence_number": self.sequence - 1, **payload})
 
     @property
     def index(self) -> int:

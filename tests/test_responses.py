@@ -77,6 +77,10 @@ def test_stored_responses_resume_from_the_cache(client: openai.OpenAI, url: str)
     before = first.usage.input_tokens + first.usage.output_tokens
     assert second.previous_response_id == first.id and second.usage.input_tokens > before
     assert second.usage.input_tokens_details.cached_tokens == before - 1  # the last output token's KV: never computed
+    httpx.post(url + "/reset_prefix_cache", timeout=PATIENCE).raise_for_status()  # no store here: all cold
+    cold = create(client, input="And section 3?", previous_response_id=first.id)
+    assert cold.usage.input_tokens_details.cached_tokens == 0 and cold.usage.input_tokens == second.usage.input_tokens
+    assert cold.output_text == second.output_text  # the hit changed nothing: the cold run's greedy tokens
     whole = create(client, input=[{"role": "user", "content": DOCUMENT},
                                   {"role": "assistant", "content": first.output_text},
                                   {"role": "user", "content": "And section 3?"}])
