@@ -398,7 +398,7 @@ class LLMEngine:
         """An immutable snapshot of the engine's numbers (taken on the engine thread)."""
         sched, cache = self.scheduler, self.kv.stats()
         s, io = sched.stats, cache.store
-        return EngineStats(
+        stats = EngineStats(
             running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
             state_cache_usage=cache.state_cache_usage, block_cache_usage=cache.block_cache_usage,
             prefix_queries=s.prefix_queries, prefix_hits_device=s.prefix_hits, prefix_hits_disk=s.prefix_hits_disk,
@@ -408,6 +408,9 @@ class LLMEngine:
             store_usage_bytes=cache.store_usage_bytes, store_quarantine_files=cache.store_quarantine_files,
             store_errors=MappingProxyType(dict(io.errors) if io else {}),
             store_read_seconds=s.load_seconds.snapshot())
+        if self.grammars is not None:
+            return stats.with_grammars("engine", self.grammars.text_bytes, self.grammars.compiles)
+        return stats
 
     def kv_digests(self) -> list[str]:
         """sha256 of every rank's whole DeviceKV, rank 0 first: under parallelism they must be equal."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 # Seconds, for per-request SSD store loads.
@@ -72,3 +72,12 @@ class EngineStats:
     store_errors: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     store_read_seconds: HistogramSnapshot = field(
         default_factory=lambda: Histogram.for_store_reads().snapshot())
+    # compiled grammars, by the process that keeps them ("engine", and "front_end" when the engine runs
+    # in its own process): the text bytes of those kept (the cache's bound) and the compiles so far
+    grammar_cache_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    grammar_compiles: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def with_grammars(self, process: str, cache_bytes: int, compiles: int) -> EngineStats:
+        """This snapshot with one more process's grammar numbers."""
+        return replace(self, grammar_cache_bytes=MappingProxyType({**self.grammar_cache_bytes, process: cache_bytes}),
+                       grammar_compiles=MappingProxyType({**self.grammar_compiles, process: compiles}))

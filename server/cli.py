@@ -89,6 +89,8 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--max-logprob-entries", int, "logprob entries (chosen tokens and alternatives, echoed prompts included) one "
                                    "request may return; more is refused up front or ends the request (default "
                                    "1048576)"),
+    ("--max-request-tokens", int, "tokens one request may cost: its prompts' tokens plus n × max_tokens for each "
+                                  "(max_tokens left out counts as the rest of the context); more is a 400"),
     ("--grammar-cache-bytes", int, "compiled grammars (structured outputs, forced tool calls) kept per process, "
                                    "least recently used dropped first, weighed by their text (default 8 MiB; "
                                    "~30x that in memory)"),

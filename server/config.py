@@ -22,6 +22,9 @@ DEFAULT_MAX_UNREAD_TOKENS = 65536
 # Seconds a stream's requests may be held (their client reading nothing) before they end.
 DEFAULT_UNREAD_TIMEOUT = 60.0
 DEFAULT_STORE_BYTES = 32 << 30
+# Tokens one request may cost by default, in max-model-lens: a chat request's n choices at full length
+# always fit (prompt + n × completion ≤ 16 contexts for n ≤ 16); many long prompts × n need max_tokens.
+REQUEST_TOKENS_PER_CONTEXT = 16
 
 # --dtype names → torch dtype names.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -37,6 +40,7 @@ DERIVED_DEFAULTS = {
     "kv_store_dir": "$XDG_CACHE_HOME/v4serve/kv-store (~/.cache/v4serve/kv-store)",
     "kv_store_max_bytes": f"{DEFAULT_STORE_BYTES} (32 GiB)",
     "swa_checkpoint_interval": "4096 (rounded down to whole blocks)",
+    "max_request_tokens": f"{REQUEST_TOKENS_PER_CONTEXT} × max-model-len",
     "api_key": "none: no key asked",
     "allowed_origins": "none: only the daemon's own pages",
 }
@@ -73,6 +77,7 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    max_request_tokens: int | None = None  # prompts + n × max_tokens of one request (None: 16 × max-model-len)
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     grammar_cache_bytes: int = 8 << 20  # compiled grammars kept per process, weighed by their text
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
@@ -135,6 +140,8 @@ class ServeConfig:
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_request_tokens is not None and self.max_request_tokens <= 0:
+            raise ValueError(f"--max-request-tokens must be positive, got {self.max_request_tokens}")
         if self.watchdog_timeout < 0:
             raise ValueError(f"--watchdog-timeout must be 0 (off) or positive, got {self.watchdog_timeout}")
 

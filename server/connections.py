@@ -11,13 +11,15 @@ cut by it (its body and its response take as long as they take).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def protocol_with_header_timeout(header_timeout: float) -> type[H11Protocol]:
-    """The protocol class for `uvicorn.Config(http=...)`."""
+def protocol_with_header_timeout(header_timeout: float, on_close: Callable[[], None] = lambda: None
+                                  ) -> type[H11Protocol]:
+    """The protocol class for `uvicorn.Config(http=...)`; `on_close` is called for each connection it closes."""
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -44,6 +46,7 @@ def protocol_with_header_timeout(header_timeout: float) -> type[H11Protocol]:
             def expire() -> None:
                 if self.cycle is after and not self.transport.is_closing():  # no new request's headers yet
                     self.transport.close()
+                    on_close()
 
             self._header_timer = self.loop.call_later(header_timeout, expire)
 

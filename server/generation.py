@@ -47,6 +47,7 @@ class ServerConfig:
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
+    max_request_tokens: int | None = None  # prompts + n × max_tokens of one request (None: no ceiling)
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
@@ -275,6 +276,7 @@ class FrontEnd:
         """Raise now if the engine cannot take these (so errors come before a stream's first byte). A
         grammar not compiled yet compiles here, off the event loop (a large schema takes a while)."""
         requests = [r for g in generations for r in g.requests]
+        self._check_cost(generations)
         silent = self.engine.silent_for()
         if silent > self.config.stall_timeout:  # it would only wait: say so now, as /health does
             raise ApiError(503, f"engine not responding for {silent:.0f} s (its current step has not finished); "
@@ -283,6 +285,20 @@ class FrontEnd:
             await asyncio.to_thread(self.engine.check, requests)
         else:
             self.engine.check(requests)
+
+    def _check_cost(self, generations: list[Generation]) -> None:
+        """The tokens a request may make the engine compute, before any of it runs: each prompt once (its
+        siblings reuse it from the cache) and each choice's max_tokens."""
+        ceiling = self.config.max_request_tokens
+        if ceiling is None:
+            return
+        cost = sum(g.requests[0].num_prompt_tokens + sum(r.sampling.max_tokens for r in g.requests)
+                   for g in generations)
+        if cost > ceiling:
+            self.metrics.count_limited("request_tokens")
+            raise ApiError(400, f"this request may cost {cost} tokens (its prompts plus n × max_tokens, a missing "
+                                f"max_tokens counting as the rest of the context); at most {ceiling} "
+                                "(--max-request-tokens): set or lower max_tokens, or lower n", param="max_tokens")
 
     @staticmethod
     async def collect(generation: Generation, raw: Request) -> list[list[Delta]]:

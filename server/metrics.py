@@ -76,6 +76,16 @@ class EngineCollector:
         for point in RESTORE_POINTS:
             restores.add_metric([self.model_name, point], s.restores.get(point, 0))
         yield restores
+        grammar_bytes = GaugeMetricFamily("v4serve_grammar_cache_bytes", "Text bytes of the compiled grammars kept, by "
+                                          "process (bounded by --grammar-cache-bytes each)",
+                                          labels=["model_name", "process"])
+        compiles = CounterMetricFamily("v4serve_grammar_compiles", "Grammars compiled (cache misses), by process",
+                                       labels=["model_name", "process"])
+        for process in sorted(s.grammar_cache_bytes):
+            grammar_bytes.add_metric([self.model_name, process], s.grammar_cache_bytes[process])
+            compiles.add_metric([self.model_name, process], s.grammar_compiles.get(process, 0))
+        yield grammar_bytes
+        yield compiles
         yield _histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time", name, s.store_read_seconds)
 
 
@@ -108,6 +118,7 @@ class HealthCollector:
 LIMITS = ("unread_held",  # half of --max-unread-tokens unread: the engine holds the stream's requests
           "unread_output",  # a stream ended: --max-unread-tokens unread, or held past --unread-timeout
           "logprob_entries",  # --max-logprob-entries: refused up front or ended
+          "request_tokens",  # --max-request-tokens: prompts + n × max_tokens over the ceiling (400)
           "media_type",  # a body not sent as application/json (415)
           "origin")  # a POST from another site's page (403)
 
@@ -143,6 +154,12 @@ class Metrics:
                                [*label, "limit"], registry=r)
         for limit in LIMITS:
             self.limited.labels(**self.label, limit=limit)
+        self.closed = Counter("v4serve_connections_closed", "Connections the daemon closed before a request came "
+                              "(header_timeout: idle, or headers too slow)", [*label, "reason"], registry=r)
+        self.closed.labels(**self.label, reason="header_timeout")
+
+    def count_closed(self, reason: str) -> None:
+        self.closed.labels(**self.label, reason=reason).inc()
 
     def count_limited(self, limit: str) -> None:
         self.limited.labels(**self.label, limit=limit).inc()

@@ -28,7 +28,13 @@ from fastapi import FastAPI
 from v4serve.engine.process.client import EngineClient
 from v4serve.engine.process.core_client import EngineCoreClient
 from v4serve.server.app import build_app
-from v4serve.server.config import DEFAULT_STORE_BYTES, ServeConfig, check_parallel_flags, launched_rank
+from v4serve.server.config import (
+    DEFAULT_STORE_BYTES,
+    REQUEST_TOKENS_PER_CONTEXT,
+    ServeConfig,
+    check_parallel_flags,
+    launched_rank,
+)
 from v4serve.server.connections import protocol_with_header_timeout
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
@@ -87,6 +93,8 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
                               max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
                               unread_timeout=cfg.unread_timeout,
+                              max_request_tokens=cfg.max_request_tokens
+                              or REQUEST_TOKENS_PER_CONTEXT * info["max_model_len"],
                               allowed_origins=cfg.origins,
                               stall_timeout=cfg.stall_timeout,
                               version_info=info["version_info"])
@@ -286,10 +294,12 @@ def run(cfg: ServeConfig) -> None:
         app, engine = build(cfg, tokenizer)
         try:
             port = sockets[0].getsockname()[1]
+            metrics = app.state.front.metrics
             config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level,
                                     timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN,
                                     timeout_keep_alive=cfg.keep_alive_timeout, limit_concurrency=cfg.max_connections,
-                                    http=protocol_with_header_timeout(cfg.header_timeout))
+                                    http=protocol_with_header_timeout(cfg.header_timeout,
+                                                                      lambda: metrics.count_closed("header_timeout")))
             listen(sockets, cfg.host, config.backlog)
             log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
                      served_url(sockets[0]))

@@ -304,10 +304,18 @@ def closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+def closed_connections(http: httpx.Client) -> float:
+    found = re.search(r'^v4serve_connections_closed_total\{[^}]*reason="header_timeout"[^}]*\} (\S+)$',
+                      http.get("/metrics").text, re.M)
+    assert found
+    return float(found.group(1))
+
+
 def test_idle_and_slow_header_connections_are_closed_and_others_served(url: str, http: httpx.Client,
                                                                        greedy_text: str) -> None:
     """Idle connections and ones that send their headers a line at a time are closed after
-    --header-timeout (2 s here); meanwhile everyone else is served the same text."""
+    --header-timeout (2 s here), and counted; meanwhile everyone else is served the same text."""
+    before = closed_connections(http)
     idle = [open_connection(url) for _ in range(20)]
     slow = [open_connection(url) for _ in range(10)]
     for sock in slow:
@@ -324,6 +332,8 @@ def test_idle_and_slow_header_connections_are_closed_and_others_served(url: str,
     finally:
         for sock in idle + slow:
             sock.close()
+    # At least these 30 (the test's own keep-alive connection may have been closed idle too).
+    assert closed_connections(http) >= before + 30
 
 
 def test_connections_past_the_cap_get_503_and_are_served_once_others_go(url: str) -> None:
@@ -394,6 +404,25 @@ def test_prompts_times_n_are_counted_before_tokenizing(http: httpx.Client) -> No
     assert_refused(response, 400, "prompt", "at most 64 prompts × n per request")
 
 
+def test_a_request_past_its_token_ceiling_is_a_400_naming_the_knob(http: httpx.Client, greedy_text: str) -> None:
+    """--max-request-tokens is 16 × max-model-len by default: prompts plus n × max_tokens, a missing
+    max_tokens counting as the rest of the context. At the ceiling a request is admitted (its stream
+    starts; closing it aborts the work), one token over is refused before any work."""
+    ceiling = 16 * http.get("/v1/models").json()["data"][0]["context_length"]
+    prompt = [65 + i % 26 for i in range(16)]
+    per_choice = (ceiling - 4 * len(prompt)) // 64
+    body = {"model": MODEL, "prompt": [prompt] * 4, "n": 16, "max_tokens": per_choice, "temperature": 0}
+    assert 4 * len(prompt) + 64 * per_choice == ceiling
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as admitted:
+        assert admitted.status_code == 200
+    over = http.post("/v1/completions", json={**body, "prompt": [prompt + [65]] + [prompt] * 3})
+    assert_refused(over, 400, "max_tokens", "(--max-request-tokens)")
+    assert f"may cost {ceiling + 1} tokens" in over.json()["error"]["message"]
+    no_max = http.post("/v1/completions", json={**body, "max_tokens": None})
+    assert_refused(no_max, 400, "max_tokens", f"at most {ceiling}")
+    assert completion_text(http) == greedy_text
+
+
 # ---- nothing grows without bound ----------------------------------------------------------------------------------
 def test_compiled_grammars_are_kept_least_recently_used_within_their_bound() -> None:
     from v4serve.engine.request import GrammarSpec
@@ -418,6 +447,27 @@ def test_compiled_grammars_are_kept_least_recently_used_within_their_bound() -> 
     assert grammars.compiles == compiled  # both still kept
     grammars.check(spec(1))
     assert grammars.compiles == compiled + 1  # long gone: compiled again
+
+
+def grammar_numbers(http: httpx.Client) -> dict[tuple[str, str], float]:
+    text = http.get("/metrics").text
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
+        r'^v4serve_grammar_(cache_bytes|compiles_total)\{[^}]*process="(\w+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def test_compiled_grammars_are_measured_in_both_processes(http: httpx.Client) -> None:
+    """A new schema is compiled once by the front end (its check, before the first byte) and once by the
+    engine process (its matcher); both keep its text within their bound, and /metrics shows it."""
+    schema = {"type": "string", "enum": [f"measured-{time.monotonic_ns()}-{j}" for j in range(10)]}
+    before = grammar_numbers(http)
+    response = http.post("/v1/chat/completions", json=chat(max_tokens=4, response_format=json_schema(schema)))
+    assert response.status_code == 200, response.text
+    after = grammar_numbers(http)
+    wait_until(lambda: grammar_numbers(http)[("compiles_total", "engine")] == before[("compiles_total", "engine")] + 1,
+               "the engine's compile in /metrics")
+    assert after[("compiles_total", "front_end")] == before[("compiles_total", "front_end")] + 1
+    for process in ("front_end", "engine"):
+        assert 0 < grammar_numbers(http)[("cache_bytes", process)] <= 8 << 20
 
 
 # ---- the prompt's logprobs: computed once per prompt --------------------------------------------------------------
@@ -587,10 +637,12 @@ def test_refusals_and_ends_by_a_bound_are_counted_by_limit(url: str, http: httpx
                 re.finditer(r'^v4serve_requests_limited_total\{[^}]*limit="(\w+)"[^}]*\} (\S+)$', text, re.M)}
 
     before = counts()
-    assert set(before) == {"unread_held", "unread_output", "logprob_entries", "media_type", "origin"}
+    assert set(before) == {"unread_held", "unread_output", "logprob_entries", "request_tokens", "media_type",
+                           "origin"}
     httpx.post(url + "/v1/completions", content=b"{}", headers={**KEY, "Content-Type": "text/plain"}, timeout=PATIENCE)
     httpx.post(url + "/reset_prefix_cache", headers={**KEY, "Origin": "https://evil.example"}, timeout=PATIENCE)
     http.post("/v1/completions", json={**GREEDY, "prompt": [65] * 300, "echo": True, "logprobs": 20, "n": 4})
+    http.post("/v1/completions", json={**GREEDY, "prompt": ["a"] * 4, "n": 16, "max_tokens": None})
     after = counts()
     assert {k: after[k] - before[k] for k in after} == {"unread_held": 0, "unread_output": 0, "logprob_entries": 1,
-                                                        "media_type": 1, "origin": 1}
+                                                        "request_tokens": 1, "media_type": 1, "origin": 1}

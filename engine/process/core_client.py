@@ -161,7 +161,9 @@ class EngineCoreClient:
 
     @property
     def stats(self) -> EngineStats:
-        return self._stats
+        if self._grammars is None:
+            return self._stats
+        return self._stats.with_grammars("front_end", self._grammars.text_bytes, self._grammars.compiles)
 
     def silent_for(self) -> float:
         return time.monotonic() - self._heard_at
