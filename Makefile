@@ -24,7 +24,7 @@ $(TORCH_STAMP):
 	@if ls $(VENV)/.torch-* >/dev/null 2>&1; then echo "==> TORCH_SPEC or TORCH_INDEX changed: removing the installed torch"; \
 	  $(PY) -m pip uninstall --quiet --yes torch; fi
 	@echo "==> installing $(TORCH_SPEC)$(if $(TORCH_INDEX), (CPU build from $(TORCH_INDEX); PyPI if unreachable)) ..."
-	$(PY) -m pip install --progress-bar on $(TORCH_SPEC) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1 --timeout 15)
+	$(PY) -m pip install --progress-bar on --no-compile $(TORCH_SPEC) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1 --timeout 15)
 	@$(PY) -W ignore -c "import torch; print('==> torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU build)')"
 	@rm -f $(VENV)/.torch-* $(STAMP)
 	@touch $@
@@ -32,7 +32,7 @@ $(TORCH_STAMP):
 $(STAMP): pyproject.toml $(TORCH_STAMP)
 	@echo "==> installing v4serve and its test tools (transformers as the numerical oracle, the client SDKs) ..."
 	$(PY) -m pip install --quiet --no-compile -e '.[test]'
-	@# Byte-compiled on every core rather than by pip on one (half the time). Compiled it must be:
+	@# Byte-compiled (torch too) on every core rather than by pip on one (half the time). Compiled it must be:
 	@# where Python writes no bytecode itself (PYTHONDONTWRITEBYTECODE) every daemon the tests start
 	@# would compile its imports again. Files for other Python versions fail to compile and stay as
 	@# they are.

@@ -1,5 +1,7 @@
+import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,3 +27,19 @@ def base_url() -> Iterator[str]:
     """A real `v4serve serve` (tiny model, no SSD store) for one test module."""
     with daemon() as url:
         yield url
+
+
+# V4SERVE_TEST_TIMELINE=FILE: each test's worker, start and end (seconds since the epoch) appended to FILE
+# as JSON lines, to see how the workers' time is spent (which tests run last, how long a worker idles).
+_timeline = os.environ.get("V4SERVE_TEST_TIMELINE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start = time.time()
+    yield
+    if _timeline:
+        line = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
+                "end": time.time()}
+        with open(_timeline, "a") as out:
+            out.write(json.dumps(line) + "\n")
