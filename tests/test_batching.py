@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import engine_for, greedy, reference, rel_err, small_model, tokens
+from v4serve.engine.process.async_engine import AsyncEngine, _Choice
 from v4serve.engine.request import RequestError
 
 
@@ -127,3 +128,30 @@ def test_a_held_request_is_not_scheduled_and_resumes_to_its_solo_tokens() -> Non
     while engine.has_work():
         engine.step()
     assert held.output_token_ids == want
+
+
+def test_siblings_held_before_they_start_wait_until_resumed() -> None:
+    """n > 1: a request's other choices start once its first has made its first token (they share its
+    prompt through the prefix cache). Held while still waiting, they wait on: nothing is computed and
+    no slot taken for them until they are resumed, and then they make their solo tokens. Driven step by step on this
+    thread as the engine thread would (the loop is not started)."""
+    model = small_model()
+    want = engine_for(model).generate([greedy("solo", tokens(20, 1), n=4)])["solo"]
+    engine = engine_for(model)
+    loop = AsyncEngine(engine)
+    made: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    choices = [_Choice(greedy(f"r-{i}", tokens(20, 1), n=4), i, lambda out: made[out.index].extend(out.token_ids))
+               for i in range(3)]
+    loop._add(choices)
+    loop._pause(["r-1", "r-2"], True)  # not in the engine yet
+    while engine.has_work():
+        for out in engine.step():
+            loop._emit(out)
+    assert made == {0: want, 1: [], 2: []}
+    assert all(c.request.num_computed_tokens == 0 for c in choices[1:])  # nothing computed for them
+    assert engine.kv.state.slots.num_free == engine.config.max_num_seqs  # nor a slot taken
+    loop._pause(["r-1", "r-2"], False)
+    while engine.has_work():
+        for out in engine.step():
+            loop._emit(out)
+    assert made == {0: want, 1: want, 2: want}

@@ -53,6 +53,7 @@ class AsyncEngine:
         self._queued: dict[object, Callable[[BaseException], None]] = {}
         self._choices: dict[str, _Choice] = {}
         self._deferred: dict[str, list[_Choice]] = {}  # parent id → siblings waiting for its prefill
+        self._held_back: dict[str, _Choice] = {}  # siblings whose turn came while held: they start when resumed
         self._lock = threading.Lock()
         self._pending = 0  # choices submitted that the loop has not yet counted in a snapshot
         self.accepted = 0  # choices the loop has taken so far, counted in the snapshots from then on
@@ -161,7 +162,21 @@ class AsyncEngine:
 
     def pause(self, request_ids: list[str], paused: bool) -> None:
         """Hold these requests (their client is not reading) or let them go on."""
-        self._submit_quietly(lambda: [self.engine.pause(rid, paused) for rid in request_ids])
+        self._submit_quietly(lambda: self._pause(request_ids, paused))
+
+    def _pause(self, request_ids: list[str], paused: bool) -> None:
+        # A sibling not in the engine yet (waiting for its first choice's prefill, or held back since) is
+        # marked, and starts only once resumed: admitted, it would take a slot and compute its prompt.
+        deferred = {c.request.request_id: c.request for cs in self._deferred.values() for c in cs}
+        for rid in request_ids:
+            if rid in deferred:
+                deferred[rid].paused = paused
+            elif rid in self._held_back:
+                self._held_back[rid].request.paused = paused
+                if not paused:
+                    self._start(self._held_back.pop(rid))
+            else:
+                self.engine.pause(rid, paused)
 
     def _submit_quietly(self, run: Callable[[], None]) -> None:
         with contextlib.suppress(EngineDead):  # a stopped loop holds nothing left to act on
@@ -261,12 +276,14 @@ class AsyncEngine:
 
     def _fail_open(self, message: str, abort: bool = True) -> None:
         """End every open choice with an error (and, if the engine still runs, free its requests)."""
-        for choice in list(self._choices.values()) + [c for cs in self._deferred.values() for c in cs]:
+        unstarted = [c for cs in self._deferred.values() for c in cs] + list(self._held_back.values())
+        for choice in list(self._choices.values()) + unstarted:
             if abort:
                 self.engine.abort(choice.request.request_id)
             choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error", error=message))
         self._choices.clear()
         self._deferred.clear()
+        self._held_back.clear()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -317,7 +334,7 @@ class AsyncEngine:
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            for choice in (self._choices.pop(rid, None), *self._deferred.pop(rid, [])):
+            for choice in (self._choices.pop(rid, None), self._held_back.pop(rid, None), *self._deferred.pop(rid, [])):
                 if choice is None:
                     continue
                 self.engine.abort(choice.request.request_id)
@@ -328,7 +345,10 @@ class AsyncEngine:
         if choice is None:
             return
         for sibling in self._deferred.pop(out.request_id, []):
-            self._start(sibling)
+            if sibling.request.paused:
+                self._held_back[sibling.request.request_id] = sibling
+            else:
+                self._start(sibling)
         request = choice.request
         first = len(request.output_token_ids) == len(out.new_token_ids)
         asked = request.sampling.prompt_logprobs is not None
