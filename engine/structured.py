@@ -39,6 +39,7 @@ class Grammars:
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._compiling: dict[tuple[str, str], threading.Lock] = {}  # grammars being compiled now
         self.max_text_bytes = max_text_bytes
         self.text_bytes = 0  # of the grammars kept
         self.compiles = 0  # cache misses, for tests and the benchmark
@@ -54,12 +55,27 @@ class Grammars:
 
     def _template(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         key = (spec.kind, spec.text)
+        template = self._kept(key)
+        if template is not None:
+            return template
+        with self._lock:
+            compiling = self._compiling.setdefault(key, threading.Lock())
+        with compiling:  # one compile per grammar: requests that bring it meanwhile wait for that one
+            try:
+                template = self._kept(key)
+                return template if template is not None else self._compile(spec, key)
+            finally:
+                with self._lock:
+                    self._compiling.pop(key, None)
+
+    def _kept(self, key: tuple[str, str]) -> llguidance.LLMatcher | None:
         with self._lock:
             template = self._compiled.get(key)
             if template is not None:
                 self._compiled.move_to_end(key)
-        if template is not None:
             return template
+
+    def _compile(self, spec: GrammarSpec, key: tuple[str, str]) -> llguidance.LLMatcher:
         if spec.kind == "json_schema":
             # Compact JSON: no free whitespace, so a weak model cannot pad until max_tokens.
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides={"whitespace_flexible": False})

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from v4serve.server.framing import DONE, Chunker, error_event, sse, stream_chunker, usage
+from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
@@ -40,17 +40,16 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     options = front.output_options(body, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
                                    parallel_tool_calls=tools.parallel)
     generation = front.generation(rid, prompt, body, max_tokens, logprobs, options, grammar=grammar)
-    await front.check([generation])
+    await front.check([generation], raw)
     created = int(time.time())
     if body.stream:
         chunk = stream_chunker(rid, "chat.completion.chunk", created, model,
                                body.stream_options, lambda: [generation.usage()])
         return sse(_stream(front, chunk, generation, body.logprobs))
     per_choice = await front.collect(generation, raw)
-    choices = [_choice(front, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice)]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                         "model": model, "choices": choices,
-                         "usage": usage([generation.usage()])})
+    choices = Lazy(_choice(front, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice))
+    return await json_reply({"id": rid, "object": "chat.completion", "created": created,
+                             "model": model, "choices": choices, "usage": usage([generation.usage()])})
 
 
 def _choice(front: FrontEnd, i: int, deltas: list[Delta], thinking: bool, logprobs: bool) -> dict[str, Any]:
@@ -62,7 +61,7 @@ def _choice(front: FrontEnd, i: int, deltas: list[Delta], thinking: bool, logpro
     if calls:
         message["tool_calls"] = calls
     return {"index": i, "message": message, "finish_reason": deltas[-1].finish_reason,
-            "logprobs": _logprobs(front, deltas) if logprobs else None}
+            "logprobs": {"content": Lazy(_entries(front, deltas))} if logprobs else None}
 
 
 def _assembled(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
@@ -88,13 +87,15 @@ def _stream_tool_calls(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
 
 
 def _logprobs(front: FrontEnd, deltas: list[Delta]) -> dict[str, Any]:
-    content = []
+    return {"content": list(_entries(front, deltas))}
+
+
+def _entries(front: FrontEnd, deltas: list[Delta]) -> Iterator[dict[str, Any]]:
     for d in deltas:
         for s in d.samples:
             text, raw = front.token_text(s.token)
             top = [{"token": front.token_text(t)[0], "logprob": lp, "bytes": front.token_text(t)[1]} for t, lp in s.top]
-            content.append({"token": text, "logprob": s.logprob, "bytes": raw, "top_logprobs": top})
-    return {"content": content}
+            yield {"token": text, "logprob": s.logprob, "bytes": raw, "top_logprobs": top}
 
 
 async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logprobs: bool) -> AsyncIterator[str]:

@@ -7,14 +7,14 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from v4serve.server.errors import ApiError
-from v4serve.server.framing import DONE, Chunker, error_event, sse, stream_chunker, usage
+from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import CompletionRequest
 from v4serve.server.text.output import Delta
@@ -41,20 +41,18 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     generations = [front.generation(f"{rid}-{p}", prompt, body, front.default_max_tokens(body.max_tokens, len(prompt)),
                                     body.logprobs, options, prompt_logprobs) for p, prompt in enumerate(prompts)]
-    await front.check(generations)
+    await front.check(generations, raw)
     created = int(time.time())
     if body.stream:
         chunk = stream_chunker(rid, "text_completion", created, model, body.stream_options,
                                lambda: [g.usage() for g in generations])
         return sse(_stream(front, chunk, generations, body))
     results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
-    choices = []
-    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True)):
-        for j, deltas in enumerate(per_choice):
-            choices.append(_choice(front, p * body.n + j, generation, j, deltas, body))
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                         "model": model, "choices": choices,
-                         "usage": usage([g.usage() for g in generations])})
+    choices = Lazy(_choice(front, p * body.n + j, generation, j, deltas, body)
+                   for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True))
+                   for j, deltas in enumerate(per_choice))
+    return await json_reply({"id": rid, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices, "usage": usage([g.usage() for g in generations])})
 
 
 async def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:
@@ -80,7 +78,7 @@ def _choice(front: FrontEnd, index: int, generation: Generation, j: int, deltas:
     if body.logprobs is not None:
         entries = (list(generation.prompt_logprobs) if body.echo else []) + samples
         tokens = (prompt if body.echo else []) + [s.token for s in samples]
-        logprobs, _ = _legacy_logprobs(front, tokens, entries)
+        logprobs = _lazy_logprobs(front, tokens, entries)
     return {"index": index, "text": echoed + "".join(d.text for d in deltas), "logprobs": logprobs,
             "finish_reason": deltas[-1].finish_reason}
 
@@ -102,6 +100,26 @@ def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], off
             out["token_logprobs"].append(entry.logprob)
             out["top_logprobs"].append({front.token_text(t)[0]: lp for t, lp in entry.top})
     return out, offset
+
+
+def _lazy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any]) -> dict[str, Any]:
+    """`_legacy_logprobs` as lazy columns, each made as the reply is written (a choice with an echoed prompt
+    may have a million entries)."""
+
+    def texts() -> Iterator[str]:
+        return (front.token_text(t)[0] for t in tokens)
+
+    def offsets() -> Iterator[int]:
+        offset = 0
+        for text in texts():
+            yield offset
+            offset += len(text)
+
+    return {"tokens": Lazy(texts()),
+            "token_logprobs": Lazy(None if e is None else e.logprob for e in entries),
+            "top_logprobs": Lazy(None if e is None else {front.token_text(t)[0]: lp for t, lp in e.top}
+                                 for e in entries),
+            "text_offset": Lazy(offsets())}
 
 
 async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation],

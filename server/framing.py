@@ -1,16 +1,17 @@
 """Server-sent events and usage, written once for both endpoints: every streamed chunk, the error
-event, the final `[DONE]`, and the usage block."""
+event, the final `[DONE]`, and the usage block; and whole JSON replies written piece by piece."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from v4serve.server.errors import error_json
 
@@ -51,6 +52,66 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         log.exception("a stream failed")
         yield error_event(f"the stream failed: {exc!r}")
         yield DONE
+
+
+# A reply body is written in pieces of about this many characters (a larger one goes out chunked).
+BODY_PIECE = 1 << 16
+
+
+class Lazy:
+    """A JSON array whose items are made only as the reply is written (`json_reply`): a choice's logprobs
+    are turned into JSON entry by entry, not built whole beside the text they become."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = items
+
+
+def json_pieces(value: Any) -> Iterator[str]:
+    """`value` as compact JSON text, in pieces. Dicts holding a dict or a `Lazy` are written key by key,
+    `Lazy` arrays item by item; anything else is one piece (so a list holding a `Lazy` must be one too)."""
+    if isinstance(value, Lazy):
+        yield "["
+        for i, item in enumerate(value.items):
+            if i:
+                yield ","
+            yield from json_pieces(item)
+        yield "]"
+    elif isinstance(value, dict) and any(isinstance(v, (dict, Lazy)) for v in value.values()):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ("," if i else "") + json.dumps(key, ensure_ascii=False) + ":"
+            yield from json_pieces(item)
+        yield "}"
+    else:
+        yield json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _body(value: Any) -> Iterator[bytes]:
+    pieces, size = [], 0
+    for piece in json_pieces(value):
+        pieces.append(piece)
+        size += len(piece)
+        if size >= BODY_PIECE:
+            yield "".join(pieces).encode()
+            pieces, size = [], 0
+    yield "".join(pieces).encode()
+
+
+async def json_reply(value: Any) -> Response:
+    """A JSON reply written off the event loop (a reply with 16 choices' logprobs is many MB of text) and
+    never held whole: one that fits in a piece goes out with its length, a longer one chunked."""
+    body = _body(value)
+    first = await asyncio.to_thread(next, body)
+    second = await asyncio.to_thread(next, body, None)
+    if second is None:
+        return Response(first, media_type="application/json")
+
+    def rest() -> Iterator[bytes]:
+        yield first
+        yield second
+        yield from body
+
+    return StreamingResponse(rest(), media_type="application/json")
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,12 @@ A `Generation` is one prompt's choices (n ≥ 1) in the engine: token outputs in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,11 @@ from v4serve.server.text.output import ChoiceText, Delta, OutputOptions
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Threads that compile grammars in the front end (each compile holds one; the rest queue).
+GRAMMAR_COMPILERS = 2
+# Seconds between looks at whether a waiting request's client has gone.
+DISCONNECT_POLL = 0.25
 
 
 @dataclass(frozen=True)
@@ -190,6 +197,7 @@ class FrontEnd:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> None:
         self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
+        self._compilers = ThreadPoolExecutor(GRAMMAR_COMPILERS, thread_name_prefix="v4serve-grammar")
         think_end = tokenizer.encode(THINK_END)
         self.think_end_id = think_end[0] if len(think_end) == 1 else None
 
@@ -272,9 +280,11 @@ class FrontEnd:
         raw = self.tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    async def check(self, generations: list[Generation]) -> None:
+    async def check(self, generations: list[Generation], raw: Request | None = None) -> None:
         """Raise now if the engine cannot take these (so errors come before a stream's first byte). A
-        grammar not compiled yet compiles here, off the event loop (a large schema takes a while)."""
+        grammar not compiled yet compiles here, on a grammar compiler thread: a flood of new schemas
+        queues there instead of taking the threads that tokenize and validate everyone's requests, and
+        one queued for a client that has gone (`raw` disconnected) never starts."""
         requests = [r for g in generations for r in g.requests]
         self._check_cost(generations)
         silent = self.engine.silent_for()
@@ -282,7 +292,7 @@ class FrontEnd:
             raise ApiError(503, f"engine not responding for {silent:.0f} s (its current step has not finished); "
                                 "retry later", "server_error", code="engine_stalled", headers={"Retry-After": "5"})
         if any(r.sampling.grammar is not None for r in requests):
-            await asyncio.to_thread(self.engine.check, requests)
+            await self._unless_gone(self._compilers.submit(self.engine.check, requests), raw)
         else:
             self.engine.check(requests)
 
@@ -301,6 +311,19 @@ class FrontEnd:
                                 "(--max-request-tokens): set or lower max_tokens, or lower n", param="max_tokens")
 
     @staticmethod
+    async def _unless_gone(work: concurrent.futures.Future, raw: Request | None) -> None:
+        """Wait for `work`; if the client goes meanwhile, cancel it (work not started never starts; a compile
+        under way finishes, within llguidance's limits, and is kept for the next request that needs it)."""
+        waiting = asyncio.wrap_future(work)
+        while True:
+            done, _ = await asyncio.wait([waiting], timeout=DISCONNECT_POLL)
+            if done:
+                return waiting.result()
+            if raw is not None and await raw.is_disconnected():
+                work.cancel()
+                raise ApiError(499, "client disconnected")
+
+    @staticmethod
     async def collect(generation: Generation, raw: Request) -> list[list[Delta]]:
         """All deltas of every choice (non-streaming); aborts if the client disconnects meanwhile."""
         per_choice: list[list[Delta]] = [[] for _ in generation.requests]
@@ -316,7 +339,7 @@ class FrontEnd:
 
         task = asyncio.ensure_future(consume())
         while not task.done():
-            await asyncio.wait([task], timeout=0.25)
+            await asyncio.wait([task], timeout=DISCONNECT_POLL)
             if not task.done() and await raw.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

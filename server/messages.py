@@ -260,7 +260,7 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
     try:
         body: MessagesRequest = await parse_body(raw, MessagesRequest)
         model = front.check_model(body.model)
-        generation = await _generation(front, body)
+        generation = await _generation(front, body, raw)
     except Exception as exc:
         return error_response(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -276,7 +276,7 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
                          "usage": _usage(generation.usage())})
 
 
-async def _generation(front: FrontEnd, body: MessagesRequest) -> Generation:
+async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request) -> Generation:
     thinking, budget = thinking_mode(body.thinking, body.max_tokens)
     think_end = front.think_end_id if thinking else None
     tools = tool_plan(body.tools, body.tool_choice)
@@ -299,7 +299,7 @@ async def _generation(front: FrontEnd, body: MessagesRequest) -> Generation:
     rid = f"msg-{uuid.uuid4().hex}"
     generation = front.generation(rid, prompt, fields, body.max_tokens, None, options, grammar=grammar,
                                   thinking_budget=budget)
-    await front.check([generation])
+    await front.check([generation], raw)
     return generation
 
 

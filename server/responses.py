@@ -281,7 +281,7 @@ class _Plan:
 
 
 async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> Response:
-    plan = await _plan(front, stored, body, owner_of(raw))
+    plan = await _plan(front, stored, body, raw)
     if body.stream:
         return StreamingResponse(_stream(front, stored, body, plan, owner_of(raw)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -291,7 +291,8 @@ async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesReques
     return JSONResponse(response)
 
 
-async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, owner: str) -> _Plan:
+async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> _Plan:
+    owner = owner_of(raw)
     model = front.check_model(body.model)
     thinking = body.reasoning is not None and body.reasoning.effort not in (None, "none")
     effort = "max" if thinking and body.reasoning and body.reasoning.effort in ("xhigh", "max") else None
@@ -318,7 +319,7 @@ async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest
                                   parallel_tool_calls=tools.parallel)
     response_id = f"resp_{uuid.uuid4().hex}"
     generation = front.generation(response_id, prompt, fields, max_tokens, None, output, grammar=grammar)
-    await front.check([generation])
+    await front.check([generation], raw)
     return _Plan(response_id, model, generation, messages, settings, prompt, body.previous_response_id, thinking)
 
 

@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -646,3 +647,75 @@ def test_refusals_and_ends_by_a_bound_are_counted_by_limit(url: str, http: httpx
     after = counts()
     assert {k: after[k] - before[k] for k in after} == {"unread_held": 0, "unread_output": 0, "logprob_entries": 1,
                                                         "request_tokens": 1, "media_type": 1, "origin": 1}
+
+
+# ---- grammar compiles: one per grammar, none for a client that has gone -------------------------------------------
+def test_requests_bringing_the_same_new_grammar_at_once_compile_it_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from v4serve.engine.request import GrammarSpec
+    from v4serve.engine.structured import Grammars
+
+    tokenizer = ByteTokenizer()
+    grammars = Grammars(tokenizer.vocabulary_json(), tokenizer.vocab_size, tokenizer.eos_token_id)
+    schema = {"type": "string", "enum": [f"same-{j}" for j in range(3000)]}  # long enough to overlap
+    spec = GrammarSpec("json_schema", json.dumps(schema), param="response_format")
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: grammars.check(spec), range(4)))
+    assert grammars.compiles == 1
+
+
+class SlowGrammarChecks:
+    """An engine whose grammar checks hold until released: compiles that take long (the injected fault)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.checked: list[str] = []
+
+    def silent_for(self) -> float:
+        return 0.0
+
+    def check(self, requests: list[Any]) -> None:
+        self.checked.append(requests[0].request_id)
+        assert self.release.wait(PATIENCE)
+
+
+class Gone:
+    """The raw request of a client that has disconnected."""
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_a_grammar_compile_queued_for_a_client_that_has_gone_never_starts() -> None:
+    """Both grammar compiler threads busy; a third request's client leaves while its compile waits: it
+    gets 499 at once and its compile never runs, while the two under way finish."""
+    import asyncio
+
+    from v4serve.engine.request import GrammarSpec
+    from v4serve.engine.stats import EngineStats
+    from v4serve.server.errors import ApiError
+    from v4serve.server.generation import GRAMMAR_COMPILERS, FrontEnd, ServerConfig
+    from v4serve.server.metrics import Metrics
+    from v4serve.server.protocol import SamplingFields
+    from v4serve.server.text.output import OutputOptions
+
+    engine = SlowGrammarChecks()
+    front = FrontEnd(engine, ByteTokenizer(), ServerConfig("m", 4096), Metrics("m", EngineStats))  # type: ignore[arg-type]
+    spec = GrammarSpec("json_schema", '{"type": "string"}', param="response_format")
+
+    def generation(rid: str) -> Any:
+        return front.generation(rid, [65, 66], SamplingFields(), 4, None, OutputOptions(), grammar=spec)
+
+    async def run() -> None:
+        busy = [asyncio.ensure_future(front.check([generation(f"busy-{i}")])) for i in range(GRAMMAR_COMPILERS)]
+        await asyncio.to_thread(wait_until, lambda: len(engine.checked) == GRAMMAR_COMPILERS, "both compiles started")
+        with pytest.raises(ApiError) as gone:
+            await front.check([generation("gone")], Gone())  # type: ignore[arg-type]
+        assert gone.value.status == 499
+        engine.release.set()
+        await asyncio.gather(*busy)
+
+    asyncio.run(run())
+    front._compilers.shutdown(wait=True)  # whatever was queued has run (or was cancelled) by now
+    assert sorted(engine.checked) == ["busy-0-0", "busy-1-0"]
