@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_store.py
 	$(PY) bench/bench_structured.py
 	$(PY) bench/bench_load.py --hostile
+	$(PY) bench/bench_spec.py
 	$(PY) bench/bench_conversations.py
 	$(PY) bench/bench_launches.py
 	$(PY) bench/bench_kv_fp8.py

@@ -211,15 +211,20 @@ def hostile_requests() -> list[tuple[str, str, dict[str, Any], dict[str, str]]]:
          {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}}, {}),
         ("echo + logprobs 20 x n 16", "/v1/completions",
          {**GREEDY, "prompt": [65 + i % 90 for i in range(4000)], "echo": True, "logprobs": 20, "n": 16}, {}),
+        ("4 prompts x n 16, no max_tokens", "/v1/completions", {**GREEDY, "prompt": ["a"] * 4, "n": 16,
+                                                                "max_tokens": None}, {}),
         ("text/plain body", "/v1/completions", GREEDY, NOT_JSON),
         ("another site's page", "/reset_prefix_cache", {}, {"Origin": "https://evil.example"}),
     ]
 
 
-async def hostile_loop(url: str, stop: asyncio.Event, statuses: dict[str, dict[int, int]]) -> None:
-    """Send the hostile requests round and round until `stop`, counting each one's answers."""
+async def hostile_loop(url: str, stop: asyncio.Event, statuses: dict[str, dict[int, int]],
+                       rounds: int | None = None) -> None:
+    """Send the hostile requests round and round until `stop` (or for `rounds`), counting each one's answers."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        while not stop.is_set():
+        done = 0
+        while not stop.is_set() and (rounds is None or done < rounds):
+            done += 1
             for name, path, body, headers in hostile_requests():
                 if headers.get("Content-Type") == "text/plain":
                     resp = await client.post(path, content=json.dumps(body), headers=headers)
@@ -281,10 +286,18 @@ async def probed(url: str, work: Any, quiet_seconds: float = 5.0) -> tuple[list[
 
 
 async def run_hostile(url: str, clients: int, requests: int, idle: int = 200, slow: int = 50,
-                      quiet_seconds: float = 5.0) -> dict[str, Any]:
-    """Three phases side by side: quiet, the load alone, the load with hostile clients beside it."""
+                      quiet_seconds: float = 5.0, rounds: int = 5) -> dict[str, Any]:
+    """Four phases side by side: quiet, hostile clients alone (`rounds` of every hostile request, with
+    the idle and slow-header connections), the load alone, the load with hostile clients beside it."""
     statuses: dict[str, dict[int, int]] = {}
     solo = await solo_outputs(url)  # once: the phases compare against the same outputs
+
+    async def hostile(stop: asyncio.Event) -> None:
+        side = asyncio.Event()
+        held = asyncio.ensure_future(hold_connections(url, side, idle, slow))
+        await hostile_loop(url, side, statuses, rounds)
+        side.set()
+        await held
 
     async def load(stop: asyncio.Event) -> None:
         await run_load(url, clients, requests, solo=solo)
@@ -297,7 +310,8 @@ async def run_hostile(url: str, clients: int, requests: int, idle: int = 200, sl
         side.set()
         await asyncio.gather(*extra)
 
-    phases = {"quiet": await probed(url, None, quiet_seconds), "load": await probed(url, load),
+    phases = {"quiet": await probed(url, None, quiet_seconds), "hostile": await probed(url, hostile),
+              "load": await probed(url, load),
               "load + hostile": await probed(url, load_and_hostile)}
     return {"phases": {name: {"greedy_p50_s": statistics.median(s), "greedy_max_s": max(s),
                               "health_max_s": max(h), "probes": len(s)} for name, (s, h) in phases.items()},
@@ -308,7 +322,7 @@ def report_hostile(figures: dict[str, Any]) -> Path:
     quiet = figures["phases"]["quiet"]["greedy_p50_s"]
     rows = [[name, f"{p['greedy_p50_s'] / quiet:.2f}", f"{p['greedy_max_s'] / quiet:.2f}",
              f"{p['health_max_s'] * 1000:.0f}", p["probes"]] for name, p in figures["phases"].items()]
-    print_table("a greedy 4-token probe beside the load, then beside the load and hostile clients "
+    print_table("a greedy 4-token probe: quiet, beside hostile clients, beside the load, beside both "
                 "(ratios to the quiet median)", ["phase", "p50 ratio", "max ratio", "/health max ms", "probes"], rows)
     print_table("hostile requests: answers", ["request", "statuses"],
                 [[name, json.dumps(counts)] for name, counts in figures["hostile_statuses"].items()])

@@ -61,6 +61,10 @@ class DeviceKV:
         """A host copy of one slot's whole state (a snapshot), in a fixed order."""
         return [t[slot].to("cpu", copy=True) for t in self._slot_parts()]
 
+    def copy_slot(self, slot: int) -> list[torch.Tensor]:
+        """A copy of one slot's whole state on its own device (put back with `write_slot`)."""
+        return [t[slot].clone() for t in self._slot_parts()]
+
     def slot_nbytes(self) -> int:
         return self.layout.state_bytes_per_slot(self.itemsize)
 

@@ -25,7 +25,8 @@ from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
 from v4serve.engine.sampler import Sampler
-from v4serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
+from v4serve.engine.speculative import SpecCounters, SpeculativeConfig, accepted_count, after_pass, ngram_drafts
 from v4serve.engine.stats import EngineStats
 from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, Ranks, StepPlan, kv_digest, step_threads
 from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, RequestGrammar, require
@@ -69,6 +70,7 @@ class EngineConfig:
     tokenizer_json: str | None = None  # the vocabulary, as data, for structured outputs (None: unsupported)
     grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES  # compiled grammars kept, by their text's bytes
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
+    speculative: SpeculativeConfig | None = None  # draft tokens checked by each decode step (off: None)
 
 
 @dataclass
@@ -122,6 +124,12 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, 
     return "on"
 
 
+def _sample_or_raise(sample: Sample | Exception) -> Sample:
+    if isinstance(sample, Exception):
+        raise sample
+    return sample
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -170,7 +178,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-            max_waiting=config.max_waiting), self.kv)
+            max_waiting=config.max_waiting), self.kv, self._drafter(config.speculative), self.eos_token_id)
+        self.spec = SpecCounters()
+        self._kept_slots: dict[str, list[torch.Tensor]] = {}  # slot states before this step's drafts
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
                                     cache=self.cache_config)
         self.sampler = Sampler(config.seed, self.eos_token_id)
@@ -187,6 +197,15 @@ class LLMEngine:
                                        -(-config.max_model_len // block), scratch_slot=config.max_num_seqs,
                                        scratch_block=num_blocks, capture=True)
         log.info("CUDA graphs: %s", self.cuda_graphs)
+
+    @staticmethod
+    def _drafter(spec: SpeculativeConfig | None) -> Drafter | None:
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise ValueError(f"speculative method {spec.method!r} is not available")
+        k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        return lambda request, most: ngram_drafts(request.all_token_ids, min(k, most), lo, hi)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -259,6 +278,8 @@ class LLMEngine:
         """Rows of the chunk whose logits are needed: every prompt row when the request wants
         prompt logprobs, else the last row when the chunk completes."""
         r = chunk.request
+        if chunk.drafts:  # the last token's row, then each draft's
+            return range(chunk.num_new - len(chunk.drafts) - 1, chunk.num_new)
         if r.sampling.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
             return range(chunk.num_new)
         return range(chunk.num_new - 1, chunk.num_new) if chunk.completes else range(0)
@@ -271,7 +292,10 @@ class LLMEngine:
             assert kv.slot is not None
             seqs.append(SeqChunk(slot=kv.slot, block_table=kv.block_table, start=r.num_computed_tokens,
                                  num_new=c.num_new, frozen_until=kv.frozen_until, window_from=kv.window_from))
-            ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new))
+            ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new - len(c.drafts)))
+            ids.extend(c.drafts)
+            if c.drafts:  # put back if a draft is rejected
+                self._kept_slots[r.request_id] = self.device_kv.copy_slot(kv.slot)
         meta = AttentionMetadata.build(seqs, [self.logit_rows(c) for c in chunks])
         threads = step_threads(len(ids), self._cpu_threads)
         if self.ranks is not None:
@@ -288,9 +312,9 @@ class LLMEngine:
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         # Row layout and completion are decided on the pre-step counts.
         plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
-        self.scheduler.advance(chunks)
+        self.scheduler.advance([c for c in chunks if not c.drafts])  # a drafted chunk: once its drafts are judged
         outputs: list[RequestOutput | None] = []
-        sampled: list[tuple[int, Request, int]] = []  # (place in outputs, request, its logits row)
+        sampled: list[tuple[int, ScheduledChunk, range]] = []  # (place in outputs, chunk, its logits rows)
         i = 0
         for chunk, n, start, completes in plan:
             request = chunk.request
@@ -302,23 +326,58 @@ class LLMEngine:
                 outputs.append(self._failed_after_forward(request, exc))
                 continue
             if completes:
-                sampled.append((len(outputs), request, i - 1))
+                sampled.append((len(outputs), chunk, range(i - 1 - len(chunk.drafts), i)))
                 outputs.append(None)
         if sampled:
-            rows = (logits if len(sampled) == len(logits)
-                    else logits.index_select(0, upload([row for _, _, row in sampled], logits.device)))
-            try:
-                samples = self.sampler.sample_rows([r for _, r, _ in sampled], rows)
-            except Exception as exc:  # the step's sampling failed: its requests end, no other
-                samples = [exc] * len(sampled)
-            for (place, request, _), sample in zip(sampled, samples, strict=True):
+            for place, chunk, samples in zip([p for p, _, _ in sampled], [c for _, c, _ in sampled],
+                                             self._sample(sampled, logits), strict=True):
                 try:
-                    if isinstance(sample, Exception):
-                        raise sample
-                    outputs[place] = self._accept(request, sample)
+                    outputs[place] = (self._accept_drafts(chunk, samples) if chunk.drafts
+                                      else self._accept(chunk.request, _sample_or_raise(samples[0])))
                 except Exception as exc:
-                    outputs[place] = self._failed_after_forward(request, exc)
+                    outputs[place] = self._failed_after_forward(chunk.request, exc)
+        self._kept_slots.clear()
         return outputs  # type: ignore[return-value]
+
+    def _sample(self, sampled: list[tuple[int, ScheduledChunk, range]], logits: torch.Tensor
+                ) -> list[list[Sample | Exception]]:
+        """Every sampled row of the step at once → each chunk's samples (a drafted chunk's rows see the
+        drafts before them as output)."""
+        rows = [row for _, _, chunk_rows in sampled for row in chunk_rows]
+        requests = [chunk.request for _, chunk, chunk_rows in sampled for _ in chunk_rows]
+        drafted = [chunk.drafts[:k] for _, chunk, chunk_rows in sampled for k in range(len(chunk_rows))]
+        picked = logits if len(rows) == len(logits) else logits.index_select(0, upload(rows, logits.device))
+        try:
+            flat = self.sampler.sample_rows(requests, picked, drafted if any(drafted) else None)
+        except Exception as exc:  # the step's sampling failed: its requests end, no other
+            flat = [exc] * len(rows)
+        out, at = [], 0
+        for _, _, chunk_rows in sampled:
+            out.append(flat[at:at + len(chunk_rows)])
+            at += len(chunk_rows)
+        return out
+
+    def _accept_drafts(self, chunk: ScheduledChunk, samples: list[Sample | Exception]) -> RequestOutput:
+        """Keep the drafts that equal the samples before them, then the first sample that differs (or the
+        last row's, when all were kept). A rejected draft's state is undone: the slot goes back to what it
+        was before the pass, and the kept tokens are computed again in the request's next chunk."""
+        request, drafts = chunk.request, chunk.drafts
+        tokens = [s.token if isinstance(s, Sample) else None for s in samples]
+        kept = accepted_count(drafts, tokens)
+        sample = _sample_or_raise(samples[kept])
+        self.spec.count(len(drafts), kept)
+        request.draft_pause, request.draft_backoff = after_pass((request.draft_pause, request.draft_backoff), kept)
+        before = self._kept_slots.pop(request.request_id)
+        if kept < len(drafts):
+            assert request.kv.slot is not None
+            self.device_kv.write_slot(request.kv.slot, before)
+        for token in drafts[:kept]:  # never a stop: the scheduler cut the drafts before any
+            self.scheduler.append_token(request, token)
+        if kept == len(drafts):
+            self.scheduler.advance([chunk])
+        last = self._accept(request, sample)
+        return RequestOutput(request.request_id, [*drafts[:kept], *last.new_token_ids],
+                             [*samples[:kept], *last.samples], last.finished, last.finish_reason)  # type: ignore[list-item]
 
     def _failed_after_forward(self, request: Request, exc: Exception) -> RequestOutput:
         if isinstance(exc, RequestError):  # the request's own doing (a grammar that cannot go on): a 400
@@ -407,7 +466,10 @@ class LLMEngine:
             store_read_bytes=io.bytes_read if io else 0, store_written_bytes=io.bytes_written if io else 0,
             store_usage_bytes=cache.store_usage_bytes, store_quarantine_files=cache.store_quarantine_files,
             store_errors=MappingProxyType(dict(io.errors) if io else {}),
-            store_read_seconds=s.load_seconds.snapshot())
+            store_read_seconds=s.load_seconds.snapshot(),
+            spec_drafts=self.spec.drafts, spec_draft_tokens=self.spec.draft_tokens,
+            spec_accepted_tokens=self.spec.accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec.accepted_per_position))
         if self.grammars is not None:
             return stats.with_grammars("engine", self.grammars.text_bytes, self.grammars.compiles)
         return stats

@@ -124,6 +124,10 @@ class Request:
     # Held by the front end (its client is not reading what it made): the scheduler skips it until
     # it is resumed; it keeps its cache meanwhile (and may be preempted like any request).
     paused: bool = False
+    # Speculative decoding: decode steps left without drafts, and how many the next miss skips (a pass
+    # whose drafts were all rejected doubles it, up to MAX_DRAFT_BACKOFF; one that kept a draft resets it).
+    draft_pause: int = 0
+    draft_backoff: int = 0
     # One entry per prompt token from the second on (the first has none), when asked for.
     prompt_logprobs: list = field(default_factory=lambda: [None])
     grammar: TokenGrammar | None = None  # its matcher, when sampling.grammar is set

@@ -218,13 +218,16 @@ class Sampler:
             raise result
         return result
 
-    def sample_rows(self, requests: Sequence[Request], logits: torch.Tensor) -> list[Sample | Exception]:
-        """Row i of logits [R, V] → request i's next token, or the error that only it fails with."""
+    def sample_rows(self, requests: Sequence[Request], logits: torch.Tensor,
+                    drafted: Sequence[Sequence[int]] | None = None) -> list[Sample | Exception]:
+        """Row i of logits [R, V] → request i's next token, or the error that only it fails with.
+        `drafted[i]`: draft tokens that row i follows (speculative decoding), taken as the request's
+        output so far; a request's rows are drawn in order from its generator."""
         out: list[Sample | Exception | None] = [None] * len(requests)
         preps, live = [], []
         for i, request in enumerate(requests):
             try:
-                preps.append(self.prepare(request))
+                preps.append(self.prepare(request, drafted[i] if drafted is not None else ()))
                 live.append(i)
             except Exception as exc:  # its grammar failed: only it ends
                 out[i] = exc
@@ -234,12 +237,13 @@ class Sampler:
                 out[i] = sample
         return out  # type: ignore[return-value]
 
-    def prepare(self, request: Request) -> _RowPrep:
-        """The host's part of one row: its bias, penalty indices and grammar bitmask."""
+    def prepare(self, request: Request, drafted: Sequence[int] = ()) -> _RowPrep:
+        """The host's part of one row: its bias, penalty indices and grammar bitmask (requests with a
+        grammar are never drafted for)."""
         grammar = request.grammar
         bitmask = grammar.allowed_bitmask() if grammar is not None and grammar.active else None
-        return _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
-                           self.eos_token_id, bitmask)
+        output = request.output_token_ids + list(drafted) if drafted else request.output_token_ids
+        return _RowPrep.of(request, request.sampling, request.prompt_token_ids, output, self.eos_token_id, bitmask)
 
     def _sample(self, preps: list[_RowPrep], logits: torch.Tensor) -> list[Sample | Exception]:
         result = self.on_device(preps, logits)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -35,12 +35,13 @@ class SchedulerConfig:
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new: int
+    num_new: int  # tokens computed, drafts included
+    drafts: tuple[int, ...] = ()  # speculative tokens after the request's last one, checked by this pass
 
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the request's last known token (so a token is sampled)."""
-        return self.request.num_computed_tokens + self.num_new == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass
@@ -54,10 +55,17 @@ class SchedulerStats:
     load_seconds: Histogram = field(default_factory=Histogram.for_store_reads)  # per-request store reads
 
 
+# A decoding request's draft tokens for this step, given the most it may take (speculative decoding).
+Drafter = Callable[[Request, int], list[int]]
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, drafter: Drafter | None = None,
+                 eos_token_id: int | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.drafter = drafter
+        self.eos_token_id = eos_token_id  # drafts stop before it
         self.waiting: deque[Request] = deque()
         self.loading: list[Request] = []
         self.running: list[Request] = []
@@ -94,10 +102,12 @@ class Scheduler:
         for request in self._running_decodes_first():
             if request.status is not RequestStatus.RUNNING or request.paused or budget <= 0:
                 continue
-            n = self._chunk_size(request, request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget)
+            n = self._chunk_size(request, request.num_computed_tokens, budget, len(drafts))
+            drafts = drafts[:max(0, n - (request.num_tokens - request.num_computed_tokens))]
             if n <= 0 or not self._grow_or_preempt(request, n, chunks):
                 continue
-            chunks.append(ScheduledChunk(request, n))
+            chunks.append(ScheduledChunk(request, n, tuple(drafts)))
             budget -= n
         self._admit(chunks, budget)
         return chunks
@@ -105,9 +115,34 @@ class Scheduler:
     def _running_decodes_first(self) -> list[Request]:
         return sorted(self.running, key=lambda r: r.is_prefill)
 
-    def _chunk_size(self, request: Request, start: int, budget: int) -> int:
-        n = min(request.num_tokens - start, budget, self.config.max_prefill_chunk)
+    def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> int:
+        n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
         return self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, cut so that none of them could end it: an accepted draft
+        is never a stop token and never the last token allowed (only the pass's own sample may be), and
+        requests with a grammar take none."""
+        params = request.sampling
+        # Only past the prompt: a request catching up on output tokens (after a rejected draft) drafts on.
+        decoding = request.output_token_ids and request.num_computed_tokens >= request.num_prompt_tokens
+        if self.drafter is None or not decoding or params.grammar is not None:
+            return []
+        if request.draft_pause:  # its recent drafts were all rejected: a few plain steps first
+            request.draft_pause -= 1
+            return []
+        most = min(budget - 1, params.max_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        if most <= 0:
+            return []
+        drafts = self.drafter(request, most)[:most]
+        ends = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            ends.add(self.eos_token_id)
+        for i, token in enumerate(drafts):
+            if token in ends:
+                return drafts[:i]
+        return drafts
 
     def _grow_or_preempt(self, request: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
         """Blocks for the next n tokens, preempting the newest other running requests if

@@ -72,6 +72,11 @@ class EngineStats:
     store_errors: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     store_read_seconds: HistogramSnapshot = field(
         default_factory=lambda: Histogram.for_store_reads().snapshot())
+    # speculative decoding (zeros when it is off)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     # compiled grammars, by the process that keeps them ("engine", and "front_end" when the engine runs
     # in its own process): the text bytes of those kept (the cache's bound) and the compiles so far
     grammar_cache_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))

@@ -67,6 +67,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                                     "starts them; several nodes: launch with torchrun"),
     ("--expert-parallel", bool, "with --tensor-parallel-size N, give each rank E/N whole routed experts "
                                 "instead of a slice of every expert"),
+    ("--speculative-config", str, "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+                                  "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' "
+                                  "(drafts copied from the request's own context; greedy output unchanged)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),
@@ -115,6 +118,8 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
 
 # Flags that take several values: `--served-model-name a b`, "a,b" in the environment, a list in --config.
 LIST_FLAGS = frozenset({"served_model_name"})
+# Flags that take a JSON object: a mapping in --config is written out as JSON.
+JSON_FLAGS = frozenset({"speculative_config"})
 
 
 def _bool(value: Any) -> bool:
@@ -143,7 +148,11 @@ def serve_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[st
             name = str(key).lstrip("-").replace("-", "_")
             if name not in types:
                 raise ValueError(f"{args.config}: unknown setting {key!r}")
-            merged[name] = ",".join(map(str, value)) if name in LIST_FLAGS and isinstance(value, list) else value
+            if name in LIST_FLAGS and isinstance(value, list):
+                value = ",".join(map(str, value))
+            elif name in JSON_FLAGS and isinstance(value, dict):
+                value = json.dumps(value)
+            merged[name] = value
     for name in types:
         env = environ.get("V4SERVE_" + name.upper())
         if env is not None:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from v4serve.engine.speculative import SpeculativeConfig
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Logprob entries (a chosen token's or one of its alternatives') one request may return: ~40 MB of JSON.
@@ -80,6 +82,7 @@ class ServeConfig:
     max_request_tokens: int | None = None  # prompts + n × max_tokens of one request (None: 16 × max-model-len)
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     grammar_cache_bytes: int = 8 << 20  # compiled grammars kept per process, weighed by their text
+    speculative_config: str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, ...}
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
@@ -125,6 +128,19 @@ class ServeConfig:
         return getattr(torch, DTYPES[self.dtype])
 
     @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed (ValueError saying what is wrong)."""
+        if not self.speculative_config:
+            return None
+        from v4serve.engine.speculative import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config runs on one rank for now; it cannot be combined with "
+                             "--tensor-parallel-size")
+        return spec
+
+    @property
     def origins(self) -> tuple[str, ...]:
         """--allowed-origins as a tuple (each an origin as browsers send it: scheme://host[:port])."""
         origins = tuple(o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip())
@@ -136,6 +152,7 @@ class ServeConfig:
     def check_http_settings(self) -> None:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
+        self.speculative  # noqa: B018 - so is parsing this
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes"):
             if getattr(self, name) <= 0:

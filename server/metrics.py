@@ -33,6 +33,10 @@ _COUNTERS = (
     ("v4serve_block_cache_evictions", "Cached blocks evicted to make room", "evictions"),
     ("v4serve_kv_store_read_bytes", "Bytes read from the SSD prefix store", "store_read_bytes"),
     ("v4serve_kv_store_written_bytes", "Bytes written to the SSD prefix store", "store_written_bytes"),
+    # Speculative decoding, in vLLM's meanings: passes with drafts, drafts proposed, drafts accepted.
+    ("v4serve_spec_decode_num_drafts", "Forward passes that checked drafts (speculative decoding)", "spec_drafts"),
+    ("v4serve_spec_decode_num_draft_tokens", "Draft tokens proposed", "spec_draft_tokens"),
+    ("v4serve_spec_decode_num_accepted_tokens", "Draft tokens accepted", "spec_accepted_tokens"),
 )
 _GAUGES = (
     ("v4serve_state_cache_usage", "Fraction of State Cache slots in use", "state_cache_usage"),
@@ -76,6 +80,12 @@ class EngineCollector:
         for point in RESTORE_POINTS:
             restores.add_metric([self.model_name, point], s.restores.get(point, 0))
         yield restores
+        per_position = CounterMetricFamily("v4serve_spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by their place in the draft (0: first)",
+                                           labels=["model_name", "position"])
+        for position, accepted in enumerate(s.spec_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], accepted)
+        yield per_position
         grammar_bytes = GaugeMetricFamily("v4serve_grammar_cache_bytes", "Text bytes of the compiled grammars kept, by "
                                           "process (bounded by --grammar-cache-bytes each)",
                                           labels=["model_name", "process"])

@@ -149,7 +149,8 @@ def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool
             "kv_cache_dtype": kv_cache_dtype,
             "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch."),
             "tensor_parallel_size": parallel.size if parallel is not None else 1,
-            "expert_parallel": parallel is not None and parallel.splits_experts}
+            "expert_parallel": parallel is not None and parallel.splits_experts,
+            "speculative": econf.speculative.describe() if econf.speculative is not None else "off"}
 
 
 def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | None) -> EngineConfig:
@@ -167,7 +168,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
                         swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype,
                         kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
-                        grammar_cache_bytes=cfg.grammar_cache_bytes)
+                        grammar_cache_bytes=cfg.grammar_cache_bytes, speculative=cfg.speculative)
 
 
 def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,
@@ -205,6 +206,7 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
     if cfg.model == "tiny":
         log.info("the embedded tiny model has random weights: its text is noise, but every code path of a real "
                  "DeepSeek-V4 checkpoint runs (serve one with --model FOLDER)")
+    log.info("speculative decoding: %s", econf.speculative.describe() if econf.speculative else "off")
     log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
              if econf.kv_store_dir else "off")
     return engine, {"version_info": {**version_info(model, econf), "cuda_graphs": engine.cuda_graphs},

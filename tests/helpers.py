@@ -49,12 +49,16 @@ class RecordingEngine(LLMEngine):
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def update(self, chunks, logits):
-        i = 0
+        first, i = {}, 0  # each completing chunk's first sampled row (a drafted chunk samples several)
         for chunk in chunks:
             i += len(self.logit_rows(chunk))
             if chunk.completes:
-                self.logits.setdefault(chunk.request.request_id, []).append(logits[i - 1].clone())
-        return super().update(chunks, logits)
+                first[chunk.request.request_id] = i - 1 - len(chunk.drafts)
+        outputs = super().update(chunks, logits)
+        made = {out.request_id: len(out.new_token_ids) for out in outputs}
+        for rid, row in first.items():  # the rows of the tokens it kept (one row for a failed request)
+            self.logits.setdefault(rid, []).extend(r.clone() for r in logits[row:row + max(made.get(rid, 0), 1)])
+        return outputs
 
     def check(self) -> None:
         self.kv.check_integrity([r.kv for r in self.scheduler.running])
