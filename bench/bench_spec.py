@@ -76,7 +76,7 @@ def main() -> None:
 
     seconds = interleaved({name: job(name) for name in runs}, args.repeats)
     rows, figures = [], {}
-    for name, (workload, _, spec, _) in runs.items():
+    for name in runs:
         base = seconds[f"{name[:3]} no speculation"]
         counters = engines[name].spec
         mean_length = 1 + counters.accepted_tokens / counters.drafts if counters.drafts else 1.0

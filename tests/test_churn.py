@@ -12,6 +12,7 @@ import pytest
 
 from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tokens
+from v4serve.kernels.registry import load_kernels
 
 
 def settle_store_io(engine) -> None:
@@ -30,11 +31,40 @@ def cold_outputs(model, requests) -> dict[str, list[int]]:
     return engine.generate(fresh)
 
 
+def cold_drafter(model, requests, rng: random.Random):
+    """Speculative drafts from each request's cold run: right, or wrong at a random place (rejected
+    there), so that kept and rejected drafts both meet preemption, eviction and aborts."""
+    truth = cold_outputs(model, requests)
+
+    def draft(request, most: int) -> list[int]:
+        made = len(request.output_token_ids)
+        drafts = truth[request.request_id][made:made + min(most, 3)]
+        if drafts and rng.random() < 0.5:
+            at = rng.randrange(len(drafts))
+            drafts = drafts[:at] + [(drafts[at] + 1) % 300 + 1] + drafts[at + 1:]
+        return drafts
+
+    return draft
+
+
 @pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
 @pytest.mark.parametrize("store", [False, True])
 def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
-    rng = random.Random(f"churn-{mode}-{store}")  # str seeds are stable across runs
+    churn(tmp_path, mode, store, drafts=False)
+
+
+@pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
+def test_random_churn_with_speculative_drafts(tmp_path, mode):
+    """The same churn with every decode step checking drafts (batch-invariant kernels: the drafted and
+    the cold runs' greedy tokens are the same bit for bit)."""
+    churn(tmp_path, mode, store=True, drafts=True)
+
+
+def churn(tmp_path, mode: str, store: bool, drafts: bool) -> None:
+    rng = random.Random(f"churn-{mode}-{store}" + ("-drafts" if drafts else ""))  # str seeds are stable across runs
     model = small_model()  # 16-token blocks, window 8
+    if drafts:
+        model.use_kernels(load_kernels("torch", "cpu", batch_invariant=True))
     bases = [tokens(rng.randint(20, 90), 100 + i) for i in range(4)]
     # Reads past the read timeout would be misses: none is, however slow the machine.
     extra = {"kv_store_dir": str(tmp_path), "kv_store_read_timeout": PATIENCE} if store else {}
@@ -45,6 +75,8 @@ def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
         base = rng.choice(bases)
         prompt = base[: rng.randint(1, len(base))] + tokens(rng.randint(1, 20), 200 + i)
         pending.append(greedy(f"r{i}", prompt, n=rng.randint(1, 30)))
+    if drafts:
+        engine.scheduler.drafter = cold_drafter(model, pending, rng)
     submitted, aborted, steps = [], set(), 0
     while pending or engine.has_work():
         if pending and rng.random() < 0.5:
@@ -71,3 +103,5 @@ def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
     assert engine.kv.pool.num_used == 0 and engine.kv.state.slots.num_free == 3
     stats = engine.scheduler.stats
     assert stats.prefix_hits + stats.prefix_hits_disk > 0 and stats.preemptions > 0
+    if drafts:
+        assert 0 < engine.spec.accepted_tokens < engine.spec.draft_tokens
