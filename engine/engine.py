@@ -372,6 +372,8 @@ class LLMEngine:
             assert request.kv.slot is not None
             self.device_kv.write_slot(request.kv.slot, before)
         for token in drafts[:kept]:  # never a stop: the scheduler cut the drafts before any
+            if request.grammar is not None:
+                request.grammar.accept(token)
             self.scheduler.append_token(request, token)
         if kept == len(drafts):
             self.scheduler.advance([chunk])

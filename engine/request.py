@@ -65,6 +65,12 @@ class TokenGrammar(Protocol):
     def accept(self, token: int) -> None:
         """Advance past a sampled token (RequestError if the grammar forbids it)."""
 
+    def draftable(self, drafts: list[int]) -> list[int]:
+        """Speculative drafts cut to those it allows and after none of which it would be done."""
+
+    def allowed_after(self, drafted: list[int]) -> np.ndarray:
+        """`allowed_bitmask` after these drafts, the grammar left where it was."""
+
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1  # torch generators take seeds up to this

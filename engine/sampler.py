@@ -238,10 +238,10 @@ class Sampler:
         return out  # type: ignore[return-value]
 
     def prepare(self, request: Request, drafted: Sequence[int] = ()) -> _RowPrep:
-        """The host's part of one row: its bias, penalty indices and grammar bitmask (requests with a
-        grammar are never drafted for)."""
+        """The host's part of one row: its bias, penalty indices and grammar bitmask, after `drafted`
+        (drafts the grammar allows: the scheduler cut them to those)."""
         grammar = request.grammar
-        bitmask = grammar.allowed_bitmask() if grammar is not None and grammar.active else None
+        bitmask = grammar.allowed_after(list(drafted)) if grammar is not None and grammar.active else None
         output = request.output_token_ids + list(drafted) if drafted else request.output_token_ids
         return _RowPrep.of(request, request.sampling, request.prompt_token_ids, output, self.eos_token_id, bitmask)
 

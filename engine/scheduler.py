@@ -121,12 +121,13 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, cut so that none of them could end it: an accepted draft
-        is never a stop token and never the last token allowed (only the pass's own sample may be), and
-        requests with a grammar take none."""
+        is never a stop token, never the last token allowed and never one that completes the request's
+        grammar (only the pass's own sample may end it); a grammar still waiting for `</think>` takes none."""
         params = request.sampling
         # Only past the prompt: a request catching up on output tokens (after a rejected draft) drafts on.
         decoding = request.output_token_ids and request.num_computed_tokens >= request.num_prompt_tokens
-        if self.drafter is None or not decoding or params.grammar is not None:
+        grammar = request.grammar
+        if self.drafter is None or not decoding or (grammar is not None and not grammar.active):
             return []
         if request.draft_pause:  # its recent drafts were all rejected: a few plain steps first
             request.draft_pause -= 1
@@ -136,6 +137,8 @@ class Scheduler:
         if most <= 0:
             return []
         drafts = self.drafter(request, most)[:most]
+        if grammar is not None:  # only drafts it allows, none after which it would be done
+            drafts = grammar.draftable(drafts)
         ends = set(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             ends.add(self.eos_token_id)

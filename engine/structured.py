@@ -132,6 +132,31 @@ class RequestGrammar:
             raise self._gave_up()
         return self._bitmask[0].copy()
 
+    def draftable(self, drafts: list[int]) -> list[int]:
+        """The drafts the grammar allows from here, cut before any it forbids and before any after
+        which it would be done (an accepted draft must never end the request). Nothing is consumed."""
+        if not self.active:
+            return []
+        kept = []
+        for token in drafts[:self._matcher.validate_tokens(drafts)]:  # each of these can be consumed
+            self._matcher.consume_token(token)
+            if self._matcher.is_stopped():
+                self._matcher.rollback(1)
+                break
+            kept.append(token)
+        self._matcher.rollback(len(kept))
+        return kept
+
+    def allowed_after(self, drafted: list[int]) -> np.ndarray:
+        """The tokens allowed after these (allowed) drafts, the grammar left where it was."""
+        if not drafted:
+            return self.allowed_bitmask()
+        self._matcher.consume_tokens(drafted)
+        try:
+            return self.allowed_bitmask()
+        finally:
+            self._matcher.rollback(len(drafted))
+
     def _gave_up(self) -> RequestError:
         """The grammar engine cannot go on (a schema that admits no finite value, one too ambiguous
         to parse within its limits): the request's doing, so a 400 naming the field."""

@@ -268,3 +268,34 @@ def test_the_daemon_serves_with_ngram_drafts_the_same_greedy_text_and_counts_the
                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
                          cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE)
     assert bad.returncode == 2 and "num_speculative_tokens must be an integer from 1 to 16" in bad.stderr
+
+
+# ---- structured outputs -----------------------------------------------------------------------------------------
+def test_a_grammar_advances_over_kept_drafts_only_and_drafts_it_forbids_are_cut() -> None:
+    """A request with a grammar (a Lark list of words here): drafts from its cold run, right or wrong,
+    give its cold tokens and logits bit for bit, every output allowed; drafts the grammar forbids are
+    cut before the pass (none proposed)."""
+    from v4serve.engine.request import GrammarSpec
+    from v4serve.server.text.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    vocab = tokenizer.vocabulary_json()
+    lark = 'start: item ("," item)*\nitem: "ab" | "cab" | "bca" | "abc"'
+
+    def constrained() -> Request:
+        grammar = GrammarSpec("lark", lark, "response_format")
+        # EOS biased away: the list goes on to max_tokens rather than end where the grammar allows.
+        params = SamplingParams(max_tokens=OUTPUT, logit_bias={tokenizer.eos_token_id: -100}, grammar=grammar)
+        return Request("copy", PROMPTS["copy"][:40], params)
+
+    truth, want, _ = run([constrained()], tokenizer_json=vocab)
+    text = tokenizer.decode(truth["copy"])
+    assert set(text) <= set("abc,") and text.count(",") >= 3  # the grammar held
+    for wrong in (None, 0, 1):  # a wrong draft the grammar forbids is cut with those after it
+        outputs, logits, engine = run([constrained()], oracle(truth, wrong), spec=NGRAM, tokenizer_json=vocab)
+        assert outputs == truth and torch.equal(logits["copy"], want["copy"])
+        if wrong is None:
+            assert 0 < engine.spec.accepted_tokens == engine.spec.draft_tokens
+    forbidden = lambda _: lambda request, most: tokenizer.encode("z") * most  # noqa: E731 - never allowed
+    outputs, _, engine = run([constrained()], forbidden, spec=NGRAM, tokenizer_json=vocab)
+    assert outputs == truth and engine.spec.draft_tokens == 0
