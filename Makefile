@@ -5,25 +5,27 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Torch: PyTorch's CPU wheels unless this machine has an NVIDIA driver (then PyPI's build, which is
 # CUDA's on Linux x86_64); an index that cannot be reached is skipped and PyPI serves. On a GPU node
-# without the driver tools, or for another CUDA version, pass e.g.
-# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128". A changed spec or
-# index reinstalls torch (its stamp names them).
+# without the driver tools, `make gpu` installs PyTorch's CUDA wheels (CUDA_INDEX); for another CUDA
+# version pass e.g. CUDA_INDEX=https://download.pytorch.org/whl/cu126. A changed spec or index
+# reinstalls torch (its stamp names them).
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+# `make gpu` remembers its index in the venv, so a later `make serve` keeps the CUDA build.
+TORCH_INDEX ?= $(or $(shell cat $(VENV)/.torch-index 2>/dev/null),$(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu))
 TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC) $(TORCH_INDEX)' | cksum | cut -d' ' -f1)
+CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
 ARGS ?=
 # pytest workers (pytest-xdist): one per core by default; tests that wait on daemons, disks and the
 # interpreted Triton kernels overlap instead of queueing.
 TEST_WORKERS ?= auto
 
-.PHONY: install serve test lint bench clean prometheus
+.PHONY: install gpu serve test lint bench clean prometheus
 
 $(TORCH_STAMP):
 	@test -x $(PY) || { echo "==> creating $(VENV) (a virtual environment for everything below)"; $(PYTHON) -m venv $(VENV); }
 	@$(PY) -m pip install --quiet --upgrade pip
 	@if ls $(VENV)/.torch-* >/dev/null 2>&1; then echo "==> TORCH_SPEC or TORCH_INDEX changed: removing the installed torch"; \
 	  $(PY) -m pip uninstall --quiet --yes torch; fi
-	@echo "==> installing $(TORCH_SPEC)$(if $(TORCH_INDEX), (CPU build from $(TORCH_INDEX); PyPI if unreachable)) ..."
+	@echo "==> installing $(TORCH_SPEC)$(if $(TORCH_INDEX), (from $(TORCH_INDEX); PyPI if unreachable)) ..."
 	$(PY) -m pip install --progress-bar on --no-compile $(TORCH_SPEC) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1 --timeout 15)
 	@$(PY) -W ignore -c "import torch; print('==> torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU build)')"
 	@rm -f $(VENV)/.torch-* $(STAMP)
@@ -41,6 +43,14 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 	@touch $@
 
 install: $(STAMP)
+
+# The CUDA build of torch from PyTorch's index, then everything else (a GPU node whose driver tools are
+# not on PATH; with nvidia-smi, `make install` already takes PyPI's CUDA build). Then `make serve`;
+# `make clean` forgets the choice.
+gpu:
+	@$(MAKE) --no-print-directory install TORCH_INDEX=$(CUDA_INDEX)
+	@echo "$(CUDA_INDEX)" > $(VENV)/.torch-index
+	@$(PY) -W ignore -c "import torch; print('==> CUDA available:', torch.cuda.is_available())"
 
 # tests/test_prometheus.py runs a real Prometheus: Debian's package, installed when missing and
 # installable (apt-get as root); otherwise that test skips, naming why.

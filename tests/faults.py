@@ -38,10 +38,10 @@ def fail_sampling_with_seed_4242(engine: LLMEngine) -> None:
     sampler = engine.sampler
     real = sampler.prepare
 
-    def prepare(request):  # noqa: ANN001, ANN202 - the sampler's own signature
+    def prepare(request, drafted=()):  # noqa: ANN001, ANN202 - the sampler's own signature
         if request.sampling.seed == 4242:
             raise RuntimeError("injected sampling fault")
-        return real(request)
+        return real(request, drafted)
 
     sampler.prepare = prepare
 

@@ -12,7 +12,6 @@ import pytest
 
 from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tokens
-from v4serve.kernels.registry import load_kernels
 
 
 def settle_store_io(engine) -> None:
@@ -55,16 +54,13 @@ def test_random_churn_keeps_invariants_and_outputs(tmp_path, mode, store):
 
 @pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
 def test_random_churn_with_speculative_drafts(tmp_path, mode):
-    """The same churn with every decode step checking drafts (batch-invariant kernels: the drafted and
-    the cold runs' greedy tokens are the same bit for bit)."""
+    """The same churn with every decode step checking drafts (right, or wrong at random places)."""
     churn(tmp_path, mode, store=True, drafts=True)
 
 
 def churn(tmp_path, mode: str, store: bool, drafts: bool) -> None:
     rng = random.Random(f"churn-{mode}-{store}" + ("-drafts" if drafts else ""))  # str seeds are stable across runs
     model = small_model()  # 16-token blocks, window 8
-    if drafts:
-        model.use_kernels(load_kernels("torch", "cpu", batch_invariant=True))
     bases = [tokens(rng.randint(20, 90), 100 + i) for i in range(4)]
     # Reads past the read timeout would be misses: none is, however slow the machine.
     extra = {"kv_store_dir": str(tmp_path), "kv_store_read_timeout": PATIENCE} if store else {}

@@ -5,7 +5,9 @@ computes — through the model and through the daemon."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from pathlib import Path
 
 import httpx
@@ -73,6 +75,16 @@ def test_packed_model_matches_the_checkpoint_dequantized_at_load(quantized: dict
     stored = header_tensor_bytes(quantized[mode])
     assert abs(resident_bytes(packed) - stored) <= 0.01 * stored
     assert resident_bytes(dense) > 1.2 * stored
+
+
+def test_the_load_log_counts_weights_as_the_startup_line_does(quantized: dict[str, Path], caplog) -> None:
+    """Both lines say how many weights stay in checkpoint precision, counted alike (a stacked expert
+    tensor once); the load line adds how many packed tensors the files hold (one per expert)."""
+    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.checkpoint"):
+        model = load_model(quantized["fp4"], packed=True, progress=False)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    weights, tensors = map(int, re.search(r"\((\d+) weights in checkpoint precision, from (\d+) packed", line).groups())
+    assert weights == packed_count(model) and tensors > weights
 
 
 def test_mixed_layout_keeps_fp4_experts_and_fp8_attention(quantized: dict[str, Path]) -> None:

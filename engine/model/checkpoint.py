@@ -18,7 +18,7 @@ from v4serve.engine.model.checkpoint_layout import packed_formats
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.loader import stream_checkpoint
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.packed import pack_model, resident_bytes
+from v4serve.engine.model.packed import pack_model, packed_count, resident_bytes
 from v4serve.engine.model.parallel import ParallelConfig, RankShard, local
 from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
 
@@ -133,6 +133,8 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
         for name, tensor in stream_checkpoint(folder, expected, dtype=dtype, progress=progress, packed=formats,
                                                sharding=sharding):
             targets[name].copy_(tensor)
-    log.info("loaded %s: %d layers, %.1f MB resident (%d weights in checkpoint precision)", folder,
-             cfg.num_layers, resident_bytes(model) / 1e6, len(formats))
+    # Counted as the startup line counts them: a stacked expert tensor is one weight (the files hold
+    # one tensor per expert).
+    log.info("loaded %s: %d layers, %.1f MB resident (%d weights in checkpoint precision, from %d packed tensors "
+             "in the files)", folder, cfg.num_layers, resident_bytes(model) / 1e6, packed_count(model), len(formats))
     return model.eval()
