@@ -48,7 +48,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
         return sse(_stream(front, chunk, generation, body.logprobs))
     per_choice = await front.collect(generation, raw)
     choices = Lazy(_choice(front, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice))
-    return await json_reply({"id": rid, "object": "chat.completion", "created": created,
+    return json_reply({"id": rid, "object": "chat.completion", "created": created,
                              "model": model, "choices": choices, "usage": usage([generation.usage()])})
 
 

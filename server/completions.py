@@ -51,7 +51,7 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     choices = Lazy(_choice(front, p * body.n + j, generation, j, deltas, body)
                    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True))
                    for j, deltas in enumerate(per_choice))
-    return await json_reply({"id": rid, "object": "text_completion", "created": created,
+    return json_reply({"id": rid, "object": "text_completion", "created": created,
                              "model": model, "choices": choices, "usage": usage([g.usage() for g in generations])})
 
 

@@ -3,7 +3,6 @@ event, the final `[DONE]`, and the usage block; and whole JSON replies written p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -97,12 +96,13 @@ def _body(value: Any) -> Iterator[bytes]:
     yield "".join(pieces).encode()
 
 
-async def json_reply(value: Any) -> Response:
-    """A JSON reply written off the event loop (a reply with 16 choices' logprobs is many MB of text) and
-    never held whole: one that fits in a piece goes out with its length, a longer one chunked."""
+def json_reply(value: Any) -> Response:
+    """A JSON reply never held whole: one that fits in a piece goes out with its length, written on the
+    event loop (a thread hop would cost more than its millisecond); a longer one (16 choices' logprobs
+    are many MB of text) goes out chunked, the rest of it written on a worker thread as it is sent."""
     body = _body(value)
-    first = await asyncio.to_thread(next, body)
-    second = await asyncio.to_thread(next, body, None)
+    first = next(body)
+    second = next(body, None)
     if second is None:
         return Response(first, media_type="application/json")
 

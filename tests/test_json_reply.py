@@ -44,10 +44,10 @@ def body(response: Any) -> tuple[bytes, dict[str, str]]:
 
 
 def test_a_short_reply_has_its_length_and_a_long_one_is_chunked() -> None:
-    short, headers = body(asyncio.run(json_reply({"a": Lazy(iter(range(10)))})))
+    short, headers = body(json_reply({"a": Lazy(iter(range(10)))}))
     assert json.loads(short) == {"a": list(range(10))} and headers["content-length"] == str(len(short))
     entries = [{"token": f"t{i}", "logprob": -i / 7} for i in range(BODY_PIECE // 8)]
     reply = {"choices": Lazy(iter([{"logprobs": {"content": Lazy(iter(entries))}}]))}
-    long, headers = body(asyncio.run(json_reply(reply)))
+    long, headers = body(json_reply(reply))
     assert "content-length" not in headers and len(long) > 4 * BODY_PIECE
     assert json.loads(long) == {"choices": [{"logprobs": {"content": entries}}]}
