@@ -134,11 +134,7 @@ class ServeConfig:
             return None
         from v4serve.engine.speculative import SpeculativeConfig
 
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        if self.tensor_parallel_size > 1:
-            raise ValueError("--speculative-config runs on one rank for now; it cannot be combined with "
-                             "--tensor-parallel-size")
-        return spec
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def origins(self) -> tuple[str, ...]:

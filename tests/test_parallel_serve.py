@@ -78,13 +78,20 @@ def single(wide: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
-def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict], expert_parallel: bool) -> None:
-    cfg = serve_config(wide, tensor_parallel_size=2, expert_parallel=expert_parallel)
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+@pytest.mark.parametrize(("expert_parallel", "speculative"), [(False, None), (True, None), (False, NGRAM)],
+                         ids=["tp2", "ep2", "tp2-drafts"])
+def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict], expert_parallel: bool,
+                                                   speculative: str | None) -> None:
+    """With speculative drafts too: a rejected draft's slot is put back on every rank (the same KV bytes)."""
+    cfg = serve_config(wide, tensor_parallel_size=2, expert_parallel=expert_parallel, speculative_config=speculative)
     with in_process_server(cfg) as (url, engine):
         version = httpx.get(url + "/version", timeout=PATIENCE).json()
         out = greedy(url, PROMPTS)
         digests = kv_digests(engine)
+        drafts = metric(url, "v4serve_spec_decode_num_drafts_total")
     assert version["tensor_parallel_size"] == 2 and version["expert_parallel"] is expert_parallel
     assert version["attention_backend"] == "torch"
     for got, want in zip(out, single, strict=True):
@@ -92,6 +99,7 @@ def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict]
         # Logits within 1e-4 relative of one process (tests/test_parallel.py); log-probs follow.
         assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3)
     assert len(digests) == 2 and digests[0] == digests[1]  # same KV bytes on both ranks
+    assert (drafts > 0) is (speculative is not None)
 
 
 @pytest.fixture(scope="module")
