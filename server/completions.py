@@ -85,35 +85,25 @@ def _choice(front: FrontEnd, index: int, generation: Generation, j: int, deltas:
 
 def _legacy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], offset: int = 0
                      ) -> tuple[dict[str, Any], int]:
-    """The completions API's logprobs for these tokens, text offsets counted from `offset`;
-    → (logprobs, the offset after them)."""
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, entry in zip(tokens, entries, strict=True):
-        text = front.token_text(token)[0]
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
-        if entry is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-        else:
-            out["token_logprobs"].append(entry.logprob)
-            out["top_logprobs"].append({front.token_text(t)[0]: lp for t, lp in entry.top})
-    return out, offset
+    """The completions API's logprobs for these tokens, text offsets counted from `offset`, as lists (a
+    streamed chunk's) → (logprobs, the offset after them)."""
+    columns = _lazy_logprobs(front, tokens, entries, offset)
+    out = {name: list(column.items) for name, column in columns.items()}
+    return out, offset + sum(len(text) for text in out["tokens"])
 
 
-def _lazy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any]) -> dict[str, Any]:
-    """`_legacy_logprobs` as lazy columns, each made as the reply is written (a choice with an echoed prompt
-    may have a million entries)."""
+def _lazy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], offset: int = 0) -> dict[str, Any]:
+    """The completions API's logprobs as lazy columns, each made as the reply is written (a choice with an
+    echoed prompt may have a million entries)."""
 
     def texts() -> Iterator[str]:
         return (front.token_text(t)[0] for t in tokens)
 
     def offsets() -> Iterator[int]:
-        offset = 0
+        at = offset
         for text in texts():
-            yield offset
-            offset += len(text)
+            yield at
+            at += len(text)
 
     return {"tokens": Lazy(texts()),
             "token_logprobs": Lazy(None if e is None else e.logprob for e in entries),
