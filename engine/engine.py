@@ -329,8 +329,7 @@ class LLMEngine:
                 sampled.append((len(outputs), chunk, range(i - 1 - len(chunk.drafts), i)))
                 outputs.append(None)
         if sampled:
-            for place, chunk, samples in zip([p for p, _, _ in sampled], [c for _, c, _ in sampled],
-                                             self._sample(sampled, logits), strict=True):
+            for (place, chunk, _), samples in zip(sampled, self._sample(sampled, logits), strict=True):
                 try:
                     outputs[place] = (self._accept_drafts(chunk, samples) if chunk.drafts
                                       else self._accept(chunk.request, _sample_or_raise(samples[0])))
