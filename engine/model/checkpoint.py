@@ -126,7 +126,9 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
         model = DeepseekV4(cfg, parallel).to(dtype)  # packed buffers are bytes: the cast leaves them alone
         pack_model(model, formats)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-    model = model.to_empty(device=device)
+    # Not `to_empty`: its `empty_like` of a meta tensor runs torch's Python reference and imports
+    # sympy (~1 s of CPU at every engine and rank start); an `empty` of the same shape does not.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     # Views of the model's own storage (stacked experts included): each tensor is copied straight in.
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():

@@ -224,7 +224,9 @@ class DeepseekV4(nn.Module):
         # Vocabulary rows of the embedding and head this rank holds (all of them in one process).
         self.vocab_rows = self.parallel.span(cfg.vocab_size) if self.parallel else (0, cfg.vocab_size)
         rows = self.vocab_rows[1] - self.vocab_rows[0]
-        self.embed = nn.Embedding(rows, cfg.hidden_size)
+        # Its own weight, so nn.Embedding skips its random init: `normal_` on the meta device the
+        # loader builds on would import torch._dynamo (~2.5 s of CPU at every engine and rank start).
+        self.embed = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg, i, self.parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, rows, bias=False)
