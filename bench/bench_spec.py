@@ -4,7 +4,10 @@ tokens per second and mean acceptance length (1 + accepted drafts per pass, vLLM
   (a) n-gram drafts on a copy-heavy workload: the prompt holds a passage and the model's own earlier
       continuation of it, then edits, then the passage's end again (an agent re-emitting what it
       read); the reply follows the earlier continuation as far as the model does;
-  (b) MTP drafts: not available (v4serve does not load the MTP layer yet);
+  (b) MTP drafts at k = 1, 2 on the same workload, from the tiny model's multi-token-prediction layer:
+      its weights are random (the main weights are the served tiny model's), so it guesses badly and
+      this row measures what drafting and verifying cost when little is kept, not what a trained
+      layer gains;
   (c) an oracle drafter that is always right (test-only: it knows the reply), at k = 1, 2, 3, which
       bounds what the verifier path can gain on this machine.
 
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.model import DeepseekV4  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.engine.speculative import SpeculativeConfig  # noqa: E402
 
@@ -57,9 +60,13 @@ def main() -> None:
     copying = passage + earlier + edits + passage[-160:]
     plain = {"copy-heavy": generate(model, copying, args.tokens)[0], "passage": earlier}
 
+    with_mtp = build_tiny(tiny_config(num_nextn_predict_layers=1))  # the same main weights, and a random MTP layer
     runs: dict[str, tuple[str, list[int], SpeculativeConfig | None, bool]] = {
         "(a) no speculation": ("copy-heavy", copying, None, False),
         "(a) n-gram k=3": ("copy-heavy", copying, SpeculativeConfig("ngram", 3, 1, 4), False),
+        "(b) no speculation": ("copy-heavy", copying, None, False),
+        "(b) MTP k=1": ("copy-heavy", copying, SpeculativeConfig("mtp", 1), False),
+        "(b) MTP k=2": ("copy-heavy", copying, SpeculativeConfig("mtp", 2), False),
         "(c) no speculation": ("passage", passage, None, False),
     }
     for k in (1, 2, 3):
@@ -68,9 +75,10 @@ def main() -> None:
 
     def job(name: str):
         workload, prompt, spec, use_oracle = runs[name]
+        net = with_mtp if name.startswith("(b)") else model
 
         def run() -> None:
-            out, engines[name] = generate(model, prompt, args.tokens, spec, plain[workload] if use_oracle else None)
+            out, engines[name] = generate(net, prompt, args.tokens, spec, plain[workload] if use_oracle else None)
             assert out == plain[workload], f"{name}: speculation changed the greedy tokens"
         return run
 
@@ -85,7 +93,6 @@ def main() -> None:
                          "draft_tokens": counters.draft_tokens, "accepted_tokens": counters.accepted_tokens}
         rows.append([name, f"{args.tokens / seconds[name]:.1f}", f"{base / seconds[name]:.2f}", f"{mean_length:.2f}",
                      f"{counters.accepted_tokens}/{counters.draft_tokens}"])
-    rows.insert(2, ["(b) MTP", "-", "-", "-", "not available: the MTP layer is not loaded yet"])
     print_table(f"speculative decoding, batch 1, {args.tokens} greedy tokens, tiny model on this machine "
                 "(speedup: against the same workload without speculation, measured in turns)",
                 ["run", "tokens/s", "speedup", "mean acceptance length", "accepted/proposed"], rows)

@@ -25,10 +25,11 @@ class LayerKV:
     index_pending_score: torch.Tensor | None = None  # [S, 2m, 2·dI]
     entries: torch.Tensor | None = None  # [NB, B/m, d], or FP8 key records [NB, B/m, bytes]
     index_keys: torch.Tensor | None = None  # [NB, B/m, dI]
+    hidden: torch.Tensor | None = None  # [S, hc, D]: a multi-token-prediction layer's input state
 
     def slot_tensors(self) -> list[torch.Tensor]:
         parts = (self.window, self.pending_kv, self.pending_score, self.index_pending_kv,
-                 self.index_pending_score)
+                 self.index_pending_score, self.hidden)
         return [t for t in parts if t is not None]
 
     def block_tensors(self) -> list[torch.Tensor]:

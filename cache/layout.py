@@ -42,6 +42,8 @@ class ModelShape(Protocol):
     index_head_dim: int
     window: int
     compress_ratios: tuple[int, ...]
+    hidden_size: int
+    hc_mult: int
 
     def layer_kind(self, layer: int) -> str: ...
 
@@ -89,6 +91,10 @@ class LayerLayout:
     window: int
     block_size: int
     record: KVRecord | None = None  # FP8 window rows and entries; None: one compute-dtype value per channel
+    # A multi-token-prediction layer's extra slot rows: the main model's last hidden state [hc, D] at the
+    # position before the layer's next one (its input there), kept with the window so that a slot copy,
+    # snapshot or store file carries everything the layer needs to go on.
+    hidden: tuple[int, int] | None = None
 
     @property
     def overlap(self) -> bool:
@@ -117,6 +123,8 @@ class LayerLayout:
             shapes["pending_kv"] = shapes["pending_score"] = (self.pending_rows, self.pending_width)
         if self.overlap:  # the indexer's own compressor: overlapping, 2·dI wide
             shapes["index_pending_kv"] = shapes["index_pending_score"] = (2 * self.ratio, 2 * self.index_head_dim)
+        if self.hidden is not None:
+            shapes["hidden"] = self.hidden
         return shapes
 
     def block_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -155,22 +163,22 @@ class KVLayout:
     block_size: int
     window: int
 
+    # Multi-token-prediction layers after the main ones (window-only, each with its hidden rows).
+    mtp_layers: int = 0
+
     @classmethod
-    def from_config(cls, cfg: ModelShape, record: KVRecord | None = None) -> KVLayout:
+    def from_config(cls, cfg: ModelShape, record: KVRecord | None = None, mtp_layers: int = 0) -> KVLayout:
         block = cfg.block_size
-        layers = tuple(
-            LayerLayout(
-                kind=cfg.layer_kind(i),
-                ratio=cfg.compress_ratios[i],
-                head_dim=cfg.head_dim,
-                index_head_dim=cfg.index_head_dim,
-                window=cfg.window,
-                block_size=block,
-                record=record,
-            )
-            for i in range(cfg.num_layers)
-        )
-        return cls(layers=layers, block_size=block, window=cfg.window)
+
+        def layer(i: int, hidden: tuple[int, int] | None = None) -> LayerLayout:
+            return LayerLayout(kind=cfg.layer_kind(i), ratio=cfg.compress_ratios[i] if i < cfg.num_layers else 0,
+                               head_dim=cfg.head_dim, index_head_dim=cfg.index_head_dim, window=cfg.window,
+                               block_size=block, record=record, hidden=hidden)
+
+        mtp = (cfg.hc_mult, cfg.hidden_size)
+        layers = (*(layer(i) for i in range(cfg.num_layers)),
+                  *(layer(cfg.num_layers + k, mtp) for k in range(mtp_layers)))
+        return cls(layers=layers, block_size=block, window=cfg.window, mtp_layers=mtp_layers)
 
     def with_record(self, record: KVRecord | None) -> KVLayout:
         """The same model with keys stored another way (for the startup table's comparison)."""
@@ -190,8 +198,8 @@ class KVLayout:
     def table(self, itemsize: int) -> list[tuple[str, int, float, int]]:
         """Rows of (layer kind, layer count, Block Cache bytes per token, State Cache bytes per slot)."""
         rows = []
-        for kind in ("swa", "csa", "hca"):
-            group = [layer for layer in self.layers if layer.kind == kind]
+        for kind in ("swa", "csa", "hca", "mtp"):  # a multi-token-prediction layer has its own row
+            group = [layer for layer in self.layers if ("mtp" if layer.hidden is not None else layer.kind) == kind]
             if not group:
                 continue
             per_token = sum(layer.block_bytes(itemsize) for layer in group) / self.block_size

@@ -23,6 +23,7 @@ from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
+from v4serve.engine.mtp import MTPDrafter, PassRows
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
 from v4serve.engine.sampler import Sampler
 from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
@@ -121,6 +122,8 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, 
         return "off (--batch-invariant drives its per-row kernels from the host)"
     if ranks is not None:
         return "off (not captured under tensor parallelism yet)"
+    if config.speculative is not None and config.speculative.method == "mtp":
+        return "off (MTP drafts read every step's hidden states)"
     return "on"
 
 
@@ -145,7 +148,12 @@ class LLMEngine:
         cfg = model.cfg
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
         record = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), config.kv_cache_dtype)
-        self.layout = KVLayout.from_config(cfg, record)
+        mtp = config.speculative is not None and config.speculative.method == "mtp"
+        if mtp and not len(model.mtp):
+            raise ValueError("speculative method 'mtp' needs the model loaded with its multi-token-prediction layer")
+        if mtp and ranks is not None:
+            raise ValueError("speculative method 'mtp' does not run under tensor parallelism yet; use method 'ngram'")
+        self.layout = KVLayout.from_config(cfg, record, mtp_layers=int(mtp))
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
@@ -179,6 +187,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
             max_waiting=config.max_waiting), self.kv, self._drafter(config.speculative), self.eos_token_id)
+        self.mtp = MTPDrafter(model, self.device_kv, config.speculative.num_speculative_tokens) if mtp else None
+        # The pass of this step, while its drafted requests' drafts are judged: each row's last state
+        # and token, and each request's first row (what the MTP layer reads of kept rows).
+        self._pass: tuple[torch.Tensor, torch.Tensor, dict[str, int]] | None = None
         self.spec = SpecCounters()
         self._kept_slots: dict[str, list[torch.Tensor]] = {}  # slot states before this step's drafts
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
@@ -202,6 +214,8 @@ class LLMEngine:
     def _drafter(spec: SpeculativeConfig | None) -> Drafter | None:
         if spec is None:
             return None
+        if spec.method == "mtp":
+            return MTPDrafter.drafts
         if spec.method != "ngram":
             raise ValueError(f"speculative method {spec.method!r} is not available")
         k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -307,7 +321,16 @@ class LLMEngine:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
         if self.device_kv.device.type == "cpu":
             torch.set_num_threads(threads)
-        return self.model(input_ids, meta, self.device_kv)
+        if self.mtp is None:
+            return self.model(input_ids, meta, self.device_kv)
+        logits, states = self.model.forward_states(input_ids, meta, self.device_kv)
+        offsets = {c.request.request_id: seq.offset for c, seq in zip(chunks, seqs, strict=True)}
+        self._pass = (states, input_ids, offsets)
+        # Rows without drafts are kept whatever is sampled: the MTP layer takes them now, before
+        # `update` seals blocks and snapshots the slots.
+        self.mtp.commit([PassRows(c.request, seq.offset, c.num_new) for c, seq in zip(chunks, seqs, strict=True)
+                         if not c.drafts], states, input_ids)
+        return logits
 
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         # Row layout and completion are decided on the pre-step counts.
@@ -329,14 +352,31 @@ class LLMEngine:
                 sampled.append((len(outputs), chunk, range(i - 1 - len(chunk.drafts), i)))
                 outputs.append(None)
         if sampled:
-            for (place, chunk, _), samples in zip(sampled, self._sample(sampled, logits), strict=True):
+            samples_of = self._sample(sampled, logits)
+            if self.mtp is not None:
+                self._commit_kept_drafts([chunk for _, chunk, _ in sampled], samples_of)
+            for (place, chunk, _), samples in zip(sampled, samples_of, strict=True):
                 try:
                     outputs[place] = (self._accept_drafts(chunk, samples) if chunk.drafts
                                       else self._accept(chunk.request, _sample_or_raise(samples[0])))
                 except Exception as exc:
                     outputs[place] = self._failed_after_forward(chunk.request, exc)
         self._kept_slots.clear()
+        if self.mtp is not None:
+            self.mtp.propose([c.request for _, c, _ in sampled if c.request.request_id in self.requests
+                              and not c.request.draft_pause and MTPDrafter.ready(c.request)])
+            self._pass = None
         return outputs  # type: ignore[return-value]
+
+    def _commit_kept_drafts(self, chunks: list[ScheduledChunk], samples_of: list[list[Sample | Exception]]) -> None:
+        """The MTP layer takes the rows of passes whose drafts were all kept (before `_accept_drafts`
+        seals them); a pass with a rejected draft is undone whole, the layer's rows with it."""
+        assert self.mtp is not None and self._pass is not None
+        states, ids, offsets = self._pass
+        kept = [c for c, samples in zip(chunks, samples_of, strict=True) if c.drafts and accepted_count(
+            c.drafts, [s.token if isinstance(s, Sample) else None for s in samples]) == len(c.drafts)]
+        if kept:
+            self.mtp.commit([PassRows(c.request, offsets[c.request.request_id], c.num_new) for c in kept], states, ids)
 
     def _sample(self, sampled: list[tuple[int, ScheduledChunk, range]], logits: torch.Tensor
                 ) -> list[list[Sample | Exception]]:

@@ -134,6 +134,10 @@ class Request:
     # whose drafts were all rejected doubles it, up to MAX_DRAFT_BACKOFF; one that kept a draft resets it).
     draft_pause: int = 0
     draft_backoff: int = 0
+    # Drafts the multi-token-prediction layer made (engine/mtp.py), valid while the request has
+    # `mtp_drafts_at` tokens.
+    mtp_drafts: list[int] = field(default_factory=list)
+    mtp_drafts_at: int = -1
     # One entry per prompt token from the second on (the first has none), when asked for.
     prompt_logprobs: list = field(default_factory=lambda: [None])
     grammar: TokenGrammar | None = None  # its matcher, when sampling.grammar is set

@@ -48,7 +48,8 @@ def after_pass(pause_backoff: tuple[int, int], kept: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config` shape: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_min": a, "prompt_lookup_max": b}."""
+    "prompt_lookup_min": a, "prompt_lookup_max": b}, or {"method": "mtp", "num_speculative_tokens": k}
+    (the checkpoint's multi-token-prediction layer, run k times on its own guesses: engine/mtp.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -72,9 +73,8 @@ class SpeculativeConfig:
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, got {method!r}")
-        if method == "mtp":
-            raise ValueError("--speculative-config: method 'mtp' needs the checkpoint's multi-token-prediction "
-                             "layer, which v4serve does not load yet; use method 'ngram'")
+        if method == "mtp" and unknown_for_mtp(value):
+            raise ValueError(f"--speculative-config: {sorted(unknown_for_mtp(value))} apply to method 'ngram' only")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer from 1 to 16, got {k!r}")
@@ -89,8 +89,15 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
     def describe(self) -> str:
+        if self.method == "mtp":
+            return f"mtp, {self.num_speculative_tokens} draft tokens from the checkpoint's multi-token-prediction layer"
         return (f"{self.method}, {self.num_speculative_tokens} draft tokens, n-grams of "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max} tokens")
+
+
+def unknown_for_mtp(value: dict[str, Any]) -> set[str]:
+    """Keys of a --speculative-config that mean nothing for MTP drafts."""
+    return set(value) & {"prompt_lookup_min", "prompt_lookup_max"}
 
 
 def ngram_drafts(tokens: Sequence[int], k: int, shortest: int, longest: int) -> list[int]:

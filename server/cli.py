@@ -69,7 +69,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                                 "instead of a slice of every expert"),
     ("--speculative-config", str, "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
                                   "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}' "
-                                  "(drafts copied from the request's own context; greedy output unchanged)"),
+                                  "(drafts copied from the request's own context), or '{\"method\": \"mtp\", "
+                                  "\"num_speculative_tokens\": 2}' (drafts from the checkpoint's "
+                                  "multi-token-prediction layer); greedy output unchanged"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),
@@ -205,13 +207,20 @@ def plan_main(args: argparse.Namespace) -> int:
             memory_bytes=memory, tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
             device=args.device, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            mtp=_speculative_method(args.speculative_config) == "mtp")
         plan = plan_model(args.model, settings)
     except ValueError as exc:  # PlanError, CheckpointError, a bad config.json
         print(f"v4serve plan: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
     return 0 if plan.fits else 1
+
+
+def _speculative_method(value: str | None) -> str | None:
+    from v4serve.engine.speculative import SpeculativeConfig
+
+    return SpeculativeConfig.parse(value).method if value else None
 
 
 def _local_memory(device: str) -> int:
@@ -248,6 +257,8 @@ def _add_plan_parser(sub: Any) -> None:
                       help="token budget of one step, for the activation reserve")
     plan.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                       help="sequences sampled per step, for the logits in the activation reserve")
+    plan.add_argument("--speculative-config", default=None,
+                      help='as serve: {"method": "mtp", ...} counts the multi-token-prediction layer in')
     plan.add_argument("--json", action="store_true", help="one JSON object (every figure in bytes) instead of a table")
     plan.set_defaults(func=plan_main)
 

@@ -23,7 +23,7 @@ from v4serve.engine.model.packed import packed_count, resident_bytes
 from v4serve.engine.model.parallel import ParallelConfig, default_threads
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
 from v4serve.engine.model.resident import resolve_weight_dtype
-from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.engine.process.rank_group import STEP_TIMEOUT, RankGroup, local_device, worker_loop
 from v4serve.kernels.registry import load_kernels, resolve_backend
 from v4serve.server.config import DEFAULT_STORE_BYTES, LaunchedRank, ServeConfig, default_store_dir, launched_rank
@@ -41,8 +41,10 @@ def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: i
     check_kv_cache_dtype(cfg.kv_cache_dtype)  # before minutes of loading
     backend = resolve_backend(cfg.attention_backend, device)
     kernels = load_kernels(backend, device, batch_invariant=cfg.batch_invariant)  # checked before loading
-    if cfg.model == "tiny":
-        model = build_tiny(seed=cfg.seed).to(device=device, dtype=dtype)
+    mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
+    if cfg.model == "tiny":  # with its random MTP layer when drafts come from it
+        model = build_tiny(tiny_config(num_nextn_predict_layers=1) if mtp else None, cfg.seed).to(device=device,
+                                                                                                  dtype=dtype)
     else:
         folder = Path(cfg.model)
         if not folder.is_dir():
@@ -51,7 +53,7 @@ def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: i
         # torch twins elsewhere); bf16/fp32 dequantize them at load.
         packed = resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint"
         model = load_model(folder, device=device, dtype=dtype, packed=packed, parallel=parallel,
-                           progress=parallel is None or parallel.rank == 0)
+                           progress=parallel is None or parallel.rank == 0, mtp=mtp)
     model.use_kernels(kernels)
     return model
 
@@ -118,7 +120,7 @@ def check_capacity(cfg: ServeConfig, folder: Path, device: torch.device, dtype: 
         tensor_parallel_size=cfg.tensor_parallel_size, expert_parallel=cfg.expert_parallel,
         weight_dtype=cfg.weight_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
         max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs)
+        max_num_seqs=cfg.max_num_seqs, mtp=cfg.speculative is not None and cfg.speculative.method == "mtp")
     plan = plan_checkpoint(folder, settings)
     if not plan.fits:
         raise ValueError(f"{folder} does not fit in the free memory of {device}; nothing was loaded.\n{plan.table()}")

@@ -12,6 +12,8 @@ import pytest
 
 from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tokens
+from tests.test_mtp import mtp_model, recording, reference_drafts
+from v4serve.engine.speculative import SpeculativeConfig
 
 
 def settle_store_io(engine) -> None:
@@ -58,14 +60,24 @@ def test_random_churn_with_speculative_drafts(tmp_path, mode):
     churn(tmp_path, mode, store=True, drafts=True)
 
 
-def churn(tmp_path, mode: str, store: bool, drafts: bool) -> None:
+def test_random_churn_with_mtp_drafting_beside(tmp_path):
+    """With the MTP layer drafting at every step while the scheduler checks the cold run's drafts (kept
+    and rejected passes meet preemption, eviction, aborts and store reads): the layer's drafts, a sample
+    of them checked, are those of an uncached pass."""
+    churn(tmp_path, "periodic", store=True, drafts=True, mtp=True)
+
+
+def churn(tmp_path, mode: str, store: bool, drafts: bool, mtp: bool = False) -> None:
     rng = random.Random(f"churn-{mode}-{store}" + ("-drafts" if drafts else ""))  # str seeds are stable across runs
-    model = small_model()  # 16-token blocks, window 8
+    model = mtp_model() if mtp else small_model()  # 16-token blocks, window 8 (the same main weights)
     bases = [tokens(rng.randint(20, 90), 100 + i) for i in range(4)]
     # Reads past the read timeout would be misses: none is, however slow the machine.
     extra = {"kv_store_dir": str(tmp_path), "kv_store_read_timeout": PATIENCE} if store else {}
+    if mtp:
+        extra["speculative"] = SpeculativeConfig("mtp", 2)
     engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=32, max_num_seqs=3, num_blocks=10,
                         max_num_batched_tokens=40, max_prefill_chunk=24, **extra)
+    made = recording(engine) if mtp else []
     pending = []
     for i in range(18):
         base = rng.choice(bases)
@@ -101,3 +113,6 @@ def churn(tmp_path, mode: str, store: bool, drafts: bool) -> None:
     assert stats.prefix_hits + stats.prefix_hits_disk > 0 and stats.preemptions > 0
     if drafts:
         assert 0 < engine.spec.accepted_tokens < engine.spec.draft_tokens
+    for context, guesses in rng.sample(made, min(5, len(made))):
+        assert guesses == reference_drafts(model, context, 2), f"after {len(context)} tokens"
+    assert not mtp or len(made) > 50

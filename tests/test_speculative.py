@@ -220,7 +220,8 @@ def test_speculative_config_takes_vllms_shape_and_refuses_bad_values() -> None:
                       (json.dumps({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}), "unknown keys"),
                       (json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                                    "prompt_lookup_max": 2}), "above prompt_lookup_max"),
-                      (json.dumps({"method": "mtp", "num_speculative_tokens": 1}), "does not load yet")]:
+                      (json.dumps({"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_min": 2}),
+                       "apply to method 'ngram' only")]:
         with pytest.raises(ValueError, match=says):
             SpeculativeConfig.parse(bad)
 

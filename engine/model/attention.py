@@ -42,7 +42,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.kind = cfg.layer_kind(layer)
-        self.ratio = cfg.compress_ratios[layer]
+        self.ratio = cfg.ratio(layer)
         ranks = parallel.size if parallel is not None else 1
         h, d = cfg.num_heads // ranks, cfg.head_dim  # this rank's heads
         self.n_heads, self.head_dim, self.window = h, d, cfg.window

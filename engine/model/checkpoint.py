@@ -25,10 +25,11 @@ from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
 QUANTIZE_MODES = ("fp8", "fp4", "mixed")
 
 # What the official checkpoints store in FP8 (e4m3, an e8m0 scale per 128×128 block): the attention's
-# projections but the compressors' and the indexer's head weights, and the shared expert. Routed
-# experts are FP4 (e2m1 pairs, an e8m0 scale per 32) in `mixed`, the official layout.
+# projections but the compressors' and the indexer's head weights, the shared expert, and a
+# multi-token-prediction layer's input projections. Routed experts are FP4 (e2m1 pairs, an e8m0 scale
+# per 32) in `mixed`, the official layout.
 _FP8_NAMES = re.compile(r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"
-                        r"|\.ffn\.shared_experts\.w[123]\.weight$")
+                        r"|\.ffn\.shared_experts\.w[123]\.weight$|^mtp\.\d+\.[eh]_proj\.weight$")
 _ROUTED_NAMES = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 log = logging.getLogger(__name__)
@@ -112,18 +113,24 @@ def _shard(tensors: dict[str, torch.Tensor], limit: int | None) -> list[dict[str
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True, packed: bool = False, parallel: ParallelConfig | None = None) -> DeepseekV4:
+               progress: bool = True, packed: bool = False, parallel: ParallelConfig | None = None,
+               mtp: bool = False) -> DeepseekV4:
     """Build the model a checkpoint folder describes and load its weights, each tensor put on `device`
     as it is read. `packed`: FP8/FP4 weights whose layers can compute from them stay in checkpoint
     precision (`--weight-dtype checkpoint`); the rest, and everything when not `packed`, is
     dequantized to `dtype`. `parallel`: build and read only that rank's shard (engine/model/parallel.py);
-    the process group is needed only to run it, not to load it."""
+    the process group is needed only to run it, not to load it. `mtp`: also the first
+    multi-token-prediction layer (speculative decoding)."""
     cfg = ModelConfig.from_dict(read_config_json(folder))
-    formats = packed_formats(folder) if packed else {}
+    if mtp and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"{folder} has no multi-token-prediction layer (its config.json says "
+                         "num_nextn_predict_layers 0): speculative method 'mtp' needs one; use method 'ngram'")
+    formats = packed_formats(folder, mtp) if packed else {}
     parallel = local(parallel)
     sharding = RankShard(cfg, parallel) if parallel is not None else None
     with torch.device("meta"):
-        model = DeepseekV4(cfg, parallel).to(dtype)  # packed buffers are bytes: the cast leaves them alone
+        # Packed buffers are bytes: the cast leaves them alone.
+        model = DeepseekV4(cfg, parallel, mtp_layers=int(mtp)).to(dtype)
         pack_model(model, formats)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     # Not `to_empty`: its `empty_like` of a meta tensor runs torch's Python reference and imports

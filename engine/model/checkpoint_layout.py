@@ -230,7 +230,9 @@ class Plan:
     problems: list[str] = field(default_factory=list)
 
 
-def plan_units(stored: Mapping[str, Stored]) -> Plan:
+def plan_units(stored: Mapping[str, Stored], mtp: bool = False) -> Plan:
+    """How to read every tensor of a checkpoint; multi-token-prediction ones (`mtp.*`) only with `mtp`
+    (counted as skipped otherwise)."""
     plan = Plan()
     weights, unscaled_fp8 = _pair_scales(stored)
     for key in unscaled_fp8:
@@ -240,7 +242,7 @@ def plan_units(stored: Mapping[str, Stored]) -> Plan:
     for key, scale in weights.items():
         entry = stored[key]
         name = official_name(key)
-        if name.startswith("mtp."):
+        if name.startswith("mtp.") and not (mtp and name.startswith("mtp.0.")):  # the first layer serves
             plan.skipped_mtp += 1
             continue
         merged = _MERGED_EXPERTS.match(name)
@@ -364,12 +366,13 @@ def _check_scale_shape(unit: Unit) -> list[str]:
 # Headers only (the capacity plan, packed residency)
 
 
-def packed_formats(path: str | Path) -> dict[str, PackedFormat]:
+def packed_formats(path: str | Path, mtp: bool = False) -> dict[str, PackedFormat]:
     """From the headers alone: the quantized weights that can stay packed when resident
-    (`resident.can_stay_quantized`), by official name. A merged FP8 expert tensor whose halves do not
-    split on a 128-row scale block is left out (it is dequantized at load)."""
+    (`resident.can_stay_quantized`), by official name; the multi-token-prediction layer's too with `mtp`.
+    A merged FP8 expert tensor whose halves do not split on a 128-row scale block is left out (it is
+    dequantized at load)."""
     files, weight_map = shard_files(Path(path))
-    plan = plan_units(read_headers(files, weight_map))
+    plan = plan_units(read_headers(files, weight_map), mtp)
     out: dict[str, PackedFormat] = {}
     for unit in plan.units:
         if unit.scale is None:
@@ -390,17 +393,17 @@ class HeaderScan:
     expert of a merged tensor, its w1/w3 half), stored dtype, scale dtype or None)."""
 
     tensors: tuple[tuple[str, tuple[int, ...], str, str | None], ...]
-    mtp_tensors: int  # multi-token-prediction tensors (scales included), which the loader skips
+    mtp_tensors: int  # multi-token-prediction tensors (scales included) the loader skips
     mtp_bytes: int
 
 
-def scan_headers(path: str | Path) -> HeaderScan:
+def scan_headers(path: str | Path, mtp: bool = False) -> HeaderScan:
     """Every tensor of a checkpoint as `load_checkpoint` would read it, without reading tensor data.
     Raises CheckpointError for what the loader would refuse before reading (unpaired FP8 tensors,
     duplicates, unreadable headers)."""
     files, weight_map = shard_files(Path(path))
     stored = read_headers(files, weight_map)
-    plan = plan_units(stored)
+    plan = plan_units(stored, mtp)
     if plan.problems:
         raise CheckpointError(f"checkpoint {path} cannot be loaded:\n  " + "\n  ".join(plan.problems))
     tensors = tuple(
@@ -408,5 +411,6 @@ def scan_headers(path: str | Path) -> HeaderScan:
         for unit in plan.units
         for name, rows in unit.outputs
     )
-    mtp = [entry for key, entry in stored.items() if key.removeprefix("model.").startswith("mtp.")]  # as plan_units
-    return HeaderScan(tensors, len(mtp), sum(entry.nbytes for entry in mtp))
+    skipped = [entry for key, entry in stored.items() if official_name(key).startswith("mtp.")
+               and not (mtp and official_name(key).startswith("mtp.0."))]  # as plan_units
+    return HeaderScan(tensors, len(skipped), sum(entry.nbytes for entry in skipped))

@@ -81,8 +81,13 @@ class ModelConfig:
             raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
 
     # ---- derived facts -------------------------------------------------------------------
+    def ratio(self, layer: int) -> int:
+        """A layer's compress ratio (0: window only). Past the main layers are the multi-token-prediction
+        layers, which are window-only."""
+        return self.compress_ratios[layer] if layer < self.num_layers else 0
+
     def layer_kind(self, layer: int) -> str:
-        ratio = self.compress_ratios[layer]
+        ratio = self.ratio(layer)
         if ratio == 0:
             return "swa"
         return "csa" if ratio == self.csa_ratio else "hca"

@@ -224,14 +224,20 @@ def stream_checkpoint(
     FP4 ones dequantized, come back as `dtype`; tensors whose expected dtype is an integer type
     (`ffn.gate.tid2eid`) come back as that type. Weights named in `packed` (see `checkpoint_layout.packed_formats`)
     come back as stored instead: their codes as bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales
-    as int32 bits). Multi-token-prediction tensors (`mtp.*`) are skipped. Raises CheckpointError
+    as int32 bits). Multi-token-prediction tensors (`mtp.*`) are read when `expected` names them, else
+    skipped. Raises CheckpointError
     naming the offending tensors, before any tensor data is read, when the checkpoint does not match.
     `sharding`: one rank's part (module docstring); `expected` then holds that rank's shapes.
     """
     path = Path(path)
     packed = dict(packed or {})
     files, weight_map = shard_files(path)
-    plan = plan_units(read_headers(files, weight_map))
+    mtp = any(name.startswith("mtp.") for name in expected)
+    plan = plan_units(read_headers(files, weight_map), mtp)
+    if mtp and not any(name.startswith("mtp.") for name in plan.sources):
+        raise CheckpointError(f"checkpoint {path} holds no multi-token-prediction tensors (mtp.*), though its "
+                              "config names an MTP layer (transformers leaves them out when it saves a model): "
+                              "speculative method 'mtp' needs the original checkpoint's files")
     if sharding is not None:
         _shard_plan(plan, sharding)
     problems = check_plan(plan, _as_dequantized(expected, packed))
@@ -241,7 +247,7 @@ def stream_checkpoint(
     if plan.skipped_mtp:
         reporter.emit(
             f"skipping {plan.skipped_mtp} multi-token-prediction (mtp.*) tensors: "
-            "v4serve does not load the MTP block yet"
+            "speculative decoding with method 'mtp' uses them (--speculative-config)"
         )
     int_dtypes = {n: spec[1] for n, spec in expected.items() if spec[1] is not None and not spec[1].is_floating_point}
     for name, tensor in _read_all(plan, files, dtype, int_dtypes, packed, reporter):

@@ -214,8 +214,39 @@ class Block(nn.Module):
         return self._mixed(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, input_ids))
 
 
+class MTPBlock(Block):
+    """A multi-token-prediction layer (`mtp.k.*`): from the main model's last state at position p (its
+    streams before the head) and the embedding of token p+1, a window-only block whose output, through
+    its own mHC head and norm and the shared head, guesses token p+2. Its output state stands in for
+    the main model's at the next position, so the same layer guesses further ahead (recursive drafts)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, parallel: ParallelConfig | None = None) -> None:
+        super().__init__(cfg, cfg.num_layers + index, parallel)
+        d, hc = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * d))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                meta: AttentionMetadata, batch: RaggedBatch, layer_kv: LayerKV, rotary: Rotary, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """h [T, hc, D] the main state at each row's position, e [T, D] the embedding of the token after
+        it (`next_ids` [T]) → the layer's output state [T, hc, D]."""
+        k, t, hc, d = self.kernels, h.shape[0], h.shape[1], h.shape[2]
+        x = k.linear(self.hnorm(h).reshape(t * hc, d), weight_of(self.h_proj)).view(t, hc, d)
+        x = x + k.linear(self.enorm(e), weight_of(self.e_proj)).unsqueeze(1)
+        return super().forward(x, next_ids, positions, meta, batch, layer_kv, rotary, cos, sin)
+
+
 class DeepseekV4(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None, mtp_layers: int = 0) -> None:
+        """`mtp_layers`: how many of the checkpoint's multi-token-prediction layers to build (for
+        speculative decoding; they read the last KV layers of the `DeviceKV`)."""
         super().__init__()
         if parallel is not None:
             parallel.check(cfg)
@@ -238,6 +269,7 @@ class DeepseekV4(nn.Module):
         self.rotary_main = Rotary(cfg.rope_dim, cfg.rope_theta, None)
         self.rotary_compress = Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
         self.kernels = load_kernels("torch")
+        self.mtp = nn.ModuleList(MTPBlock(cfg, k, self.parallel) for k in range(mtp_layers))
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Switch every module that calls kernels (each has a `kernels` attribute) to a kernel set
@@ -258,17 +290,42 @@ class DeepseekV4(nn.Module):
         """input_ids [T] (the new tokens of every sequence, flattened) → logits [R, V] for
         `meta.logits_rows` (fp32). `batch`: `meta` as tensors, when the caller keeps them (a
         captured step reads its metadata from buffers it owns)."""
+        return self.forward_states(input_ids, meta, kv, batch)[0]
+
+    @torch.inference_mode()
+    def forward_states(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV,
+                       batch: RaggedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the last state of every row before the head, h [T, hc, D] (what the
+        multi-token-prediction layer reads)."""
         batch = batch if batch is not None else meta.ragged(input_ids.device)
         positions = batch.row_pos
         cs_main = self.rotary_main.cos_sin(positions)
         cs_comp = self.rotary_compress.cos_sin(positions)
         h = self._embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for block, layer_kv in zip(self.layers, kv.layers, strict=True):
+        for block, layer_kv in zip(self.layers, kv.layers[:len(self.layers)], strict=True):
             rotary, (cos, sin) = ((self.rotary_main, cs_main) if block.attn.kind == "swa"
                                   else (self.rotary_compress, cs_comp))
             h = block(h, input_ids, positions, meta, batch, layer_kv, rotary, cos, sin)
-        h = self._logit_rows(h, meta.logits_rows)
-        x = self.norm(self._hc_head(h))
+        return self._logits(self._logit_rows(h, meta.logits_rows), self), h
+
+    @torch.inference_mode()
+    def forward_mtp(self, h: torch.Tensor, next_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first multi-token-prediction layer over rows of known states: h [T, hc, D] the state at
+        each row's position (`meta`'s positions), next_ids [T] the token after each → logits [R, V] of
+        the token after that for `meta.logits_rows`, and the layer's output state [T, hc, D]. It reads
+        and writes its own window rows (the first KV layer past the main ones)."""
+        block = self.mtp[0]
+        batch = meta.ragged(next_ids.device)
+        cos, sin = self.rotary_main.cos_sin(batch.row_pos)  # a window-only layer: plain RoPE
+        out = block(h, self._embed(next_ids), next_ids, batch.row_pos, meta, batch, kv.layers[len(self.layers)],
+                    self.rotary_main, cos, sin)
+        return self._logits(self._logit_rows(out, meta.logits_rows), block), out
+
+    def _logits(self, h: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+        """h [R, hc, D] → logits [R, V] through `owner`'s mHC head and final norm (the model's, or an
+        MTP layer's) and the shared head."""
+        x = owner.norm(self._hc_head(h, owner))
         logits = self.kernels.linear(x.float(), self.head.weight.float())  # [R, V] (this rank's V_r)
         if self.parallel is None:
             return logits
@@ -288,9 +345,10 @@ class DeepseekV4(nn.Module):
             return self.embed(input_ids)
         return embed_shard(input_ids, self.embed.weight, self.vocab_rows[0])
 
-    def _hc_head(self, h: torch.Tensor) -> torch.Tensor:
+    def _hc_head(self, h: torch.Tensor, owner: nn.Module) -> torch.Tensor:
         eps = self.cfg.hc_eps
         mixes = self.kernels.linear(rms_norm(h.flatten(1).float(), None, self.cfg.rms_norm_eps),
-                                    self.hc_head_fn.float())
-        pre = self.kernels.rowwise(torch.sigmoid, mixes * self.hc_head_scale.float() + self.hc_head_base.float()) + eps
+                                    owner.hc_head_fn.float())
+        scaled = mixes * owner.hc_head_scale.float() + owner.hc_head_base.float()
+        pre = self.kernels.rowwise(torch.sigmoid, scaled) + eps
         return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

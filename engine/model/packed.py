@@ -68,8 +68,8 @@ def pack_experts(moe: nn.Module, fmt: PackedFormat) -> None:
         moe.formats[name] = fmt.fmt
 
 
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.\d+\.(w[123])\.weight$")
-_SHARED = re.compile(r"^(layers\.\d+\.ffn)\.shared_experts\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn)\.experts\.\d+\.(w[123])\.weight$")
+_SHARED = re.compile(r"^((?:layers|mtp)\.\d+\.ffn)\.shared_experts\.(w[123])\.weight$")
 
 
 def pack_model(model: nn.Module, formats: Mapping[str, PackedFormat]) -> None:

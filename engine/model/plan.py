@@ -297,8 +297,9 @@ def checkpoint_tensors(cfg: ModelConfig) -> list[StoredTensor]:
 
 
 def mtp_tensors(cfg: ModelConfig) -> list[StoredTensor]:
-    """The multi-token-prediction blocks a real checkpoint adds (v4serve skips them): a window-only
-    block with its own embedding/hidden projections, norms and mHC head."""
+    """The multi-token-prediction blocks a real checkpoint adds (v4serve loads the first for speculative
+    decoding with method 'mtp', and skips them otherwise): a window-only block with its own
+    embedding/hidden projections, norms and mHC head."""
     d = cfg.hidden_size
     tensors: list[StoredTensor] = []
     for k in range(cfg.num_nextn_predict_layers):
@@ -490,6 +491,7 @@ class PlanSettings:
     memory_utilization: float = DEFAULT_UTILIZATION
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    mtp: bool = False  # the first multi-token-prediction layer is loaded (speculative method 'mtp')
 
     def check(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -521,6 +523,7 @@ class CapacityPlan:
     num_layers: int
     max_model_len: int
     checkpoint_bytes: int  # the loaded tensors as stored, all ranks together
+    mtp_layers_loaded: int  # multi-token-prediction layers counted in (for speculative decoding)
     mtp_layers_skipped: int
     mtp_tensors_skipped: int
     mtp_bytes_skipped: int
@@ -566,6 +569,7 @@ class CapacityPlan:
             "device": s.device, "tensor_parallel_size": s.tensor_parallel_size, "expert_parallel": s.expert_parallel,
             "weight_dtype": self.weight_dtype, "compute_dtype": s.resolved_compute_dtype,
             "kv_cache_dtype": s.kv_cache_dtype, "num_layers": self.num_layers,
+            "mtp_layers_loaded": self.mtp_layers_loaded,
             "skipped": {"mtp_layers": self.mtp_layers_skipped, "mtp_tensors": self.mtp_tensors_skipped,
                         "mtp_bytes": self.mtp_bytes_skipped},
             "checkpoint_bytes": self.checkpoint_bytes,
@@ -600,8 +604,10 @@ def plan_model(model: str, settings: PlanSettings) -> CapacityPlan:
 def plan_preset(name: str, settings: PlanSettings) -> CapacityPlan:
     cfg = preset_config(name)
     mtp = mtp_tensors(cfg)
-    return build_plan(cfg, checkpoint_tensors(cfg), settings, model=name, source="preset",
-                      mtp=(sum(1 + (t.quant is not None) for t in mtp), sum(t.stored_bytes() for t in mtp)))
+    loaded = [t for t in mtp if settings.mtp and t.name.startswith("mtp.0.")]
+    skipped = [t for t in mtp if t not in loaded]
+    return build_plan(cfg, checkpoint_tensors(cfg) + loaded, settings, model=name, source="preset",
+                      mtp=(sum(1 + (t.quant is not None) for t in skipped), sum(t.stored_bytes() for t in skipped)))
 
 
 def plan_checkpoint(folder: str | Path, settings: PlanSettings) -> CapacityPlan:
@@ -611,7 +617,7 @@ def plan_checkpoint(folder: str | Path, settings: PlanSettings) -> CapacityPlan:
 
     settings.check()
     cfg = ModelConfig.from_dict(read_config_json(folder))
-    scan = scan_headers(folder)
+    scan = scan_headers(folder, mtp=settings.mtp and cfg.num_nextn_predict_layers > 0)
     tensors = [StoredTensor(name, tuple(shape), dtype, scale) for name, shape, dtype, scale in scan.tensors]
     return build_plan(cfg, tensors, settings, model=Path(folder).name, source=str(folder),
                       mtp=(scan.mtp_tensors, scan.mtp_bytes))
@@ -627,12 +633,15 @@ def build_plan(cfg: ModelConfig, tensors: list[StoredTensor], settings: PlanSett
     residency = _Residency(tp=tp, ep=ep, experts_per_rank=_ceil(cfg.n_routed_experts, tp),
                            weight_dtype=resolve_weight_dtype(settings.weight_dtype, settings.device),
                            float_itemsize=itemsize)
-    layout = KVLayout.from_config(cfg, key_record(cfg.head_dim, cfg.rope_dim, compute, settings.kv_cache_dtype))
+    mtp_loaded = int(settings.mtp and cfg.num_nextn_predict_layers > 0)
+    layout = KVLayout.from_config(cfg, key_record(cfg.head_dim, cfg.rope_dim, compute, settings.kv_cache_dtype),
+                                  mtp_layers=mtp_loaded)
     return CapacityPlan(
         model=model, source=source, settings=settings, weight_dtype=residency.weight_dtype,
         num_layers=cfg.num_layers, max_model_len=settings.max_model_len or default_max_model_len(cfg),
         checkpoint_bytes=sum(t.stored_bytes() for t in tensors),
-        mtp_layers_skipped=cfg.num_nextn_predict_layers, mtp_tensors_skipped=mtp[0], mtp_bytes_skipped=mtp[1],
+        mtp_layers_loaded=mtp_loaded, mtp_layers_skipped=cfg.num_nextn_predict_layers - mtp_loaded,
+        mtp_tensors_skipped=mtp[0], mtp_bytes_skipped=mtp[1],
         weights_per_rank=weight_bytes_per_rank(tensors, residency),
         state_cache_bytes_per_request=layout.state_bytes_per_slot(itemsize),
         block_cache_bytes_per_block=layout.block_bytes(itemsize), block_size=layout.block_size,
@@ -662,7 +671,8 @@ _WEIGHT_DTYPE_TEXT = {"checkpoint": "checkpoint precision (FP8/FP4 kept where ke
 
 def _table_lines(plan: CapacityPlan) -> Iterator[str]:
     s = plan.settings
-    skipped = f"; MTP layers not loaded: {plan.mtp_layers_skipped}" if plan.mtp_layers_skipped else ""
+    skipped = "; MTP layer loaded for speculative decoding" if plan.mtp_layers_loaded else ""
+    skipped += f"; MTP layers not loaded: {plan.mtp_layers_skipped}" if plan.mtp_layers_skipped else ""
     if plan.mtp_bytes_skipped:
         skipped += f" ({plan.mtp_tensors_skipped} tensors, {_size(plan.mtp_bytes_skipped)})"
     parallel = f"tensor parallel {s.tensor_parallel_size}" + (", expert parallel" if s.expert_parallel else "")

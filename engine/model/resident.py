@@ -14,10 +14,11 @@ import re
 
 WEIGHT_DTYPES = ("auto", "checkpoint", "bf16", "fp32")
 
-# Official names (`layers.{i}.` stripped) of the linear weights that may stay packed.
+# Official names of the linear weights that may stay packed (a multi-token-prediction layer's too).
 _PACKABLE = re.compile(
-    r"^layers\.\d+\.(?:"
-    r"attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)"
+    r"^(?:layers|mtp)\.\d+\.(?:"
+    r"e_proj|h_proj"
+    r"|attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)"
     r"|attn\.(?:indexer\.)?compressor\.(?:wkv|wgate)"
     r"|attn\.indexer\.(?:wq_b|weights_proj)"
     r"|ffn\.(?:experts\.\d+|shared_experts)\.w[123]"

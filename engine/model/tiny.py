@@ -59,13 +59,16 @@ def init_weights(model: DeepseekV4, seed: int = 0) -> DeepseekV4:
     # By checkpoint name (the MoE stacks its experts' weights under other names), so the weights
     # do not depend on how the model lays them out.
     buffers = dict(model.named_buffers())
-    state = model.state_dict()
-    model.load_state_dict({name: _init_tensor(name, t, gen) for name, t in sorted(state.items())
-                           if name not in buffers}, strict=False)
+    params = sorted((name, t) for name, t in model.state_dict().items() if name not in buffers)
+    # Multi-token-prediction layers last: the main weights are the same with them or without.
+    main = [(name, t) for name, t in params if not name.startswith("mtp.")]
+    model.load_state_dict({name: _init_tensor(name, t, gen) for name, t in main}, strict=False)
     for name, buf in sorted(buffers.items()):
         if name.endswith("tid2eid"):
             scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
             buf.copy_(scores.topk(cfg.num_experts_per_tok, dim=-1).indices)
+    mtp = [(name, t) for name, t in params if name.startswith("mtp.")]
+    model.load_state_dict({name: _init_tensor(name, t, gen) for name, t in mtp}, strict=False)
     return model
 
 
@@ -90,4 +93,7 @@ def _init_tensor(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.
 
 
 def build_tiny(cfg: ModelConfig | None = None, seed: int = 0) -> DeepseekV4:
-    return init_weights(DeepseekV4(cfg or TINY_CONFIG), seed).eval()
+    """The tiny model (or a sized variant) with random weights, its config's multi-token-prediction
+    layers included (`num_nextn_predict_layers`)."""
+    cfg = cfg or TINY_CONFIG
+    return init_weights(DeepseekV4(cfg, mtp_layers=cfg.num_nextn_predict_layers), seed).eval()
