@@ -4,7 +4,6 @@ to name the target); the model and torch are imported in the child only."""
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 
 from v4serve.engine.process.ipc import CoreAddresses
@@ -24,7 +23,8 @@ class EngineSpec:
 def main(spec: EngineSpec, addresses: CoreAddresses, parent_pid: int) -> None:
     logging.basicConfig(level=spec.serve.log_level.upper(), format=LOG_FORMAT)
     from v4serve.engine.process.core import run_engine_core
+    from v4serve.engine.process.lifecycle import leave
     from v4serve.server.model_loading import build_engine
 
-    sys.exit(run_engine_core(lambda: build_engine(spec.serve, spec.tokenizer_json, spec.eos_token_id),
-                             addresses, parent_pid))
+    leave(run_engine_core(lambda: build_engine(spec.serve, spec.tokenizer_json, spec.eos_token_id),
+                          addresses, parent_pid))

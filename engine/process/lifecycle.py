@@ -5,7 +5,11 @@ a child's exit status is reported in words."""
 from __future__ import annotations
 
 import ctypes
+import logging
+import multiprocessing
+import os
 import signal
+import sys
 
 # Signals whose default ends a process and that reach a whole process group (a terminal's Ctrl-C and
 # hangup, a service manager's stop, an operator's SIGUSR1/2 to the group).
@@ -28,6 +32,19 @@ def name_process(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def leave(code: int) -> None:
+    """End a subordinate process whose work is done (what must outlive it has landed: queued store
+    writes, its own children stopped, its last messages sent) without the interpreter's teardown of
+    torch: ~0.6 s of CPU at every stop. Logs and output are flushed first. A child process still
+    running gets the ordinary exit, which waits for it."""
+    if multiprocessing.active_children():
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def describe_exit(code: int | None) -> str:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.parallel import ParallelConfig, default_threads
-from v4serve.engine.process.lifecycle import describe_exit, setup_subordinate
+from v4serve.engine.process.lifecycle import describe_exit, leave, setup_subordinate
 from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, StepPlan, kv_digest, replay_writes
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def _spawned_worker(parallel: ParallelConfig, port: int, load_shard: LoadShard, 
     device = local_device(device, parallel.rank)
     dist.init_process_group(_backend(device), store=store, rank=parallel.rank, world_size=parallel.size,
                             timeout=STEP_TIMEOUT)
-    raise SystemExit(worker_loop(parallel, load_shard, parallel.rank))
+    leave(worker_loop(parallel, load_shard, parallel.rank))
 
 
 def worker_loop(parallel: ParallelConfig, load_shard: LoadShard, local_rank: int) -> int:
