@@ -23,13 +23,13 @@ from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
-from v4serve.engine.mtp import MTPDrafter, PassRows
+from v4serve.engine.mtp import MTPLayer, MTPRows, MTPSeed, mtp_drafts, mtp_ready
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
 from v4serve.engine.sampler import Sampler
 from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.speculative import SpecCounters, SpeculativeConfig, accepted_count, after_pass, ngram_drafts
 from v4serve.engine.stats import EngineStats
-from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, Ranks, StepPlan, kv_digest, step_threads
+from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, MTPPass, Ranks, StepPlan, kv_digest, step_threads
 from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
 from v4serve.kernels.attention import upload
@@ -151,8 +151,6 @@ class LLMEngine:
         mtp = config.speculative is not None and config.speculative.method == "mtp"
         if mtp and not len(model.mtp):
             raise ValueError("speculative method 'mtp' needs the model loaded with its multi-token-prediction layer")
-        if mtp and ranks is not None:
-            raise ValueError("speculative method 'mtp' does not run under tensor parallelism yet; use method 'ngram'")
         self.layout = KVLayout.from_config(cfg, record, mtp_layers=int(mtp))
         block = cfg.block_size
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
@@ -164,6 +162,7 @@ class LLMEngine:
                                   device)
         if ranks is not None:
             ranks.start(KVShape(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype))
+        self.mtp = MTPLayer(model, self.device_kv) if mtp else None
         self.cache_config = CacheConfig(
             block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
             num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
@@ -187,7 +186,6 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
             max_waiting=config.max_waiting), self.kv, self._drafter(config.speculative), self.eos_token_id)
-        self.mtp = MTPDrafter(model, self.device_kv, config.speculative.num_speculative_tokens) if mtp else None
         # The pass of this step, while its drafted requests' drafts are judged: each row's last state
         # and token, and each request's first row (what the MTP layer reads of kept rows).
         self._pass: tuple[torch.Tensor, torch.Tensor, dict[str, int]] | None = None
@@ -215,7 +213,7 @@ class LLMEngine:
         if spec is None:
             return None
         if spec.method == "mtp":
-            return MTPDrafter.drafts
+            return mtp_drafts
         if spec.method != "ngram":
             raise ValueError(f"speculative method {spec.method!r} is not available")
         k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -312,9 +310,13 @@ class LLMEngine:
                 self._kept_slots[r.request_id] = self.device_kv.copy_slot(kv.slot)
         meta = AttentionMetadata.build(seqs, [self.logit_rows(c) for c in chunks])
         threads = step_threads(len(ids), self._cpu_threads)
+        # Rows without drafts are kept whatever is sampled: the MTP layer takes them right after the
+        # pass, before `update` seals blocks and snapshots the slots.
+        kept_rows = ([MTPRows.of(c.request, seq.offset, c.num_new) for c, seq in zip(chunks, seqs, strict=True)
+                      if not c.drafts] if self.mtp is not None else [])
         if self.ranks is not None:
             assert isinstance(self.device_kv, MirroredDeviceKV)
-            self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads))
+            self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads, kept_rows))
         if (self.graphs is not None and self.graphs.fits(seqs)
                 and all(len(self.logit_rows(c)) == 1 for c in chunks)):
             return self.graphs.run(ids, seqs)  # a decode-only step: replayed
@@ -326,10 +328,7 @@ class LLMEngine:
         logits, states = self.model.forward_states(input_ids, meta, self.device_kv)
         offsets = {c.request.request_id: seq.offset for c, seq in zip(chunks, seqs, strict=True)}
         self._pass = (states, input_ids, offsets)
-        # Rows without drafts are kept whatever is sampled: the MTP layer takes them now, before
-        # `update` seals blocks and snapshots the slots.
-        self.mtp.commit([PassRows(c.request, seq.offset, c.num_new) for c, seq in zip(chunks, seqs, strict=True)
-                         if not c.drafts], states, input_ids)
+        self.mtp.commit(kept_rows, states, input_ids)
         return logits
 
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
@@ -363,8 +362,8 @@ class LLMEngine:
                     outputs[place] = self._failed_after_forward(chunk.request, exc)
         self._kept_slots.clear()
         if self.mtp is not None:
-            self.mtp.propose([c.request for _, c, _ in sampled if c.request.request_id in self.requests
-                              and not c.request.draft_pause and MTPDrafter.ready(c.request)])
+            self.propose_drafts([c.request for _, c, _ in sampled if c.request.request_id in self.requests
+                                 and not c.request.draft_pause and mtp_ready(c.request)])
             self._pass = None
         return outputs  # type: ignore[return-value]
 
@@ -375,8 +374,27 @@ class LLMEngine:
         states, ids, offsets = self._pass
         kept = [c for c, samples in zip(chunks, samples_of, strict=True) if c.drafts and accepted_count(
             c.drafts, [s.token if isinstance(s, Sample) else None for s in samples]) == len(c.drafts)]
-        if kept:
-            self.mtp.commit([PassRows(c.request, offsets[c.request.request_id], c.num_new) for c in kept], states, ids)
+        if not kept:
+            return
+        rows = [MTPRows.of(c.request, offsets[c.request.request_id], c.num_new) for c in kept]
+        if self.ranks is not None:
+            assert isinstance(self.device_kv, MirroredDeviceKV)
+            self.ranks.run_mtp(MTPPass(self.device_kv.take_writes(), rows=rows))
+        self.mtp.commit(rows, states, ids)
+
+    def propose_drafts(self, requests: list[Request]) -> None:
+        """The MTP layer's drafts for each request (`mtp_ready`), kept on it with the token count they
+        follow; the other ranks draft alike (their KV stays rank 0's)."""
+        if not requests:
+            return
+        assert self.mtp is not None and self.config.speculative is not None
+        seeds, k = [MTPSeed.of(r) for r in requests], self.config.speculative.num_speculative_tokens
+        if self.ranks is not None:
+            assert isinstance(self.device_kv, MirroredDeviceKV)
+            self.ranks.run_mtp(MTPPass(self.device_kv.take_writes(), seeds=seeds, k=k))
+        drafts = self.mtp.propose(seeds, k).tolist()  # one wait for the device, for every request
+        for r, d in zip(requests, drafts, strict=True):
+            r.mtp_drafts, r.mtp_drafts_at = d, r.num_tokens
 
     def _sample(self, sampled: list[tuple[int, ScheduledChunk, range]], logits: torch.Tensor
                 ) -> list[list[Sample | Exception]]:

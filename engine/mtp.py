@@ -14,6 +14,10 @@ kept, before the scheduler seals anything). Drafting (`propose`) runs the layer 
 sampled there, then on its own guesses at N, N+1, ...; the rows those write are put back afterwards
 (the row at N-1 is written again by the next commit, from the same inputs).
 
+Under tensor parallelism every rank runs the layer alike (its heads and experts split as the main
+layers'): what it runs is described by numbers alone (`MTPRows`, `MTPSeed`), which rank 0 sends the
+other ranks (engine/step_plan.py) and every rank hands to its own `MTPLayer`.
+
 Drafts are the layer's greedy guesses: a proposal that puts all its mass on one token, which the
 engine's verification keeps exact (engine/speculative.py). Window rows below a request's `window_from`
 (a recompute after a hit) are absent for this layer as for the others; its first row after them waits
@@ -35,88 +39,115 @@ from v4serve.kernels.attention import upload
 
 
 @dataclass(frozen=True)
-class PassRows:
-    """A request's rows in a forward pass whose tokens are kept: `count` rows from `offset`, at
-    positions from the request's `num_computed_tokens` (not advanced yet)."""
+class MTPRows:
+    """A request's rows of a pass whose tokens are kept: `count` rows from `offset`, at positions from
+    `start` (its computed tokens before the pass), and where its cache is."""
 
-    request: Request
+    slot: int
+    start: int
     offset: int
     count: int
+    block_table: tuple[int, ...]
+    frozen_until: int
+    window_from: int
+
+    @classmethod
+    def of(cls, request: Request, offset: int, count: int) -> MTPRows:
+        kv = request.kv
+        assert kv.slot is not None
+        return cls(kv.slot, request.num_computed_tokens, offset, count, tuple(kv.block_table), kv.frozen_until,
+                   kv.window_from)
 
 
-class MTPDrafter:
-    def __init__(self, model: DeepseekV4, device_kv: DeviceKV, num_drafts: int) -> None:
-        self.model, self.device_kv, self.num_drafts = model, device_kv, num_drafts
-        self.layer = device_kv.layers[model.cfg.num_layers]
-        assert self.layer.hidden is not None, "the KV layout has no multi-token-prediction layer"
-        self.window = self.layer.layout.window
+@dataclass(frozen=True)
+class MTPSeed:
+    """What drafting for one request starts from: the layer's next position (N-1), the token there (the
+    last sampled), and where its cache is."""
 
-    def commit(self, parts: Sequence[PassRows], states: torch.Tensor, ids: torch.Tensor) -> None:
+    slot: int
+    start: int
+    token: int
+    block_table: tuple[int, ...]
+    frozen_until: int
+    window_from: int
+
+    @classmethod
+    def of(cls, request: Request) -> MTPSeed:
+        kv = request.kv
+        assert kv.slot is not None
+        last = request.num_tokens - 1
+        return cls(kv.slot, request.num_computed_tokens - 1, request.token_slice(last, last + 1)[0],
+                   tuple(kv.block_table), kv.frozen_until, kv.window_from)
+
+    def chunk(self, ahead: int) -> SeqChunk:
+        return SeqChunk(slot=self.slot, block_table=list(self.block_table), start=self.start + ahead, num_new=1,
+                        frozen_until=self.frozen_until, window_from=self.window_from)
+
+
+class MTPLayer:
+    """The first MTP layer over a `DeviceKV` whose last layer is its own: the same on every rank."""
+
+    def __init__(self, model: DeepseekV4, device_kv: DeviceKV) -> None:
+        self.model, self.device_kv = model, device_kv
+        self.kv = device_kv.layers[model.cfg.num_layers]
+        assert self.kv.hidden is not None, "the KV layout has no multi-token-prediction layer"
+        self.window = self.kv.layout.window
+
+    def commit(self, parts: Sequence[MTPRows], states: torch.Tensor, ids: torch.Tensor) -> None:
         """Feed the layer the positions a pass's kept rows complete: states [T, hc, D] and ids [T] of
         the pass. Row p of the layer takes h_p and token p+1, so a request's rows at positions a..b-1
         give the layer positions a-1..b-2 (h_{a-1} from the slot), and h_{b-1} waits in the slot."""
-        hidden = self.layer.hidden
+        hidden = self.kv.hidden
         assert hidden is not None
         seqs, h_parts, id_parts = [], [], []
         for part in parts:
-            kv, a, o, n = part.request.kv, part.request.num_computed_tokens, part.offset, part.count
-            assert kv.slot is not None
-            has_prev = a >= 1 and a - 1 >= kv.window_from  # h_{a-1} is in the slot
+            a, o, n = part.start, part.offset, part.count
+            has_prev = a >= 1 and a - 1 >= part.window_from  # h_{a-1} is in the slot
             first = a - 1 if has_prev else a
             count = a + n - 1 - first
             if count:
                 if has_prev:
-                    h_parts.append(hidden[kv.slot].unsqueeze(0).to(states.dtype))
+                    h_parts.append(hidden[part.slot].unsqueeze(0).to(states.dtype))
                 h_parts.append(states[o:o + n - 1])
                 id_parts.append(ids[o + int(not has_prev):o + n])
-                seqs.append(SeqChunk(slot=kv.slot, block_table=kv.block_table, start=first, num_new=count,
-                                     frozen_until=kv.frozen_until, window_from=kv.window_from))
+                seqs.append(SeqChunk(slot=part.slot, block_table=list(part.block_table), start=first, num_new=count,
+                                     frozen_until=part.frozen_until, window_from=part.window_from))
         if seqs:
             meta = AttentionMetadata.build(seqs, [range(0)] * len(seqs))
             self.model.forward_mtp(torch.cat(h_parts), torch.cat(id_parts), meta, self.device_kv)
-        slots = upload([part.request.kv.slot for part in parts], states.device)
+        slots = upload([part.slot for part in parts], states.device)
         last = upload([part.offset + part.count - 1 for part in parts], states.device)
         hidden.index_copy_(0, slots, states.index_select(0, last).to(hidden.dtype))
 
-    def propose(self, requests: Sequence[Request]) -> None:
-        """Draft `num_drafts` tokens for each request whose only uncomputed token is its last (sampled)
-        one; they are kept on the request with the token count they follow (`Request.mtp_drafts`)."""
-        if not requests:
-            return
-        hidden, window = self.layer.hidden, self.layer.window
+    def propose(self, seeds: Sequence[MTPSeed], k: int) -> torch.Tensor:
+        """The layer's k greedy guesses after each seed → [R, k] token ids (on the device). The window
+        rows the guesses beyond the first write (positions N .. N+k-2) are put back afterwards."""
+        hidden, window = self.kv.hidden, self.kv.window
         assert hidden is not None
         device = hidden.device
-        slots = [r.kv.slot for r in requests]
-        starts = [r.num_computed_tokens - 1 for r in requests]  # N-1: the layer's next position
-        # Rows the guesses beyond N-1 overwrite (positions N .. N+k-2), put back afterwards.
-        ahead = [(s, (p + j) % self.window) for s, p in zip(slots, starts, strict=True)
-                 for j in range(1, self.num_drafts)]
+        ahead = [(seed.slot, (seed.start + j) % self.window) for seed in seeds for j in range(1, k)]
         saved = None
         if ahead:
             row_slots, row_rows = (upload(list(col), device) for col in zip(*ahead, strict=True))
             saved = window[row_slots, row_rows]  # a copy (advanced indexing)
-        h = hidden.index_select(0, upload(slots, device))
-        ids = upload([r.all_token_ids[-1] for r in requests], device)
+        h = hidden.index_select(0, upload([seed.slot for seed in seeds], device))
+        ids = upload([seed.token for seed in seeds], device)
         guesses = []
-        for j in range(self.num_drafts):
-            seqs = [SeqChunk(slot=r.kv.slot, block_table=r.kv.block_table, start=p + j, num_new=1,  # type: ignore[arg-type]
-                             frozen_until=r.kv.frozen_until, window_from=r.kv.window_from)
-                    for r, p in zip(requests, starts, strict=True)]
-            logits, h = self.model.forward_mtp(h, ids, AttentionMetadata.build(seqs), self.device_kv)
+        for j in range(k):
+            meta = AttentionMetadata.build([seed.chunk(j) for seed in seeds])
+            logits, h = self.model.forward_mtp(h, ids, meta, self.device_kv)
             ids = logits.argmax(-1)
             guesses.append(ids)
         if saved is not None:
             window[row_slots, row_rows] = saved
-        drafts = torch.stack(guesses, dim=1).tolist()  # one wait for the device, for every request
-        for r, d in zip(requests, drafts, strict=True):
-            r.mtp_drafts, r.mtp_drafts_at = d, r.num_tokens
+        return torch.stack(guesses, dim=1)
 
-    @staticmethod
-    def drafts(request: Request, most: int) -> list[int]:
-        """The scheduler's drafter: what `propose` left for the request's current tokens."""
-        return request.mtp_drafts[:most] if request.mtp_drafts_at == request.num_tokens else []
 
-    @staticmethod
-    def ready(request: Request) -> bool:
-        """Whether the layer can draft for the request now: everything but its last token computed."""
-        return request.kv.slot is not None and request.num_computed_tokens == request.num_tokens - 1
+def mtp_drafts(request: Request, most: int) -> list[int]:
+    """The scheduler's drafter: what the layer proposed for the request's current tokens."""
+    return request.mtp_drafts[:most] if request.mtp_drafts_at == request.num_tokens else []
+
+
+def mtp_ready(request: Request) -> bool:
+    """Whether the layer can draft for the request now: everything but its last token computed."""
+    return request.kv.slot is not None and request.num_computed_tokens == request.num_tokens - 1

@@ -10,7 +10,7 @@ so every rank holds the same KV bytes (`kv_digest` checks it). The engine drives
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.metadata import AttentionMetadata
+from v4serve.engine.mtp import MTPRows, MTPSeed
 
 PARALLEL_STEP_TOKENS = 128  # steps with at least this many tokens use every intra-op CPU thread
 
@@ -44,6 +45,18 @@ class StepPlan:
     input_ids: list[int]
     meta: AttentionMetadata
     threads: int
+    mtp_rows: list[MTPRows] = field(default_factory=list)  # the MTP layer takes them right after the pass
+
+
+@dataclass
+class MTPPass:
+    """MTP work rank 0 does after sampling (engine/mtp.py), for every rank to do alike: the kept rows of
+    the last pass whose drafts were all kept, or drafting from `seeds`; after the KV writes so far."""
+
+    kv_writes: list[tuple[str, tuple[Any, ...]]]
+    rows: list[MTPRows] = field(default_factory=list)
+    seeds: list[MTPSeed] = field(default_factory=list)
+    k: int = 0
 
 
 class MirroredDeviceKV(DeviceKV):
@@ -97,6 +110,9 @@ class Ranks(Protocol):
 
     def run_step(self, plan: StepPlan) -> None:
         """Send the step; the caller then runs the same forward pass as every worker."""
+
+    def run_mtp(self, work: MTPPass) -> None:
+        """Send MTP work; the caller then does the same as every worker."""
 
     def kv_digests(self, kv: MirroredDeviceKV) -> list[str]:
         """sha256 of every rank's whole DeviceKV, rank 0 first."""

@@ -200,10 +200,6 @@ def check_parallel_flags(cfg: ServeConfig, launched: LaunchedRank | None) -> Non
                          "set --tensor-parallel-size 2 or more")
     if cfg.tensor_parallel_size > 1 and cfg.engine_in_process:
         raise ValueError("--engine-in-process runs one rank; it cannot be combined with --tensor-parallel-size")
-    spec = cfg.speculative
-    if spec is not None and spec.method == "mtp" and cfg.tensor_parallel_size > 1:
-        raise ValueError("--speculative-config: method 'mtp' does not run under --tensor-parallel-size yet; "
-                         "use method 'ngram' there")
     if launched is not None and launched.world_size > 1 and launched.world_size != cfg.tensor_parallel_size:
         raise ValueError(f"launched as {launched.world_size} ranks (WORLD_SIZE) but --tensor-parallel-size is "
                          f"{cfg.tensor_parallel_size}; they must agree")

@@ -70,6 +70,15 @@ def serve_config(model: str, **kw: object) -> ServeConfig:
 
 
 @pytest.fixture(scope="module")
+def wide_mtp(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`wide` with a multi-token-prediction layer (the same main weights)."""
+    model = build_tiny(tiny_config(**WIDE, num_nextn_predict_layers=1), seed=9)
+    folder = write_checkpoint(model, tmp_path_factory.mktemp("wide-mtp"))
+    write_byte_tokenizer_files(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
 def single(wide: str) -> list[dict]:
     """One process's outputs: the reference."""
     with in_process_server(serve_config(wide)) as (url, engine):
@@ -79,14 +88,18 @@ def single(wide: str) -> list[dict]:
 
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
 
 
-@pytest.mark.parametrize(("expert_parallel", "speculative"), [(False, None), (True, None), (False, NGRAM)],
-                         ids=["tp2", "ep2", "tp2-drafts"])
-def test_two_ranks_serve_the_single_process_tokens(wide: str, single: list[dict], expert_parallel: bool,
-                                                   speculative: str | None) -> None:
-    """With speculative drafts too: a rejected draft's slot is put back on every rank (the same KV bytes)."""
-    cfg = serve_config(wide, tensor_parallel_size=2, expert_parallel=expert_parallel, speculative_config=speculative)
+@pytest.mark.parametrize(("expert_parallel", "speculative"),
+                         [(False, None), (True, None), (False, NGRAM), (True, MTP)],
+                         ids=["tp2", "ep2", "tp2-drafts", "ep2-mtp"])
+def test_two_ranks_serve_the_single_process_tokens(wide: str, wide_mtp: str, single: list[dict],
+                                                   expert_parallel: bool, speculative: str | None) -> None:
+    """With speculative drafts too: a rejected draft's slot is put back on every rank (the same KV bytes);
+    the MTP layer drafts on both ranks alike (its window and state rows the same bytes too)."""
+    model = wide_mtp if speculative == MTP else wide
+    cfg = serve_config(model, tensor_parallel_size=2, expert_parallel=expert_parallel, speculative_config=speculative)
     with in_process_server(cfg) as (url, engine):
         version = httpx.get(url + "/version", timeout=PATIENCE).json()
         out = greedy(url, PROMPTS)

@@ -44,8 +44,9 @@ import torch.distributed as dist
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.parallel import ParallelConfig, default_threads
+from v4serve.engine.mtp import MTPLayer
 from v4serve.engine.process.lifecycle import describe_exit, leave, setup_subordinate
-from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, StepPlan, kv_digest, replay_writes
+from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, MTPPass, StepPlan, kv_digest, replay_writes
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,10 @@ class RankGroup:
         """Send the step; the caller then runs the same forward pass as every worker."""
         self._broadcast(plan)
 
+    def run_mtp(self, work: MTPPass) -> None:
+        """Send MTP work; the caller then does the same as every worker."""
+        self._broadcast(work)
+
     def kv_digests(self, kv: MirroredDeviceKV) -> list[str]:
         self._broadcast(DigestKV(kv.take_writes()))
         out: list[str | None] = [None] * self.parallel.size
@@ -280,6 +285,8 @@ def worker_loop(parallel: ParallelConfig, load_shard: LoadShard, local_rank: int
         return 1
     max_threads = torch.get_num_threads()
     kv: DeviceKV | None = None
+    mtp: MTPLayer | None = None
+    last_pass: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, ids): what MTP work reads
     device = next(model.parameters()).device
     while True:
         box: list[Any] = [None]
@@ -289,12 +296,26 @@ def worker_loop(parallel: ParallelConfig, load_shard: LoadShard, local_rank: int
             break
         if isinstance(message, KVShape):
             kv = DeviceKV(message.layout, message.num_slots, message.num_blocks, message.dtype, device)
+            mtp = MTPLayer(model, kv) if message.layout.mtp_layers else None
         elif isinstance(message, StepPlan):
             assert kv is not None
             replay_writes(kv, message.kv_writes)
             if device.type == "cpu":
                 torch.set_num_threads(min(message.threads, max_threads))
-            model(torch.tensor(message.input_ids, dtype=torch.long, device=device), message.meta, kv)
+            ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
+            if mtp is None:
+                model(ids, message.meta, kv)
+            else:
+                last_pass = (model.forward_states(ids, message.meta, kv)[1], ids)
+                mtp.commit(message.mtp_rows, *last_pass)
+        elif isinstance(message, MTPPass):
+            assert kv is not None and mtp is not None
+            replay_writes(kv, message.kv_writes)
+            if message.rows:
+                assert last_pass is not None
+                mtp.commit(message.rows, *last_pass)
+            if message.seeds:
+                mtp.propose(message.seeds, message.k)
         elif isinstance(message, DigestKV):
             assert kv is not None
             replay_writes(kv, message.kv_writes)
