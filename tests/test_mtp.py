@@ -296,3 +296,38 @@ def test_a_grammar_request_drafts_only_what_its_grammar_allows_and_keeps_its_tok
     assert outputs == truth and torch.equal(logits["g"], want["g"])
     assert set(tokenizer.decode(truth["g"])) <= set("abc,")
     assert_drafts_match_the_reference(made, 2)
+
+
+def test_the_layer_loads_from_transformers_style_names_too(tmp_path: Path) -> None:
+    """The block's attention, norms, mHC and merged experts under `model.mtp.0.` as transformers spells a
+    layer's (its own projections, norms and head under their names): the same tensors as the official."""
+    from v4serve.engine.model.checkpoint_layout import _LAYER_ALIASES
+
+    model = build_tiny(tiny_config(**SMALL, num_nextn_predict_layers=1), seed=3)
+    official = write_checkpoint(model, tmp_path / "official")
+    (file,) = official.glob("*.safetensors")
+    tensors = load_file(file)
+    renamed: dict[str, torch.Tensor] = {}
+    experts = {"w1": {}, "w2": {}, "w3": {}}
+    for name, t in tensors.items():
+        if not name.startswith("mtp.0."):
+            renamed[name] = t
+            continue
+        rest = name.removeprefix("mtp.0.")
+        if rest.startswith("ffn.experts."):
+            _, _, e, w, _ = rest.split(".")
+            experts[w][int(e)] = t
+            continue
+        for source, target in _LAYER_ALIASES:
+            if rest == target or (target.endswith(".") and rest.startswith(target)):
+                rest = source + rest[len(target):]
+                break
+        renamed[f"model.mtp.0.{rest}"] = t
+    n = len(experts["w1"])
+    renamed["model.mtp.0.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([experts["w1"][e], experts["w3"][e]]) for e in range(n)])
+    renamed["model.mtp.0.mlp.experts.down_proj"] = torch.stack([experts["w2"][e] for e in range(n)])
+    assert any(".self_attn." in k for k in renamed) and any(".input_layernorm." in k for k in renamed)
+    save_file(renamed, file)
+    loaded = load_model(official, mtp=True).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

@@ -46,7 +46,8 @@ from v4serve.engine.model.packed import PackedFormat
 from v4serve.engine.model.quant import FP4_GROUP, FP8_BLOCK, fp4_scale_shape, fp8_scale_shape
 from v4serve.engine.model.resident import can_stay_quantized
 
-# transformers' names, below `layers.{i}.`, and the official names they stand for. A source
+# transformers' names, below `layers.{i}.` (and a multi-token-prediction block's `mtp.{k}.`), and the
+# official names they stand for. A source
 # ending in "." matches as a prefix (the rest, e.g. "weight", is kept); otherwise it must match the
 # whole remainder. Longest source first so the compressor/indexer entries win over the bare ones.
 _LAYER_ALIASES: tuple[tuple[str, str], ...] = tuple(
@@ -87,6 +88,10 @@ _LAYER_ALIASES: tuple[tuple[str, str], ...] = tuple(
             ("mlp.shared_experts.down_proj.", "ffn.shared_experts.w2."),
             ("mlp.experts.gate_up_proj", "ffn.experts.gate_up_proj"),
             ("mlp.experts.down_proj", "ffn.experts.down_proj"),
+            # An MTP block's own mHC head, spelled as the model's (its projections and norms keep their names).
+            ("hc_head.hc_fn", "hc_head_fn"),
+            ("hc_head.hc_base", "hc_head_base"),
+            ("hc_head.hc_scale", "hc_head_scale"),
         ),
         key=lambda pair: -len(pair[0]),
     )
@@ -100,8 +105,8 @@ _TOP_ALIASES: dict[str, str] = {
     "hc_head.hc_scale": "hc_head_scale",
 }
 
-_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-_MERGED_EXPERTS = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(gate_up_proj|down_proj)$")
+_LAYER_KEY = re.compile(r"^((?:layers|mtp)\.\d+)\.(.+)$")
+_MERGED_EXPERTS = re.compile(r"^((?:layers|mtp)\.\d+)\.ffn\.experts\.(gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -179,10 +184,10 @@ def official_name(key: str) -> str:
     match = _LAYER_KEY.match(name)
     if match is None:
         return name
-    layer, rest = match.groups()
+    block, rest = match.groups()
     for source, target in _LAYER_ALIASES:
         if rest == source or (source.endswith(".") and rest.startswith(source)):
-            return f"layers.{layer}.{target}{rest[len(source) :]}"
+            return f"{block}.{target}{rest[len(source) :]}"
     return name
 
 
@@ -247,18 +252,19 @@ def plan_units(stored: Mapping[str, Stored], mtp: bool = False) -> Plan:
             continue
         merged = _MERGED_EXPERTS.match(name)
         if merged:
-            _plan_merged(plan, entry, scale, int(merged.group(1)), merged.group(2))
+            _plan_merged(plan, entry, scale, merged.group(1), merged.group(2))
         else:
             _add(plan, Unit(entry, scale, outputs=[(name, None)]))
     return plan
 
 
-def _plan_merged(plan: Plan, entry: Stored, scale: Stored | None, layer: int, which: str) -> None:
-    """One read per expert; gate_up_proj rows [0, I) are w1 (gate), rows [I, 2I) are w3 (up)."""
+def _plan_merged(plan: Plan, entry: Stored, scale: Stored | None, block: str, which: str) -> None:
+    """One read per expert of `block` (`layers.3`, `mtp.0`); gate_up_proj rows [0, I) are w1 (gate),
+    rows [I, 2I) are w3 (up)."""
     if len(entry.shape) != 3:
         plan.problems.append(f"merged expert tensor {entry.where()} should be 3-D, found {list(entry.shape)}")
         return
-    prefix = f"layers.{layer}.ffn.experts"
+    prefix = f"{block}.ffn.experts"
     for expert in range(entry.shape[0]):
         unit = Unit(entry, scale, expert=expert)
         if which == "down_proj":
