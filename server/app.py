@@ -16,10 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.process.client import EngineClient
-from v4serve.server import responses
+from v4serve.server import chat, completions, responses
 from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
-from v4serve.server.chat import chat_completions
-from v4serve.server.completions import completions
 from v4serve.server.errors import ApiError, error_json, error_responses, install_error_handlers
 from v4serve.server.generation import FrontEnd, ServerConfig
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
@@ -119,12 +117,23 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
                     "context_length": config.max_model_len} for name in config.model_names}
 
     @api_route(app, "POST", "/chat/completions", openapi_extra=body_schema(ChatCompletionRequest), responses=generating)
-    async def chat(raw: Request) -> Response:
-        return await chat_completions(front, await parse_body(raw, ChatCompletionRequest), raw)
+    async def chat_completion(raw: Request) -> Response:
+        return await chat.chat_completions(front, await parse_body(raw, ChatCompletionRequest), raw)
 
     @api_route(app, "POST", "/completions", openapi_extra=body_schema(CompletionRequest), responses=generating)
     async def complete(raw: Request) -> Response:
-        return await completions(front, await parse_body(raw, CompletionRequest), raw)
+        return await completions.completions(front, await parse_body(raw, CompletionRequest), raw)
+
+    @api_route(app, "POST", "/chat/completions/render", openapi_extra=body_schema(ChatCompletionRequest),
+               responses=text_routes)
+    async def chat_render(raw: Request) -> list[Any]:
+        """vLLM's: the conversation and its prompt (text, token ids) as the engine would get it."""
+        return await chat.render(front, await parse_body(raw, ChatCompletionRequest))
+
+    @api_route(app, "POST", "/completions/render", openapi_extra=body_schema(CompletionRequest), responses=text_routes)
+    async def completion_render(raw: Request) -> list[dict[str, Any]]:
+        """vLLM's: each prompt (text, token ids) as the engine would get it."""
+        return await completions.render(front, await parse_body(raw, CompletionRequest))
 
     @api_route(app, "POST", "/messages", openapi_extra=body_schema(MessagesRequest), responses=generating)
     async def anthropic_messages(raw: Request) -> Response:
@@ -172,6 +181,20 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     @app.get("/version", responses=error_responses(401))
     async def get_version() -> dict[str, str | bool | int]:
         return {**config.version_info, "version": VERSION}
+
+    # SGLang's worker information, which its router (and vLLM's) read when a worker joins.
+    @app.get("/model_info", responses=error_responses(401))
+    @app.get("/get_model_info", include_in_schema=False)
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": config.served_model_name, "tokenizer_path": config.served_model_name,
+                "is_generation": True, "served_model_name": config.served_model_name,
+                "max_model_len": config.max_model_len}
+
+    @app.get("/server_info", responses=error_responses(401))
+    @app.get("/get_server_info", include_in_schema=False)
+    async def server_info() -> dict[str, Any]:
+        return {**config.version_info, "version": VERSION, "served_model_name": config.served_model_name,
+                "max_model_len": config.max_model_len}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}, **error_responses(401)})

@@ -22,7 +22,7 @@ from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
 from v4serve.server.text.tool_calls import ToolCallDelta
-from v4serve.server.tools import answer_grammar, plan_tools
+from v4serve.server.tools import ToolPlan, answer_grammar, plan_tools
 
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -31,9 +31,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     think_end = front.think_end_id if thinking else None
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     grammar = answer_grammar(tools, body.response_format, think_end)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = await front.encode_chat(messages, thinking=thinking, tools=tools.offered,
-                                     reasoning_effort=body.v4_effort())
+    prompt = await _prompt(front, body, tools)
     max_tokens = front.default_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -45,18 +43,34 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     if body.stream:
         chunk = stream_chunker(rid, "chat.completion.chunk", created, model,
                                body.stream_options, lambda: [generation.usage()])
-        return sse(_stream(front, chunk, generation, body.logprobs))
+        return sse(_stream(front, chunk, generation, body.logprobs, body.include_reasoning))
     per_choice = await front.collect(generation, raw)
-    choices = Lazy(_choice(front, i, deltas, thinking, body.logprobs) for i, deltas in enumerate(per_choice))
+    reasoning = thinking and body.include_reasoning  # the model reasons either way; the reply may leave it out
+    choices = Lazy(_choice(front, i, deltas, reasoning, body.logprobs) for i, deltas in enumerate(per_choice))
     return json_reply({"id": rid, "object": "chat.completion", "created": created,
                              "model": model, "choices": choices, "usage": usage([generation.usage()])})
 
 
-def _choice(front: FrontEnd, i: int, deltas: list[Delta], thinking: bool, logprobs: bool) -> dict[str, Any]:
+async def _prompt(front: FrontEnd, body: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    return await front.encode_chat(messages, thinking=body.thinking_mode(), tools=tools.offered,
+                                   reasoning_effort=body.v4_effort())
+
+
+async def render(front: FrontEnd, body: ChatCompletionRequest) -> list[Any]:
+    """vLLM's `/v1/chat/completions/render` (routers call it before routing): [the conversation, [its
+    prompt as the engine would get it: text and token ids]]; nothing is generated."""
+    front.check_model(body.model)
+    prompt = await _prompt(front, body, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls))
+    conversation = [m.model_dump(exclude_none=True) for m in body.messages]
+    return [conversation, [{"prompt": front.tokenizer.decode(prompt), "prompt_token_ids": prompt}]]
+
+
+def _choice(front: FrontEnd, i: int, deltas: list[Delta], reasoning: bool, logprobs: bool) -> dict[str, Any]:
     content = "".join(d.text for d in deltas)
     calls = _assembled([c for d in deltas for c in d.tool_calls])
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-    if thinking:
+    if reasoning:
         message["reasoning_content"] = "".join(d.reasoning for d in deltas)
     if calls:
         message["tool_calls"] = calls
@@ -98,7 +112,8 @@ def _entries(front: FrontEnd, deltas: list[Delta]) -> Iterator[dict[str, Any]]:
             yield {"token": text, "logprob": s.logprob, "bytes": raw, "top_logprobs": top}
 
 
-async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logprobs: bool) -> AsyncIterator[str]:
+async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logprobs: bool,
+                  reasoning: bool) -> AsyncIterator[str]:
     for i in range(len(generation.requests)):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
@@ -108,7 +123,7 @@ async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logpr
                 yield error_event(delta.error, delta.error_param)
                 break
             body: dict[str, Any] = {}
-            if delta.reasoning:
+            if delta.reasoning and reasoning:
                 body["reasoning_content"] = delta.reasoning
             if delta.text:
                 body["content"] = delta.text

@@ -55,6 +55,13 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
                              "model": model, "choices": choices, "usage": usage([g.usage() for g in generations])})
 
 
+async def render(front: FrontEnd, body: CompletionRequest) -> list[dict[str, Any]]:
+    """vLLM's `/v1/completions/render` (routers call it before routing): each prompt as the engine would
+    get it, its text and token ids; nothing is generated."""
+    front.check_model(body.model)
+    return [{"prompt": front.tokenizer.decode(p), "prompt_token_ids": p} for p in await _prompts(front, body.prompt)]
+
+
 async def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [await front.encode_text(prompt)]

@@ -234,7 +234,8 @@ class FrontEnd:
     @staticmethod
     def output_options(body: SamplingFields, reasoning_end_token: int | None = None, tool_calls: bool = False,
                        parallel_tool_calls: bool = True) -> OutputOptions:
-        return OutputOptions(stop=tuple(body.stop_list()), include_stop_str_in_output=body.include_stop_str_in_output,
+        return OutputOptions(stop=tuple(body.stop_list()),
+                             include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
                              skip_special_tokens=body.skip_special_tokens, reasoning_end_token=reasoning_end_token,
                              min_tokens=body.min_tokens, tool_calls=tool_calls, parallel_tool_calls=parallel_tool_calls)
 

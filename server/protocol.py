@@ -72,6 +72,17 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     user: str | None = ignored("an end-user id for the provider's abuse monitoring; v4serve keeps no such records")
+    # SGLang's extras, which vLLM's and SGLang's routers forward at their defaults: honoured, or refused
+    # (naming the field) when a value asks for what v4serve does not do.
+    no_stop_trim: bool = False  # keep the stop string in the output: include_stop_str_in_output
+    return_hidden_states: bool = False
+
+    @field_validator("return_hidden_states")
+    @classmethod
+    def _hidden_states(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("v4serve does not return hidden states; only false is accepted")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -143,6 +154,26 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = ignored("an end-user id for the provider's abuse monitoring")
     prediction: dict[str, Any] | None = ignored("predicted outputs only speed generation up; "
                                                 "outputs are the same without them")
+    # vLLM's and SGLang's chat extras (routers forward them at these defaults).
+    include_reasoning: bool = True  # false leaves reasoning_content out of the reply
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("v4serve does not continue a final assistant message; only false is accepted")
+        return v
+
+    @field_validator("separate_reasoning", "stream_reasoning")
+    @classmethod
+    def _reasoning_apart(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("v4serve always returns reasoning apart from the answer, as it is made "
+                             "(reasoning_content); only true is accepted (include_reasoning: false leaves it out)")
+        return v
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

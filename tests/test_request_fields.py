@@ -56,8 +56,11 @@ MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, ChatM
                                  ReasoningItem, FunctionTool, TextFormat, TextConfig, ReasoningConfig]
 SOURCE = "\n".join(p.read_text() for folder in ("server", "engine") for p in (ROOT / folder).rglob("*.py")
                    if p.name not in ("protocol.py", "messages.py", "responses.py"))
-# In the models' own module only a validator's or method's use counts (`self.field`), not the definition.
-SOURCE += "\n".join(re.findall(r"self\.\w+", (ROOT / "server" / "protocol.py").read_text()))
+# In the models' own module only a validator's or method's use counts (`self.field`), not the definition;
+# a field validator handles the fields it names too (e.g. one that refuses all but the value v4serve honours).
+PROTOCOL = (ROOT / "server" / "protocol.py").read_text()
+SOURCE += "\n".join(re.findall(r"self\.\w+", PROTOCOL))
+SOURCE += "\n".join(re.findall(r"field_validator\(([^)]*)\)", PROTOCOL))
 # The Messages and Responses APIs' models share their modules with the code that reads them: only uses count there.
 MESSAGES = (ROOT / "server" / "messages.py").read_text() + (ROOT / "server" / "responses.py").read_text()
 SOURCE += "\n".join(re.findall(r"\w+(?:\.\w+)+|[\"']\w+[\"']", MESSAGES))
