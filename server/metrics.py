@@ -10,7 +10,7 @@ Two sources, neither of which reaches into the engine from the HTTP thread:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -49,11 +49,33 @@ _GAUGES = (
 )
 
 
-class EngineCollector:
-    """Renders the latest engine snapshot at scrape time."""
+# vLLM's names for the same numbers, read by routers and the Gateway API Inference Extension's endpoint
+# picker: (name, help, kind, the value from a snapshot). Labelled as vLLM labels them (model_name, engine).
+_VLLM_NAMES: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
+    ("vllm:num_requests_running", "Requests in the running batch (v4serve_requests_running)", "gauge",
+     lambda s: s.running),
+    ("vllm:num_requests_waiting", "Requests waiting to be admitted (v4serve_requests_waiting)", "gauge",
+     lambda s: s.waiting),
+    ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 1 = full (v4serve_block_cache_usage)",
+     "gauge", lambda s: s.block_cache_usage),
+    # The name before vLLM 0.10, which older endpoint pickers still read.
+    ("vllm:gpu_cache_usage_perc", "Fraction of KV cache blocks in use, 1 = full (v4serve_block_cache_usage)",
+     "gauge", lambda s: s.block_cache_usage),
+    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (v4serve_prefix_cache_queries)",
+     "counter", lambda s: s.prefix_queries),
+    ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache, device and disk "
+     "(v4serve_prefix_cache_hits)", "counter", lambda s: s.prefix_hits_device + s.prefix_hits_disk),
+    ("vllm:num_preemptions", "Requests preempted (v4serve_num_preemptions)", "counter", lambda s: s.preemptions),
+)
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+
+class EngineCollector:
+    """Renders the latest engine snapshot at scrape time, under v4serve's names and vLLM's."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats],
+                 cache_info: Mapping[str, object] | None = None) -> None:
         self.model_name, self.stats = model_name, stats
+        self.cache_info = {k: str(v) for k, v in (cache_info or {}).items()}  # vllm:cache_config_info's labels
 
     def collect(self) -> Iterator[Metric]:
         s, name = self.stats(), [self.model_name]
@@ -97,6 +119,24 @@ class EngineCollector:
         yield grammar_bytes
         yield compiles
         yield _histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time", name, s.store_read_seconds)
+        yield from self._vllm_names(s)
+
+    def _vllm_names(self, s: EngineStats) -> Iterator[Metric]:
+        labels = ["model_name", "engine"]
+        for metric, doc, kind, value in _VLLM_NAMES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(metric, doc, labels=labels)
+            family.add_metric([self.model_name, "0"], value(s))
+            yield family
+        # Info-style gauges (value 1) whose labels carry the facts: an endpoint picker reads the block
+        # size from the first, and from the second that no LoRA adapter is loaded or asked for.
+        config = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration", labels=list(self.cache_info))
+        config.add_metric(list(self.cache_info.values()), 1.0)
+        yield config
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting (none: v4serve "
+                                 "serves no adapters)", labels=["max_lora", "running_lora_adapters",
+                                                                "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], 1.0)
+        yield lora
 
 
 def _histogram(metric: str, doc: str, labels: list[str], h: HistogramSnapshot) -> HistogramMetricFamily:
@@ -135,9 +175,9 @@ LIMITS = ("unread_held",  # half of --max-unread-tokens unread: the engine holds
 
 class Metrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0,
-                 healthy: Callable[[], bool] = lambda: True) -> None:
+                 healthy: Callable[[], bool] = lambda: True, cache_info: Mapping[str, object] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(model_name, stats))
+        self.registry.register(EngineCollector(model_name, stats, cache_info))
         self.registry.register(HealthCollector(model_name, healthy))
         r, label = self.registry, ["model_name"]
         # The store's size bound (0 when off), so a dashboard or alert can show usage as a fraction.

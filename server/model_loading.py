@@ -212,7 +212,11 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
     log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
              if econf.kv_store_dir else "off")
     return engine, {"version_info": {**version_info(model, econf), "cuda_graphs": engine.cuda_graphs},
-                    "max_model_len": econf.max_model_len}
+                    "max_model_len": econf.max_model_len,
+                    # vllm:cache_config_info's labels, as vLLM names them
+                    "cache_info": {"block_size": engine.cache_config.block_size,
+                                   "num_gpu_blocks": engine.cache_config.num_blocks,
+                                   "enable_prefix_caching": econf.enable_prefix_caching}}
 
 
 def swa_mode_words(mode: str, interval: int) -> str:

@@ -88,7 +88,8 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
         store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
         metrics = Metrics(cfg.model_name, lambda: engine.stats,
                           store_capacity_bytes=(cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES) if store_on else 0,
-                          healthy=lambda: engine.unavailable_reason() is None)
+                          healthy=lambda: engine.unavailable_reason() is None,
+                          cache_info=info.get("cache_info"))
         server = ServerConfig(cfg.model_name, info["max_model_len"], aliases=cfg.model_names[1:], api_key=cfg.api_key,
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
                               max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,

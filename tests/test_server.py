@@ -619,6 +619,45 @@ def test_metrics_expose_every_contract_name(http: httpx.Client) -> None:
     assert not missing, missing
 
 
+def scrape(http: httpx.Client) -> dict[tuple[str, frozenset], float]:
+    """One /metrics reading: {(series name, its labels): value}."""
+    found = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', series))
+            found[(series.split("{")[0], labels)] = float(value)
+    return found
+
+
+def test_vllm_metric_names_carry_the_same_values(http: httpx.Client) -> None:
+    """What routers and the Gateway API Inference Extension read, under vLLM's names, from the same
+    snapshot as v4serve's own (one scrape)."""
+    body = {"model": MODEL, "prompt": "a prompt for the router metrics " * 20, "max_tokens": 2}
+    for _ in range(2):  # the second is a prefix hit
+        assert http.post("/v1/completions", json=body).status_code == 200
+    got = scrape(http)
+
+    def one(name: str, **labels: str) -> float:
+        return sum(v for (n, ls), v in got.items() if n == name and set(labels.items()) <= ls)
+
+    pairs = [("vllm:num_requests_running", "v4serve_requests_running"),
+             ("vllm:num_requests_waiting", "v4serve_requests_waiting"),
+             ("vllm:kv_cache_usage_perc", "v4serve_block_cache_usage"),
+             ("vllm:gpu_cache_usage_perc", "v4serve_block_cache_usage"),
+             ("vllm:prefix_cache_queries_total", "v4serve_prefix_cache_queries_total"),
+             ("vllm:prefix_cache_hits_total", "v4serve_prefix_cache_hits_total"),
+             ("vllm:num_preemptions_total", "v4serve_num_preemptions_total")]
+    for vllm_name, ours in pairs:
+        assert (vllm_name, frozenset({("model_name", MODEL), ("engine", "0")})) in got, vllm_name
+        assert one(vllm_name) == one(ours), (vllm_name, ours)
+    assert one("vllm:prefix_cache_hits_total") >= 128  # the second request hit at least a block
+    info = next(dict(ls) for (n, ls) in got if n == "vllm:cache_config_info")
+    assert info == {"block_size": "128", "num_gpu_blocks": info["num_gpu_blocks"], "enable_prefix_caching": "True"}
+    assert int(info["num_gpu_blocks"]) > 0
+    assert next(dict(ls) for (n, ls) in got if n == "vllm:lora_requests_info")["running_lora_adapters"] == ""
+
+
 def test_deepseeks_thinking_switch_and_every_reasoning_effort(http: httpx.Client) -> None:
     """DeepSeek's `{"type": "enabled"|"disabled"}` is the boolean switch; `xhigh` is `max` (V4's
     maximum-effort instruction, in thinking mode), `none` turns thinking off, the others think as V4 does."""
