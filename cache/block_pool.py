@@ -72,6 +72,7 @@ class BlockPool:
         self._by_hash: dict[bytes, int] = {}
         self._children: dict[bytes, int] = {}  # findable blocks continuing each hash
         self.evictions = 0
+        self.on_forget: Callable[[bytes], None] | None = None  # told each hash that stops being findable
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -182,6 +183,8 @@ class BlockPool:
         assert block.block_hash is not None
         if self._by_hash.get(block.block_hash) == block.block_id:
             del self._by_hash[block.block_hash]
+            if self.on_forget is not None:
+                self.on_forget(block.block_hash)
             if block.parent_hash is not None:
                 left = self._children[block.parent_hash] - 1
                 if left:

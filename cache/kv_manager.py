@@ -30,6 +30,7 @@ from v4serve.cache.block_pool import (
     root_hash,
 )
 from v4serve.cache.config import CacheConfig
+from v4serve.cache.kv_events import DEVICE, KVEventLog
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
@@ -62,12 +63,17 @@ class CacheStats:
 
 class KVCacheManager:
     def __init__(self, config: CacheConfig, device: DeviceAccess, namespace: bytes,
-                 store: SSDStore | None = None) -> None:
+                 store: SSDStore | None = None, events: KVEventLog | None = None) -> None:
         self.config = config
         self.device = device
         self.namespace = namespace
         self.store = store
+        self.events = events  # KV events for routers (None: off)
         self.pool = BlockPool(config.num_blocks)
+        if events is not None:
+            self.pool.on_forget = lambda h: events.removed(DEVICE, [h])
+            if store is not None:
+                store.events = events
         self.state = StateCache(config)
         self.loader = SSDLoader(store, self.state, device, config.block_size) if store is not None else None
 
@@ -170,10 +176,13 @@ class KVCacheManager:
         b = self.config.block_size
         full = min(num_computed // b, len(kv.block_hashes))
         for i in range(kv.num_sealed, full):
-            self.pool.seal(kv.block_table[i], kv.block_hashes[i], kv.block_hashes[i - 1] if i else None)
+            parent = kv.block_hashes[i - 1] if i else None
+            block_tokens = tokens(i * b, (i + 1) * b)
+            if self.pool.seal(kv.block_table[i], kv.block_hashes[i], parent) and self.events is not None:
+                self.events.stored(DEVICE, kv.block_hashes[i], parent, block_tokens)
             if self._store_writing():
-                self.store.put(KIND_BLOCK, kv.block_hashes[i], tokens(i * b, (i + 1) * b),
-                               self.device.block_payload(kv.block_table[i]))
+                self.store.put(KIND_BLOCK, kv.block_hashes[i], block_tokens,
+                               self.device.block_payload(kv.block_table[i]), parent)
         kv.num_sealed = max(kv.num_sealed, full)
         if kv.state_exact_at(num_computed) and self.state.is_snapshot_point(num_computed, prompt_len):
             self._save_snapshot(kv, kv.block_hashes[num_computed // b - 1], tokens(num_computed - b, num_computed))
@@ -256,7 +265,8 @@ class KVCacheManager:
                 self.device.install_blocks(ids, load.stacked)
             for j, (block_id, h) in enumerate(zip(ids, load.hashes, strict=False)):
                 parent = hashes[load.first + j - 1] if load.first + j else None
-                self.pool.seal(block_id, h, parent)
+                if self.pool.seal(block_id, h, parent) and self.events is not None:
+                    self.events.stored(DEVICE, h, parent, load.tokens[j])
             self.pool.release(reversed(ids))
         finally:
             self.pool.release(reversed(device_hit))
@@ -291,7 +301,11 @@ class KVCacheManager:
         if self.store is not None:
             self.store.flush()
         removed = self.store.clear() if store and self.store is not None else 0
-        return self.pool.reset(), removed
+        dropped = self.pool.reset()
+        on_disk = self.store is not None and self.store.used_bytes > 0
+        if self.events is not None and not on_disk and not any(b.block_hash for b in self.pool.blocks):
+            self.events.cleared()  # nothing findable is left in any tier
+        return dropped, removed
 
     def stats(self) -> CacheStats:
         store = self.store

@@ -36,6 +36,7 @@ class DiskLoad:
 
     first: int  # index of the first block loaded
     hashes: list[bytes] = field(default_factory=list)  # of the blocks loaded, in order
+    tokens: list[tuple[int, ...]] = field(default_factory=list)  # their token ids
     stacked: list[Any] = field(default_factory=list)  # their contents, one host tensor per storage tensor
     snapshot: tuple[bytes, Any] | None = None  # (key, host state)
     response: tuple[bytes, ResponseEnd] | None = None  # (key, the end of a response the request continues)
@@ -82,6 +83,7 @@ class SSDLoader:
         snapshot = in_daemon_thread(lambda: self._read_snapshot(hashes, tokens, first + count))
         payloads = self.store.get_many(KIND_BLOCK, items)
         load.hashes = [h for h, _ in items[: len(payloads)]]
+        load.tokens = [tuple(t) for _, t in items[: len(payloads)]]
         load.stacked = self.codec.stack_block_payloads(payloads) if payloads else []
         load.snapshot = snapshot.result()
         if len(payloads) < count:

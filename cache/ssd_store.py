@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from v4serve.cache.kv_events import DISK, KVEventLog
 from v4serve.cache.ssd_file import (
     HEADER_BYTES,
     KIND_BLOCK,
@@ -110,6 +111,7 @@ class SSDStore:
         self._responses: dict[bytes, dict[bytes, int]] = {}  # parent → {response-end key: tail length}
         self._writes: queue.Queue[tuple | None] = queue.Queue(maxsize=4096)
         self._full_until: float | None = None  # while the disk is full: when to look for space again
+        self.events: KVEventLog | None = None  # told of block files this daemon writes and removes (KV events)
         self.used_bytes = 0
         self.dir.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -288,12 +290,14 @@ class SSDStore:
             self._write_failed(path, exc)
             return
         with self._lock:
-            self._index[(kind, block_hash)] = StoreEntry(path, size, parent)
-            if parent is not None:
+            self._index[(kind, block_hash)] = StoreEntry(path, size, parent if kind == KIND_RESPONSE else None)
+            if kind == KIND_RESPONSE:
                 self._responses.setdefault(parent, {})[block_hash] = len(tokens)
             self.used_bytes += size
             self.stats.bytes_written += size
             self.stats.files_written += 1
+        if kind == KIND_BLOCK and self.events is not None:
+            self.events.stored(DISK, block_hash, parent, tokens)
         self._evict()
 
     def _write_file(self, tmp: Path, parts: Sequence[bytes | memoryview]) -> None:
@@ -340,10 +344,11 @@ class SSDStore:
             with self._lock:
                 if self.used_bytes <= self.max_bytes or not self._index:
                     return
-                (_, key), entry = self._index.popitem(last=False)
+                (kind, key), entry = self._index.popitem(last=False)
                 self.used_bytes -= entry.size
                 self._drop_response(key, entry)
             self._remove(entry.path)
+            self._announce_removed(kind, [key])
 
     # ---- reading ----------------------------------------------------------------------------------
     def get(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:
@@ -430,6 +435,12 @@ class SSDStore:
             if entry is not None:
                 self.used_bytes -= entry.size
                 self._drop_response(key[1], entry)
+        if entry is not None:
+            self._announce_removed(key[0], [key[1]])
+
+    def _announce_removed(self, kind: int, hashes: list[bytes]) -> None:
+        if kind == KIND_BLOCK and self.events is not None:
+            self.events.removed(DISK, hashes)
 
     def _drop_response(self, key: bytes, entry: StoreEntry) -> None:
         """(Under the lock.) An evicted or bad response-end file leaves the parent index too."""
@@ -487,6 +498,7 @@ class SSDStore:
         sharing the folder wrote (reset_prefix_cache with the store); returns how many."""
         self.flush()
         with self._lock:
+            blocks = [h for kind, h in self._index if kind == KIND_BLOCK]
             self._index.clear()
             self._responses.clear()
             self.used_bytes = 0
@@ -498,6 +510,7 @@ class SSDStore:
                         (Path(dirpath) / name).unlink()
                         removed += 1
             self._prune(Path(dirpath))
+        self._announce_removed(KIND_BLOCK, blocks)
         return removed
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.device_kv import DeviceKV
+from v4serve.cache.kv_events import KVEventLog, KVEventsConfig, ZmqEventPublisher
 from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.layout import KVLayout, cache_table, key_record
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
@@ -72,6 +73,7 @@ class EngineConfig:
     grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES  # compiled grammars kept, by their text's bytes
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
     speculative: SpeculativeConfig | None = None  # draft tokens checked by each decode step (off: None)
+    kv_events: KVEventsConfig | None = None  # blocks stored and removed, published for routers (off: None)
 
 
 @dataclass
@@ -181,7 +183,9 @@ class LLMEngine:
                               KIND_RESPONSE: self.device_kv.slot_nbytes() + self.device_kv.block_nbytes()},
                              max_bytes=config.kv_store_max_bytes, read_timeout=config.kv_store_read_timeout,
                              retry_seconds=config.kv_store_retry_seconds)
-        self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store)
+        events = KVEventLog(block) if config.kv_events is not None else None
+        self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store, events)
+        self.kv_events = ZmqEventPublisher(events, config.kv_events) if events and config.kv_events else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
@@ -544,10 +548,13 @@ class LLMEngine:
         return self.ranks.dead_rank() if self.ranks is not None else None
 
     def close(self, step_in_flight: bool = False) -> None:
-        """Finish queued store writes and stop the store's threads, then the other ranks (killed, not
+        """Finish queued store writes and stop the store's threads, send the last KV events, then the
+        other ranks (killed, not
         told, if a step is still running: they may be inside its collectives)."""
         if self.kv.store is not None:
             self.kv.store.close()
+        if self.kv_events is not None:  # after the store: its last writes are announced too
+            self.kv_events.close()
         if self.ranks is not None:
             self.ranks.broken |= step_in_flight
             self.ranks.stop()

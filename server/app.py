@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import secrets
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -24,6 +23,7 @@ from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthrop
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from v4serve.server.responses import ResponsesRequest
+from v4serve.server.tenants import CURRENT_TENANT, ApiKeys
 from v4serve.server.text.tokenizer import Tokenizer
 
 try:
@@ -35,27 +35,35 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 class ApiKeyAuth:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
     handlers): `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it) or Anthropic's
-    `x-api-key: KEY`, the key compared in constant time, on every route but the probes (`/health`, and
-    `/metrics` unless it is protected too)."""
+    `x-api-key: KEY`, looked up by digest among `--api-key` and `--api-keys-file`'s keys, on every route
+    but the probes (`/health`, and `/metrics` unless it is protected too). The key's tenant is the
+    request's from then on (`CURRENT_TENANT`)."""
 
-    def __init__(self, app: Any, api_key: str, protect_metrics: bool = False) -> None:
-        self.app, self.expected = app, api_key.encode()
+    def __init__(self, app: Any, keys: ApiKeys, protect_metrics: bool = False) -> None:
+        self.app, self.keys = app, keys
         self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path not in self.open_paths:
-            headers = dict(scope["headers"])
-            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-            bearer = secrets.compare_digest(given.strip(b" "), self.expected) and scheme.lower() == b"bearer"
-            if not (bearer or secrets.compare_digest(headers.get(b"x-api-key", b"").strip(b" "), self.expected)):
-                message = "Incorrect API key provided."
-                body = anthropic_error(401, message) if "/messages" in path else \
-                    error_json(message, "invalid_request_error", code="invalid_api_key")
-                response = JSONResponse(body, status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or path in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        tenant = self.keys.tenant_of(given.strip(b" ")) if scheme.lower() == b"bearer" else None
+        if tenant is None and b"x-api-key" in headers:
+            tenant = self.keys.tenant_of(headers[b"x-api-key"].strip(b" "))
+        if tenant is None:
+            message = "Incorrect API key provided."
+            body = anthropic_error(401, message) if "/messages" in path else \
+                error_json(message, "invalid_request_error", code="invalid_api_key")
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        token = CURRENT_TENANT.set(tenant)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CURRENT_TENANT.reset(token)
 
 
 class BrowserGuard:
@@ -103,8 +111,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
                           MessagesRequest, CountTokensRequest, ResponsesRequest])
     # Added last, so it runs first: a refused key costs nothing, an oversized body is never read.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
-    if config.api_key:
-        app.add_middleware(ApiKeyAuth, api_key=config.api_key, protect_metrics=config.protect_metrics)
+    if config.keys is not None:
+        app.add_middleware(ApiKeyAuth, keys=config.keys, protect_metrics=config.protect_metrics)
     app.add_middleware(BrowserGuard, allowed_origins=config.allowed_origins, metrics=metrics)
     if config.allowed_origins:  # outermost: a preflight carries no key and must be answered first
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],

@@ -72,6 +72,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                                   "(drafts copied from the request's own context), or '{\"method\": \"mtp\", "
                                   "\"num_speculative_tokens\": 2}' (drafts from the checkpoint's "
                                   "multi-token-prediction layer); greedy output unchanged"),
+    ("--kv-events-config", str, "publish KV-cache events for routers, as vLLM's JSON: '{\"publisher\": \"zmq\", "
+                                "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+                                "\"\"}' (BlockStored/BlockRemoved/AllBlocksCleared, msgpack over ZeroMQ)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),
@@ -84,6 +87,11 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--swa-cache-mode", str, "full, periodic (default) or zero: how window state is restored after a hit"),
     ("--swa-checkpoint-interval", int, "periodic mode: tokens between state snapshots (multiple of the block)"),
     ("--api-key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
+    ("--api-keys-file", str, "file of 'KEY TENANT' lines: each key is accepted (beside --api-key, whose tenant "
+                             "is 'default') and each tenant's prefix cache is its own; read again on SIGHUP or "
+                             "when it changes"),
+    ("--shared-prefix-cache", bool, "with --api-keys-file, let tenants find each other's cached prefixes (faster "
+                                    "shared prompts; reveals to each tenant what the others sent)"),
     ("--protect-metrics", bool, "with --api-key, require the key on /metrics too"),
     ("--max-request-bytes", int, "largest request body accepted (default 4 MiB; larger gets 413)"),
     ("--max-unread-tokens", int, "output a stream's client may leave unread (tokens; logprob entries count "
@@ -121,7 +129,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
 # Flags that take several values: `--served-model-name a b`, "a,b" in the environment, a list in --config.
 LIST_FLAGS = frozenset({"served_model_name"})
 # Flags that take a JSON object: a mapping in --config is written out as JSON.
-JSON_FLAGS = frozenset({"speculative_config"})
+JSON_FLAGS = frozenset({"speculative_config", "kv_events_config"})
 
 
 def _bool(value: Any) -> bool:

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from v4serve.cache.kv_events import KVEventsConfig
     from v4serve.engine.speculative import SpeculativeConfig
+    from v4serve.server.tenants import ApiKeys
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -44,6 +46,7 @@ DERIVED_DEFAULTS = {
     "swa_checkpoint_interval": "4096 (rounded down to whole blocks)",
     "max_request_tokens": f"{REQUEST_TOKENS_PER_CONTEXT} × max-model-len",
     "api_key": "none: no key asked",
+    "api_keys_file": "none: no tenants",
     "allowed_origins": "none: only the daemon's own pages",
 }
 
@@ -75,6 +78,8 @@ class ServeConfig:
     swa_cache_mode: str = "periodic"
     swa_checkpoint_interval: int | None = None
     api_key: str | None = None
+    api_keys_file: str | None = None  # one `KEY TENANT` per line: each tenant's prefix cache its own
+    shared_prefix_cache: bool = False  # tenants find each other's prefixes (a shared public system prompt)
     protect_metrics: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
@@ -83,6 +88,7 @@ class ServeConfig:
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     grammar_cache_bytes: int = 8 << 20  # compiled grammars kept per process, weighed by their text
     speculative_config: str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, ...}
+    kv_events_config: str | None = None  # vLLM's JSON: {"publisher": "zmq", "endpoint": "tcp://*:5557", ...}
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
@@ -137,6 +143,13 @@ class ServeConfig:
         return SpeculativeConfig.parse(self.speculative_config)
 
     @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """--kv-events-config parsed (ValueError saying what is wrong; None: off)."""
+        from v4serve.cache.kv_events import KVEventsConfig
+
+        return KVEventsConfig.parse(self.kv_events_config) if self.kv_events_config else None
+
+    @property
     def origins(self) -> tuple[str, ...]:
         """--allowed-origins as a tuple (each an origin as browsers send it: scheme://host[:port])."""
         origins = tuple(o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip())
@@ -149,6 +162,7 @@ class ServeConfig:
         """Clear errors for the front end's settings, before the port is taken."""
         self.origins  # noqa: B018 - parsing them is the check
         self.speculative  # noqa: B018 - so is parsing this
+        self.kv_events  # noqa: B018 - and this
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes"):
             if getattr(self, name) <= 0:
@@ -157,6 +171,21 @@ class ServeConfig:
             raise ValueError(f"--max-request-tokens must be positive, got {self.max_request_tokens}")
         if self.watchdog_timeout < 0:
             raise ValueError(f"--watchdog-timeout must be 0 (off) or positive, got {self.watchdog_timeout}")
+        self.api_keys()  # a keys file that does not parse is refused before the port is taken
+        if self.shared_prefix_cache and not self.api_keys_file:
+            raise ValueError("--shared-prefix-cache shares the prefix cache between the tenants of --api-keys-file; "
+                             "without that file there are no tenants (and one cache)")
+
+    def api_keys(self) -> ApiKeys | None:
+        """The keys the daemon asks for, each with its tenant (None: no key asked)."""
+        from v4serve.server.tenants import ApiKeys
+
+        if not (self.api_key or self.api_keys_file):
+            return None
+        try:
+            return ApiKeys(self.api_key, self.api_keys_file)
+        except OSError as exc:
+            raise ValueError(f"--api-keys-file {self.api_keys_file}: {exc.strerror or exc}") from exc
 
     @property
     def model_names(self) -> tuple[str, ...]:

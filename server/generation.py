@@ -31,6 +31,7 @@ from v4serve.server.errors import ApiError
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
 from v4serve.server.protocol import SamplingFields
+from v4serve.server.tenants import CURRENT_TENANT, DEFAULT_TENANT, ApiKeys, scoped_salt
 from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.output import ChoiceText, Delta, OutputOptions
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
@@ -48,7 +49,8 @@ class ServerConfig:
     served_model_name: str
     max_model_len: int
     aliases: tuple[str, ...] = ()  # more names of the same model (--served-model-name a b c)
-    api_key: str | None = None
+    keys: ApiKeys | None = None  # --api-key and --api-keys-file (None: no key asked)
+    isolate_tenants: bool = False  # each tenant's prefix cache its own (a keys file, no --shared-prefix-cache)
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
@@ -83,10 +85,10 @@ class Generation:
     def __init__(self, engine: EngineClient, metrics: Metrics, tokenizer: Tokenizer, requests: list[EngineRequest],
                  options: OutputOptions, max_unread: int = DEFAULT_MAX_UNREAD_TOKENS,
                  max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-                 unread_timeout: float = DEFAULT_UNREAD_TIMEOUT) -> None:
+                 unread_timeout: float = DEFAULT_UNREAD_TIMEOUT, tenant: str = DEFAULT_TENANT) -> None:
         self.engine, self.requests = engine, requests
         self.texts = [ChoiceText(tokenizer, options) for _ in requests]
-        self._tracker = metrics.track(requests)
+        self._tracker = metrics.track(requests, tenant)
         self._metrics = metrics
         self._open = set(range(len(requests)))  # choices whose finished delta has not been made
         self._ready: asyncio.Queue[Delta] = asyncio.Queue()
@@ -245,12 +247,15 @@ class FrontEnd:
         """The n choices of one prompt (not yet submitted). The prompt's logprobs are the same for every
         choice: only the first computes them (`Generation.prompt_logprobs`); the others start after it
         and reuse its prefix from the cache like any sibling."""
+        tenant = CURRENT_TENANT.get()
+        salt = scoped_salt(tenant if self.config.isolate_tenants else None, body.cache_salt)
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None, i,
                                                 grammar, self._thinking(thinking_budget)),
-                                  cache_salt=body.cache_salt) for i in range(body.n)]
+                                  cache_salt=salt) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
-                          self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout)
+                          self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout,
+                          tenant or DEFAULT_TENANT)
 
     def _thinking(self, budget: int | None) -> tuple[int, int] | None:
         if budget is None:

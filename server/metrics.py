@@ -10,7 +10,7 @@ Two sources, neither of which reaches into the engine from the HTTP thread:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -19,6 +19,7 @@ from prometheus_client.utils import floatToGoString
 from v4serve.cache.ssd_file import ERROR_KINDS
 from v4serve.engine.request import Request
 from v4serve.engine.stats import EngineStats, HistogramSnapshot
+from v4serve.server.tenants import DEFAULT_TENANT
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -175,7 +176,8 @@ LIMITS = ("unread_held",  # half of --max-unread-tokens unread: the engine holds
 
 class Metrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0,
-                 healthy: Callable[[], bool] = lambda: True, cache_info: Mapping[str, object] | None = None) -> None:
+                 healthy: Callable[[], bool] = lambda: True, cache_info: Mapping[str, object] | None = None,
+                 tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(model_name, stats, cache_info))
         self.registry.register(HealthCollector(model_name, healthy))
@@ -184,9 +186,12 @@ class Metrics:
         Gauge("v4serve_kv_store_capacity_bytes", "Size bound of the SSD prefix store (--kv-store-max-bytes; 0: off)",
               label, registry=r).labels(model_name=model_name).set(store_capacity_bytes)
         self.label = {"model_name": model_name}
-        self.prompt_tokens = Counter("v4serve_prompt_tokens", "Prompt tokens of finished requests", label, registry=r)
-        self.generation_tokens = Counter("v4serve_generation_tokens", "Generated tokens", label, registry=r)
-        self.finished = Counter("v4serve_request_success", "Finished requests", [*label, "finished_reason"],
+        # Request counters carry the tenant (a name from --api-keys-file, "default" otherwise: bounded by
+        # the file); the per-token histograms do not.
+        tenant = [*label, "tenant"]
+        self.prompt_tokens = Counter("v4serve_prompt_tokens", "Prompt tokens of finished requests", tenant, registry=r)
+        self.generation_tokens = Counter("v4serve_generation_tokens", "Generated tokens", tenant, registry=r)
+        self.finished = Counter("v4serve_request_success", "Finished requests", [*tenant, "finished_reason"],
                                 registry=r)
         self.ttft = Histogram("v4serve_time_to_first_token_seconds", "Time to first token", label,
                               buckets=_LATENCY, registry=r)
@@ -196,10 +201,10 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         # Every series exists from the start (at 0), so dashboards and rate() see it before the
         # first event.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+        for metric in (self.ttft, self.itl, self.e2e):
             metric.labels(**self.label)
-        for reason in FINISH_REASONS:
-            self.finished.labels(**self.label, finished_reason=reason)
+        for name in sorted({DEFAULT_TENANT, *tenants}):
+            self.add_tenant(name)
         self.limited = Counter("v4serve_requests_limited", "Requests refused or ended by a server limit",
                                [*label, "limit"], registry=r)
         for limit in LIMITS:
@@ -208,21 +213,27 @@ class Metrics:
                               "(header_timeout: idle, or headers too slow)", [*label, "reason"], registry=r)
         self.closed.labels(**self.label, reason="header_timeout")
 
+    def add_tenant(self, tenant: str) -> None:
+        for metric in (self.prompt_tokens, self.generation_tokens):
+            metric.labels(**self.label, tenant=tenant)
+        for reason in FINISH_REASONS:
+            self.finished.labels(**self.label, tenant=tenant, finished_reason=reason)
+
     def count_closed(self, reason: str) -> None:
         self.closed.labels(**self.label, reason=reason).inc()
 
     def count_limited(self, limit: str) -> None:
         self.limited.labels(**self.label, limit=limit).inc()
 
-    def track(self, requests: list[Request]) -> RequestTracker:
-        return RequestTracker(self, requests)
+    def track(self, requests: list[Request], tenant: str = DEFAULT_TENANT) -> RequestTracker:
+        return RequestTracker(self, requests, tenant)
 
 
 class RequestTracker:
     """The front end's view of one prompt's choices: first token, gaps between tokens, finish."""
 
-    def __init__(self, metrics: Metrics, requests: list[Request]) -> None:
-        self.metrics, self.requests = metrics, requests
+    def __init__(self, metrics: Metrics, requests: list[Request], tenant: str = DEFAULT_TENANT) -> None:
+        self.metrics, self.requests, self.tenant = metrics, requests, tenant
         self.last_token: list[float | None] = [None] * len(requests)
 
     def tokens(self, index: int, count: int, now: float | None = None) -> None:
@@ -230,7 +241,7 @@ class RequestTracker:
             return
         now = time.monotonic() if now is None else now
         m, lb, last = self.metrics, self.metrics.label, self.last_token[index]
-        m.generation_tokens.labels(**lb).inc(count)
+        m.generation_tokens.labels(**lb, tenant=self.tenant).inc(count)
         if last is None:
             m.ttft.labels(**lb).observe(now - self.requests[index].arrival_time)
         else:
@@ -241,5 +252,5 @@ class RequestTracker:
         now = time.monotonic() if now is None else now
         m, lb, request = self.metrics, self.metrics.label, self.requests[index]
         m.e2e.labels(**lb).observe(now - request.arrival_time)
-        m.prompt_tokens.labels(**lb).inc(request.num_prompt_tokens)
-        m.finished.labels(**lb, finished_reason=reason).inc()
+        m.prompt_tokens.labels(**lb, tenant=self.tenant).inc(request.num_prompt_tokens)
+        m.finished.labels(**lb, tenant=self.tenant, finished_reason=reason).inc()

@@ -170,7 +170,8 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
                         swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype,
                         kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
-                        grammar_cache_bytes=cfg.grammar_cache_bytes, speculative=cfg.speculative)
+                        grammar_cache_bytes=cfg.grammar_cache_bytes, speculative=cfg.speculative,
+                        kv_events=cfg.kv_events)
 
 
 def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,

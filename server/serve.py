@@ -83,14 +83,16 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
 def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI, EngineClient]:
     if tokenizer is None:
         tokenizer = load_front_tokenizer(cfg)
+    keys = cfg.api_keys()
     engine, info = start_engine(cfg, tokenizer)
     try:
         store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
         metrics = Metrics(cfg.model_name, lambda: engine.stats,
                           store_capacity_bytes=(cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES) if store_on else 0,
                           healthy=lambda: engine.unavailable_reason() is None,
-                          cache_info=info.get("cache_info"))
-        server = ServerConfig(cfg.model_name, info["max_model_len"], aliases=cfg.model_names[1:], api_key=cfg.api_key,
+                          cache_info=info.get("cache_info"), tenants=keys.tenants if keys else ())
+        server = ServerConfig(cfg.model_name, info["max_model_len"], aliases=cfg.model_names[1:], keys=keys,
+                              isolate_tenants=keys is not None and keys.isolating and not cfg.shared_prefix_cache,
                               protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
                               max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
                               unread_timeout=cfg.unread_timeout,
@@ -119,9 +121,9 @@ class GracefulServer(uvicorn.Server):
     stream still closes with an error event and [DONE]; queued SSD-store writes are flushed at exit.
     If the engine stops by itself, the server exits after `ENGINE_DEATH_GRACE` seconds.
 
-    Other signals whose default would end the daemon: SIGHUP is logged and changes nothing (every
-    setting is read at start), SIGUSR1 logs the engine's state and requests, SIGUSR2 is logged and
-    ignored; `run` ignores all three from the start, so one that comes while the model loads is
+    Other signals whose default would end the daemon: SIGHUP reads --api-keys-file again and changes
+    nothing else (every other setting is read at start), SIGUSR1 logs the engine's state and requests,
+    SIGUSR2 is logged and ignored; `run` ignores all three from the start, so one that comes while the model loads is
     harmless too. SIGPIPE is ignored by Python itself; SIGQUIT keeps its default (a core dump, asked
     for on purpose); nothing else is sent to a daemon in the normal course of things."""
 
@@ -145,12 +147,20 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, log.info, "SIGHUP: nothing to reload (settings are read at start); "
-                                "still serving")
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
         loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(self.dump_state()))
         loop.add_signal_handler(signal.SIGUSR2, log.info, "SIGUSR2 ignored (SIGUSR1 dumps the engine state)")
         if self.watchdog_timeout:
             threading.Thread(target=self._watchdog, name="v4serve-watchdog", daemon=True).start()
+
+    def _reload(self) -> None:
+        keys = getattr(self.config.app.state.front.config, "keys", None)
+        if keys is not None and keys.keys_file is not None:
+            log.info("SIGHUP: reading %s again", keys.keys_file)
+            keys.reload()
+        else:
+            log.info("SIGHUP: nothing to reload (settings are read at start; --api-keys-file is read again on "
+                     "SIGHUP); still serving")
 
     def _watchdog(self) -> None:
         """A thread, so a stuck event loop cannot hide a stuck engine: once the engine has been silent
@@ -276,7 +286,7 @@ def warn_if_open(cfg: ServeConfig, sockets: list[socket.socket]) -> None:
     """Anyone who can reach a non-loopback address can use the model and empty its caches when no key
     is asked for: said at start, not discovered later."""
     exposed = [sock.getsockname()[0] for sock in sockets if not ipaddress.ip_address(sock.getsockname()[0]).is_loopback]
-    if exposed and not cfg.api_key:
+    if exposed and not (cfg.api_key or cfg.api_keys_file):
         log.warning("listening on %s without --api-key: anyone who can reach this address can generate, read "
                     "/metrics and empty the caches (set --api-key, or --host 127.0.0.1 for this machine only)",
                     ", ".join(exposed))

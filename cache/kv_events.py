@@ -1,0 +1,251 @@
+"""KV-cache events in vLLM's wire format, for routers that route by what each replica has cached
+(vllm-router's `kv_aware` policy, llm-d's precise prefix scorer, Dynamo's KV router).
+
+The cache announces every block that becomes findable (`BlockStored`: its chain hash, the hash of the
+block it continues, its token ids) and every block that stops being findable (`BlockRemoved`), per
+tier (`medium`): "GPU" for the device Block Cache (vLLM's name for it, whatever the device) and "DISK"
+for the SSD store. `AllBlocksCleared` says nothing is cached in any tier any more (a prefix-cache reset
+that left nothing). State Cache snapshots (window state at a block, a prompt's or a response's end) are
+not blocks and are never announced: a router can tell which prefixes a replica holds, not how much of
+the window it would recompute for a hit.
+
+`KVEventLog` (plain Python, thread-safe: the engine step and the SSD store's writer both append) buffers
+them; `ZmqEventPublisher` sends them as vLLM does: a PUB socket, multipart `[topic, seq (8 bytes, big
+endian), msgpack(EventBatch)]`, and a ROUTER socket that replays the batches still buffered from a
+sequence number a subscriber asks for (`[identity, "", seq]` → `[identity, "", topic, seq, payload]`...,
+then the end marker `[identity, "", "", -1, ""]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEVICE, DISK = "GPU", "DISK"  # tiers, as `medium` names them (vLLM's GPU; the store's disk)
+MAX_EVENTS_PER_BATCH = 1024  # routers refuse batches beyond a few thousand events
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+CLOSE_LINGER_MS = 500  # at exit, how long the last events may take to leave
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None  # None: the first block of a chain
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str
+
+    def wire(self) -> dict[str, Any]:
+        # vLLM's field order and its LoRA fields (always empty here); a map tagged with "type".
+        return {"type": "BlockStored", "block_hashes": list(self.block_hashes),
+                "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
+                "block_size": self.block_size, "lora_id": None, "medium": self.medium, "lora_name": None}
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[bytes, ...]
+    medium: str
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    def wire(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventLog:
+    """Events in the order they happened, until the publisher takes them."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._events: list[KVEvent] = []
+        self._ready = threading.Condition()
+        self.appended = 0  # events ever added (the publisher's flush compares what it has sent)
+
+    def stored(self, medium: str, block_hash: bytes, parent: bytes | None, tokens: Sequence[int]) -> None:
+        self._add(BlockStored((block_hash,), parent, tuple(tokens), self.block_size, medium))
+
+    def removed(self, medium: str, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self._add(BlockRemoved(tuple(hashes), medium))
+
+    def cleared(self) -> None:
+        self._add(AllBlocksCleared())
+
+    def _add(self, event: KVEvent) -> None:
+        with self._ready:
+            self._events.append(event)
+            self.appended += 1
+            self._ready.notify()
+
+    def take(self, timeout: float | None = None) -> list[KVEvent]:
+        """Every event so far (waiting up to `timeout` seconds for one)."""
+        with self._ready:
+            if not self._events and timeout:
+                self._ready.wait(timeout)
+            events, self._events = self._events, []
+        return events
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """`--kv-events-config`, vLLM's JSON keys and defaults. Given at all, events are on unless
+    `enable_kv_cache_events` is false."""
+
+    enable_kv_cache_events: bool = True
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZeroMQ send high-water mark
+    max_queue_size: int = 100_000  # events waiting to be sent; beyond it the oldest are dropped (and counted)
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig | None:
+        """The flag's JSON → a config (None: off); ValueError saying what is wrong."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object, e.g. "
+                             '{"publisher": "zmq", "endpoint": "tcp://*:5557"}')
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {unknown}; known: {sorted(known)}")
+        if raw.get("publisher") is None:
+            raw.pop("publisher", None)
+        config = cls(**raw)
+        if not config.enable_kv_cache_events or config.publisher == "null":
+            return None
+        if config.publisher != "zmq":
+            raise ValueError(f"--kv-events-config: publisher must be 'zmq' (or 'null': off), got {config.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not isinstance(getattr(config, name), int) or getattr(config, name) <= 0:
+                raise ValueError(f"--kv-events-config: {name} must be a positive integer")
+        for name in ("endpoint", "replay_endpoint", "topic"):
+            value = getattr(config, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"--kv-events-config: {name} must be a string")
+        return config
+
+
+def encode_batch(events: Sequence[KVEvent], ts: float | None = None) -> bytes:
+    """vLLM's `KVEventBatch`: the array [ts, [event maps...], data_parallel_rank (None)]."""
+    import msgspec
+
+    return msgspec.msgpack.encode([time.time() if ts is None else ts, [e.wire() for e in events], None])
+
+
+def _binds(endpoint: str) -> bool:
+    """As vLLM: a wildcard or local transport is bound; anything else is a collector to connect to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """Sends what `log` collects, from a thread of its own (the engine step never waits on a socket)."""
+
+    def __init__(self, log_: KVEventLog, config: KVEventsConfig) -> None:
+        import zmq
+
+        self.log, self.config = log_, config
+        self.topic = config.topic.encode()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
+        self._replay = None
+        if config.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(config.replay_endpoint)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode() if _binds(config.endpoint) else \
+            config.endpoint  # with a port chosen at bind ("tcp://127.0.0.1:*"), the one it got
+        self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode() if self._replay else None
+        self.seq = 0
+        self.dropped = 0
+        self.handled = 0  # events taken from the log and sent (or dropped)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="v4serve-kv-events", daemon=True)
+        self._thread.start()
+        log.info("KV events: publishing on %s%s (topic %r)", config.endpoint,
+                 f", replay on {config.replay_endpoint}" if config.replay_endpoint else "", config.topic)
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while not self._stop.is_set():
+            self._publish(self.log.take(timeout=0.02 if self._replay is None else None))
+            if self._replay is not None and poller.poll(timeout=20):
+                self._answer_replay()
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        taken, limit = len(events), self.config.max_queue_size
+        if taken > limit:
+            self.dropped += taken - limit
+            log.warning("KV events: %d events dropped (more than max_queue_size waiting)", taken - limit)
+            events = events[-limit:]
+        for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
+            self._send(encode_batch(events[start:start + MAX_EVENTS_PER_BATCH]))
+        self.handled += taken
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every event logged so far has been sent; False if that took over `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.handled < self.log.appended:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _send(self, payload: bytes) -> None:
+        seq = self.seq.to_bytes(8, "big")
+        self._pub.send_multipart((self.topic, seq, payload))
+        self._buffer.append((self.seq, payload))
+        self.seq += 1
+
+    def _answer_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            return
+        identity, _, start = frames
+        since = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= since:
+                self._replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
+
+    def close(self) -> None:
+        """Send what is left, then close the sockets."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._publish(self.log.take())
+        for sock, linger in ((self._pub, CLOSE_LINGER_MS), (self._replay, 0)):
+            if sock is not None:
+                sock.close(linger=linger)
+        self._ctx.term()

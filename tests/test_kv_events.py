@@ -1,0 +1,219 @@
+"""KV events in vLLM's wire format (`--kv-events-config`): a subscriber decodes every batch against
+vLLM's published schema, and the blocks it was told of are exactly the blocks the cache holds — after
+every step of a churn with eviction, preemption and the SSD store (device tier "GPU", store "DISK");
+a replay from any sequence number gives the same bytes; a reset that leaves nothing says so."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+import zmq
+
+from tests.daemon import PATIENCE
+from tests.helpers import engine_for, greedy, small_model, tokens
+from tests.test_churn import settle_store_io
+from v4serve.cache.kv_events import KVEventsConfig
+from v4serve.cache.ssd_file import KIND_BLOCK
+
+# vLLM's msgspec structs (vllm/distributed/kv_events.py), field for field: events are maps tagged with
+# "type"; a batch is the array [ts, events, data_parallel_rank].
+STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+               "lora_name"]
+REMOVED_KEYS = ["type", "block_hashes", "medium"]
+
+
+@dataclass
+class Replica:
+    """What a router knows of one replica from its events: blocks per tier, and every hash ever stored."""
+
+    blocks: dict[str, set[bytes]] = field(default_factory=lambda: {"GPU": set(), "DISK": set()})
+    ever: dict[str, set[bytes]] = field(default_factory=lambda: {"GPU": set(), "DISK": set()})
+    next_seq: int = 0
+    clears: int = 0
+
+    def apply(self, seq: int, payload: bytes, block_size: int) -> None:
+        assert seq == self.next_seq, f"sequence {seq} after {self.next_seq - 1}: a gap or a repeat"
+        self.next_seq += 1
+        batch = msgspec.msgpack.decode(payload)
+        assert isinstance(batch, list) and len(batch) == 3 and batch[2] is None, batch
+        ts, events = batch[0], batch[1]
+        assert isinstance(ts, float) and abs(ts - time.time()) < 3600 and 0 < len(events) <= 1024
+        for event in events:
+            kind = event["type"]
+            if kind == "BlockStored":
+                assert list(event) == STORED_KEYS, event
+                assert event["lora_id"] is None and event["lora_name"] is None
+                [h] = event["block_hashes"]
+                assert isinstance(h, bytes) and len(h) == 32
+                assert len(event["token_ids"]) == event["block_size"] == block_size
+                parent, medium = event["parent_block_hash"], event["medium"]
+                # A router drops a block whose parent it never heard of: parents always come first.
+                assert parent is None or parent in self.ever[medium], "a block announced before its parent"
+                self.blocks[medium].add(h)
+                self.ever[medium].add(h)
+            elif kind == "BlockRemoved":
+                assert list(event) == REMOVED_KEYS, event
+                for h in event["block_hashes"]:
+                    assert h in self.blocks[event["medium"]], "a block removed that was never announced"
+                    self.blocks[event["medium"]].discard(h)
+            else:
+                assert event == {"type": "AllBlocksCleared"}, event
+                self.clears += 1
+                for tier in self.blocks.values():
+                    tier.clear()
+
+
+class Subscriber:
+    def __init__(self, endpoint: str, block_size: int, topic: bytes = b"") -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.connect(endpoint)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.topic, self.block_size = topic, block_size
+        self.replica = Replica()
+        self.received: dict[int, bytes] = {}
+
+    def drain(self, until_seq: int, timeout: float = PATIENCE) -> None:
+        """Apply what has arrived, waiting until batch `until_seq - 1` has (nothing when it is 0)."""
+        deadline = time.monotonic() + timeout
+        while self.replica.next_seq < until_seq or self.sock.poll(0):
+            assert self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "events stopped arriving"
+            topic, seq_bytes, payload = self.sock.recv_multipart()
+            assert topic == self.topic and len(seq_bytes) == 8
+            seq = int.from_bytes(seq_bytes, "big")
+            self.received[seq] = payload
+            self.replica.apply(seq, payload, self.block_size)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def replay(endpoint: str, since: int) -> list[tuple[int, bytes]]:
+    """vLLM's replay: a DEALER sends ["", since]; answers are ["", topic, seq, payload]... then seq -1."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", since.to_bytes(8, "big")])
+    got = []
+    try:
+        while True:
+            assert sock.poll(int(PATIENCE * 1000)), "the replay did not answer"
+            empty, _, seq_bytes, payload = sock.recv_multipart()
+            assert empty == b""
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                return got
+            got.append((seq, payload))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@contextmanager
+def subscribed(engine, model) -> Iterator[Subscriber]:
+    """A subscriber whose subscription has reached the publisher (a PUB socket sends nothing to a
+    subscriber it does not know of yet; the events meanwhile are fetched by replay)."""
+    sub = Subscriber(engine.kv_events.endpoint, model.cfg.block_size)
+    try:
+        for i in range(200):  # requests of one block each, until one's events arrive live
+            engine.generate([greedy(f"probe{i}", tokens(model.cfg.block_size + 1, 900 + i), 1)])
+            assert engine.kv_events.flush(PATIENCE)
+            if sub.sock.poll(200):
+                break
+        first = int.from_bytes(sub.sock.recv_multipart()[1], "big")
+        for seq, payload in replay(engine.kv_events.replay_endpoint, 0):
+            if seq <= first:
+                sub.received[seq] = payload
+                sub.replica.apply(seq, payload, model.cfg.block_size)
+        yield sub
+    finally:
+        sub.close()
+
+
+def catch_up(engine, sub: Subscriber) -> None:
+    assert engine.kv_events.flush(PATIENCE), "the publisher fell behind"
+    sub.drain(engine.kv_events.seq)
+
+
+def device_hashes(engine) -> set[bytes]:
+    return {b.block_hash for b in engine.kv.pool.blocks if b.block_hash is not None and
+            engine.kv.pool.cached_block(b.block_hash) == b.block_id}
+
+
+def disk_hashes(engine) -> set[bytes]:
+    return {h for kind, h in engine.kv.store._index if kind == KIND_BLOCK}
+
+
+EVENTS = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["device", "device+disk"])
+def test_events_match_the_cache_after_every_step_of_a_churn(tmp_path, store: bool) -> None:
+    rng = random.Random(f"events-{store}")
+    model = small_model()  # 16-token blocks
+    extra = {"kv_store_dir": str(tmp_path), "kv_store_read_timeout": PATIENCE, "kv_store_max_bytes": 40 << 20} \
+        if store else {}
+    engine = engine_for(model, max_num_seqs=3, num_blocks=10, max_num_batched_tokens=40, max_prefill_chunk=24,
+                        kv_events=EVENTS, **extra)
+    bases = [tokens(rng.randint(20, 90), 300 + i) for i in range(4)]
+    hits = 0
+    with subscribed(engine, model) as sub:
+        for i in range(16):
+            base = rng.choice(bases)
+            engine.add_request(greedy(f"r{i}", base[: rng.randint(1, len(base))] + tokens(rng.randint(1, 20), 400 + i),
+                                      n=rng.randint(1, 20)))
+            for _ in range(rng.randint(1, 4)):
+                engine.step()
+                if store:
+                    settle_store_io(engine)
+                catch_up(engine, sub)
+                assert sub.replica.blocks["GPU"] == device_hashes(engine)
+                if store:
+                    assert sub.replica.blocks["DISK"] == disk_hashes(engine)
+                # Every block a running request took from the cache was announced and not yet removed.
+                for r in engine.scheduler.running:
+                    hit = {engine.kv.pool.blocks[b].block_hash for b in r.kv.plan.hit_blocks}
+                    hits += len(hit)
+                    assert hit <= sub.replica.blocks["GPU"]
+        while engine.has_work():
+            engine.step()
+            if store:
+                settle_store_io(engine)
+            catch_up(engine, sub)
+            assert sub.replica.blocks["GPU"] == device_hashes(engine)
+        assert hits > 0 and engine.kv.pool.evictions > 0  # the churn hit and evicted
+        assert sub.replica.ever["DISK"] if store else not sub.replica.ever["DISK"]
+        # A replay from any point gives the bytes that were published live.
+        since = sub.replica.next_seq // 2
+        again = replay(engine.kv_events.replay_endpoint, since)
+        assert [seq for seq, _ in again] == list(range(since, sub.replica.next_seq))
+        assert all(sub.received[seq] == payload for seq, payload in again)
+        # A reset that leaves nothing cached in any tier (the store emptied too) clears everything.
+        engine.reset_prefix_cache(store=True)
+        catch_up(engine, sub)
+        assert sub.replica.clears == 1 and sub.replica.blocks == {"GPU": set(), "DISK": set()}
+        assert not device_hashes(engine)
+    engine.close()
+
+
+def test_the_flag_takes_vllms_keys_and_refuses_others() -> None:
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                '"endpoint": "tcp://*:6000", "topic": "kv"}') == \
+        KVEventsConfig(endpoint="tcp://*:6000", topic="kv")
+    assert KVEventsConfig.parse("{}") == KVEventsConfig()  # given at all: on, vLLM's defaults
+    assert KVEventsConfig.parse('{"publisher": null}') == KVEventsConfig()
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": false}') is None
+    assert KVEventsConfig.parse('{"publisher": "null"}') is None
+    for bad, says in (('{"endpont": "tcp://*:1"}', "unknown keys \\['endpont'\\]"),
+                      ('{"publisher": "kafka"}', "publisher must be 'zmq'"),
+                      ('{"hwm": 0}', "hwm must be a positive integer"),
+                      ("[1]", "must be a JSON object"), ("{", "is not JSON")):
+        with pytest.raises(ValueError, match=says):
+            KVEventsConfig.parse(bad)
