@@ -188,8 +188,8 @@ class ZmqEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="v4serve-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events: publishing on %s%s (topic %r)", config.endpoint,
-                 f", replay on {config.replay_endpoint}" if config.replay_endpoint else "", config.topic)
+        log.info("KV events: publishing on %s%s (topic %r)", self.endpoint,
+                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.topic)
 
     def _run(self) -> None:
         import zmq

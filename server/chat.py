@@ -57,13 +57,13 @@ async def _prompt(front: FrontEnd, body: ChatCompletionRequest, tools: ToolPlan)
                                    reasoning_effort=body.v4_effort())
 
 
-async def render(front: FrontEnd, body: ChatCompletionRequest) -> list[Any]:
-    """vLLM's `/v1/chat/completions/render` (routers call it before routing): [the conversation, [its
-    prompt as the engine would get it: text and token ids]]; nothing is generated."""
-    front.check_model(body.model)
+async def render(front: FrontEnd, body: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's `/v1/chat/completions/render` (routers call it before routing, and route on its
+    `token_ids`): the conversation's prompt as the engine would get it, tools and thinking mode
+    applied; nothing is generated."""
+    model = front.check_model(body.model)
     prompt = await _prompt(front, body, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls))
-    conversation = [m.model_dump(exclude_none=True) for m in body.messages]
-    return [conversation, [{"prompt": front.tokenizer.decode(prompt), "prompt_token_ids": prompt}]]
+    return front.rendered(prompt, model)
 
 
 def _choice(front: FrontEnd, i: int, deltas: list[Delta], reasoning: bool, logprobs: bool) -> dict[str, Any]:

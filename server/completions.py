@@ -56,10 +56,11 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
 
 
 async def render(front: FrontEnd, body: CompletionRequest) -> list[dict[str, Any]]:
-    """vLLM's `/v1/completions/render` (routers call it before routing): each prompt as the engine would
-    get it, its text and token ids; nothing is generated."""
-    front.check_model(body.model)
-    return [{"prompt": front.tokenizer.decode(p), "prompt_token_ids": p} for p in await _prompts(front, body.prompt)]
+    """vLLM's `/v1/completions/render` (routers call it before routing, and route on its `token_ids`):
+    each prompt as the engine would get it, as vLLM's `GenerateRequest` (its token ids, the model) plus
+    its text; nothing is generated."""
+    model = front.check_model(body.model)
+    return [front.rendered(p, model) for p in await _prompts(front, body.prompt)]
 
 
 async def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -210,6 +211,13 @@ class FrontEnd:
         if name not in self.config.model_names:
             raise ApiError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
         return name
+
+    def rendered(self, prompt: list[int], model: str) -> dict[str, Any]:
+        """A prompt as the render endpoints give it: vLLM's `GenerateRequest` fields that describe it
+        (`token_ids`, what routers route on; `model`), and, as vLLM's earlier render did, its text and
+        `prompt_token_ids`."""
+        return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": prompt, "model": model,
+                "prompt": self.tokenizer.decode(prompt), "prompt_token_ids": prompt}
 
     def default_max_tokens(self, requested: int | None, prompt_len: int) -> int:
         if requested is not None:

@@ -5,18 +5,13 @@ gets what the replica gives directly."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.daemon import PATIENCE, start_daemon, wait_until
+from tests.daemon import PATIENCE, start_daemon
+from tests.routers import SGLANG_ROUTER, VLLM_ROUTER, router
 
 # What the routers forward with every request (captured from vllm-router 0.1.17 and sglang-router 0.3.2).
 COMPLETION_EXTRAS = {"echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
@@ -38,47 +33,6 @@ def replicas() -> Iterator[list[str]]:
     finally:
         first.stop()
         second.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def router(command: list[str], workers: list[str]) -> Iterator[str]:
-    """A router over `workers` on a port picked now (picked again if another process takes it first)."""
-    for _ in range(5):
-        port, metrics_port = free_port(), free_port()
-        log = tempfile.NamedTemporaryFile("w+", prefix="v4serve-router-", suffix=".log", delete=False)  # noqa: SIM115
-        proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-                                 str(metrics_port), "--worker-urls", *workers, "--policy", "cache_aware"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until(lambda: proc.poll() is not None or ready(url), "the router to route")  # noqa: B023
-            if proc.poll() is None:
-                yield url
-                return
-            if "in use" not in Path(log.name).read_text(errors="replace"):
-                raise AssertionError(f"the router exited: {Path(log.name).read_text(errors='replace')[-2000:]}")
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=PATIENCE)
-            log.close()
-    raise AssertionError("no free port for the router after 5 tries")
-
-
-def ready(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.post(url + "/v1/completions", json=COMPLETION, timeout=PATIENCE).status_code == 200
-    return False
-
-
-VLLM_ROUTER = [sys.executable, "-m", "vllm_router.launch_router"]
-SGLANG_ROUTER = [sys.executable, "-m", "sglang_router.launch_router"]
 
 
 @pytest.mark.parametrize("command", [VLLM_ROUTER, SGLANG_ROUTER], ids=["vllm-router", "sglang-router"])
@@ -141,11 +95,12 @@ def test_render_gives_the_prompt_as_the_engine_gets_it_and_generates_nothing(rep
     tokens = httpx.post(url + "/tokenize", json={"prompt": COMPLETION["prompt"]}, timeout=PATIENCE).json()["tokens"]
     rendered = httpx.post(url + "/v1/completions/render", json={**COMPLETION, "prompt": [COMPLETION["prompt"], "b"]},
                           timeout=PATIENCE).json()
-    assert len(rendered) == 2 and rendered[0]["prompt_token_ids"] == tokens
-    assert COMPLETION["prompt"] in rendered[0]["prompt"]
+    # vLLM's GenerateRequest shape: routers route on `token_ids`.
+    assert len(rendered) == 2 and rendered[0]["token_ids"] == rendered[0]["prompt_token_ids"] == tokens
+    assert COMPLETION["prompt"] in rendered[0]["prompt"] and rendered[0]["model"] == "v4serve-tiny"
     chat_tokens = httpx.post(url + "/tokenize", json={"messages": CHAT["messages"]}, timeout=PATIENCE).json()["tokens"]
-    conversation, prompts = httpx.post(url + "/v1/chat/completions/render", json=CHAT, timeout=PATIENCE).json()
-    assert conversation == CHAT["messages"] and prompts[0]["prompt_token_ids"] == chat_tokens
+    chat = httpx.post(url + "/v1/chat/completions/render", json=CHAT, timeout=PATIENCE).json()
+    assert chat["token_ids"] == chat_tokens and chat["model"] == "v4serve-tiny"
     missing = httpx.post(url + "/v1/completions/render", json={**COMPLETION, "model": "nope"}, timeout=PATIENCE)
     assert missing.status_code == 404
     metrics = httpx.get(url + "/metrics", timeout=PATIENCE).text
