@@ -97,6 +97,19 @@ def test_a_shared_prefix_cache_is_the_side_channel_the_default_closes() -> None:
     assert scores["auc_cached_tokens"] == 1.0 and scores["accuracy_cached_tokens"] == 1.0
 
 
+def test_tenants_stay_apart_in_the_ssd_store_across_a_restart(tmp_path: Path) -> None:
+    """The tenant is in the chain hash, so the files one tenant's prompts wrote are never another's."""
+    store = ["--kv-store-dir", str(tmp_path / "store")]
+    with tenants_daemon(shared=False, extra=store) as url:
+        cold = complete(url, "victim-key", DOC)
+    with tenants_daemon(shared=False, extra=store) as url:  # a new process: only the disk remembers
+        attacker = complete(url, "attacker-key", DOC)
+        victim = complete(url, "victim-key", DOC)
+        disk_hits = metric(url, "v4serve_prefix_cache_hits_total", source="disk")
+    assert cached(attacker) == 0 and cached(victim) >= 256 and disk_hits >= 256
+    assert text(attacker) == text(victim) == text(cold)
+
+
 def write_keys(path: Path, text: str) -> None:
     """Replace the keys file at once (as an editor or a config manager does: a new file renamed over)."""
     tmp = path.with_suffix(".new")
