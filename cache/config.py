@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SWA_CACHE_MODES = ("full", "periodic", "zero")
+# How window state is snapshotted (written; whatever snapshots exist are used for restores in every mode):
+# at every sealed boundary, every interval and at prompt and response ends, never, or per prefix:
+# `zero` until a prefix is hit, `periodic` from then on (see StateCache.snapshot_mode).
+SWA_CACHE_MODES = ("full", "periodic", "zero", "auto")
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,9 @@ class CacheConfig:
     # Widest compressor overlap (CSA ratio): its tail rows must also be exact after a zero-mode
     # recompute, so the recompute span covers at least that many tokens per layer.
     overlap_ratio: int = 0
+    # auto mode: seconds a hit keeps its prefix hot (its window state snapshotted) after the last hit.
+    hot_seconds: float = 3600.0
+    max_hot_prefixes: int = 1 << 16  # hot prefix nodes remembered (the least recently hit go first)
 
     def __post_init__(self) -> None:
         if self.swa_cache_mode not in SWA_CACHE_MODES:

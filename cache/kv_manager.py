@@ -59,6 +59,8 @@ class CacheStats:
     store: StoreStats | None  # the SSD store's counters (None when it is off)
     store_usage_bytes: int = 0
     store_quarantine_files: int = 0
+    snapshot_bytes_host: int = 0  # window-state snapshots taken into host memory (not loads from disk)
+    hot_prefixes: int = 0  # auto mode: prefix nodes hot now
 
 
 class KVCacheManager:
@@ -69,6 +71,7 @@ class KVCacheManager:
         self.namespace = namespace
         self.store = store
         self.events = events  # KV events for routers (None: off)
+        self.snapshot_bytes_host = 0
         self.pool = BlockPool(config.num_blocks)
         if events is not None:
             self.pool.on_forget = lambda h: events.removed(DEVICE, [h])
@@ -81,10 +84,24 @@ class KVCacheManager:
     def hashes(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
         return block_hashes(root_hash(self.namespace, cache_salt), tokens, self.config.block_size)
 
-    def new_request(self, cache_salt: str | None, num_tokens: int, tokens: TokenSlice) -> RequestKV:
-        kv = RequestKV(root=root_hash(self.namespace, cache_salt))
+    def new_request(self, cache_salt: str | None, num_tokens: int, tokens: TokenSlice,
+                    swa_cache_mode: str | None = None) -> RequestKV:
+        """A request's handle; `swa_cache_mode` its own way of writing window snapshots (None: the
+        daemon's)."""
+        mode = swa_cache_mode or self.config.swa_cache_mode
+        kv = RequestKV(root=root_hash(self.namespace, cache_salt), swa_mode=mode)
         self.extend_hashes(kv, num_tokens, tokens)
         return kv
+
+    def snapshot_mode(self, kv: RequestKV) -> str:
+        """How the request writes snapshots now: its mode, `auto` resolved by its prefix's heat."""
+        if kv.swa_mode != "auto":
+            return kv.swa_mode
+        return "periodic" if kv.hot else "zero"
+
+    def _hit_end(self, kv: RequestKV) -> int:
+        """auto: the boundary its hit landed on, saved too, so the next hit restores there."""
+        return len(kv.plan.hit_blocks) * self.config.block_size if kv.swa_mode == "auto" else 0
 
     def extend_hashes(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice) -> None:
         """Hash the blocks of known tokens completed since the last call."""
@@ -109,10 +126,14 @@ class KVCacheManager:
         elif hit:
             resume, key = self.state.restore_point(kv.block_hashes, len(hit))
             kv.plan = PrefixPlan(tuple(hit), hit_end, resume, key)
+        if kv.swa_mode == "auto":
+            if hit:
+                self.state.hot.mark(kv.block_hashes[len(hit) - 1])
+            kv.hot = kv.hot or bool(hit) or self.state.hot.any_hot(kv.block_hashes)
         return kv.plan
 
     def _find_response(self, kv: RequestKV, hit_blocks: int, following: Sequence[int]) -> tuple[bytes, int] | None:
-        if self.config.swa_cache_mode == "zero" or not following:
+        if not following:
             return None
         parent = kv.block_hashes[hit_blocks - 1] if hit_blocks else kv.root
         key = self.state.find_response(parent, following)
@@ -127,7 +148,7 @@ class KVCacheManager:
         there can then be saved); while a hit's window state is rebuilt, no point before the hit
         boundary counts."""
         lo = max(start, kv.frozen_until - 1) if kv.window_from else start
-        point = self.state.next_snapshot_point(lo, prompt_len, start + n - 1)
+        point = self.state.next_snapshot_point(lo, prompt_len, start + n - 1, self.snapshot_mode(kv), self._hit_end(kv))
         return n if point is None else point - start
 
     def admit(self, kv: RequestKV, first_chunk_end: int) -> bool:
@@ -184,7 +205,8 @@ class KVCacheManager:
                 self.store.put(KIND_BLOCK, kv.block_hashes[i], block_tokens,
                                self.device.block_payload(kv.block_table[i]), parent)
         kv.num_sealed = max(kv.num_sealed, full)
-        if kv.state_exact_at(num_computed) and self.state.is_snapshot_point(num_computed, prompt_len):
+        if kv.state_exact_at(num_computed) and self.state.is_snapshot_point(num_computed, prompt_len,
+                                                                            self.snapshot_mode(kv), self._hit_end(kv)):
             self._save_snapshot(kv, kv.block_hashes[num_computed // b - 1], tokens(num_computed - b, num_computed))
 
     def save_response_end(self, kv: RequestKV, num_computed: int, tokens: TokenSlice) -> None:
@@ -192,7 +214,7 @@ class KVCacheManager:
         block's entries, so the next turn of the conversation resumes right there (all modes that
         snapshot; never for an aborted or failed request, whose state may be half made)."""
         cfg, b = self.config, self.config.block_size
-        if (not cfg.enable_prefix_caching or cfg.swa_cache_mode == "zero" or kv.slot is None or not num_computed
+        if (not cfg.enable_prefix_caching or self.snapshot_mode(kv) == "zero" or kv.slot is None or not num_computed
                 or not kv.state_exact_at(num_computed)):
             return
         sealed = num_computed // b
@@ -207,6 +229,7 @@ class KVCacheManager:
         block = b"".join(self.device.block_payload(kv.block_table[sealed]))
         response = ResponseEnd(parent, tail, self.device.read_slot(kv.slot), block)
         self.state.put_response(key, response, self.device.slot_nbytes() + len(block))
+        self.snapshot_bytes_host += self.device.slot_nbytes() + len(block)
         if self._store_writing():  # so the conversation resumes here after a restart too
             self.store.put(KIND_RESPONSE, key, tail, [*self.device.snapshot_payload(response.state), block], parent)
 
@@ -215,7 +238,8 @@ class KVCacheManager:
             return
         assert kv.slot is not None
         state = self.device.read_slot(kv.slot)
-        self.state.snapshots.put(key, state, self.device.slot_nbytes())
+        if self.state.snapshots.put(key, state, self.device.slot_nbytes()):
+            self.snapshot_bytes_host += self.device.slot_nbytes()
         if self._store_writing():
             self.store.put(KIND_SNAPSHOT, key, last_block_tokens, self.device.snapshot_payload(state))
 
@@ -233,15 +257,14 @@ class KVCacheManager:
         count = self.loader.blocks_on_disk(self._reusable(kv, num_tokens)[first:])
         boundary = first + count
         following_end = min(boundary * b + b, num_tokens) - 1  # as in plan_prefix
-        responses = self.config.swa_cache_mode != "zero"
         response = False
-        if responses and kv.plan.response_key is None and boundary * b < following_end:
+        if kv.plan.response_key is None and boundary * b < following_end:
             parent = kv.block_hashes[boundary - 1] if boundary else kv.root
             response = self.loader.response_on_disk(parent, tokens(boundary * b, following_end))
         if not count and not response:
             return False
         kv.disk_load = self.loader.start(kv.block_hashes, tokens(0, max(following_end, boundary * b)), first, count,
-                                         kv.root if responses else None)
+                                         kv.root)
         return True
 
     def finish_disk_load(self, kv: RequestKV) -> float:
@@ -293,11 +316,13 @@ class KVCacheManager:
         kv.plan = NO_HIT
 
     def reset_prefix_cache(self, store: bool = False) -> tuple[int, int]:
-        """Forget every cached block no request holds and every host snapshot; with `store`, also
-        remove every file of this namespace from the SSD store. → (blocks dropped, files removed)
+        """Forget every cached block no request holds, every host snapshot and which prefixes are hot;
+        with `store`, also remove every file of this namespace from the SSD store. → (blocks dropped,
+        files removed)
         Writes already queued for the store land first: the next request's hit comes from disk, and a
         write cannot bring back a file the clearing removed."""
         self.state.snapshots.clear()
+        self.state.hot.clear()
         if self.store is not None:
             self.store.flush()
         removed = self.store.clear() if store and self.store is not None else 0
@@ -308,11 +333,12 @@ class KVCacheManager:
         return dropped, removed
 
     def stats(self) -> CacheStats:
-        store = self.store
+        store, hot = self.store, self.state.hot.count()
         if store is None:
-            return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions, None)
+            return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions, None,
+                              snapshot_bytes_host=self.snapshot_bytes_host, hot_prefixes=hot)
         return CacheStats(self.state.slots.usage(), self.pool.usage(), self.pool.evictions, store.stats_snapshot(),
-                          store.used_bytes, store.quarantined)
+                          store.used_bytes, store.quarantined, self.snapshot_bytes_host, hot)
 
     def check_integrity(self, admitted: Iterable[RequestKV] | None = None) -> None:
         """The pool's and slots' invariants; given every admitted request, refcounts are checked

@@ -76,6 +76,7 @@ class StoreStats:
 
     bytes_read: int = 0
     bytes_written: int = 0
+    snapshot_bytes_written: int = 0  # of those, window-state snapshots (sealed and response ends)
     files_written: int = 0
     errors: Counter = field(default_factory=Counter)
 
@@ -295,6 +296,7 @@ class SSDStore:
                 self._responses.setdefault(parent, {})[block_hash] = len(tokens)
             self.used_bytes += size
             self.stats.bytes_written += size
+            self.stats.snapshot_bytes_written += size if kind != KIND_BLOCK else 0
             self.stats.files_written += 1
         if kind == KIND_BLOCK and self.events is not None:
             self.events.stored(DISK, block_hash, parent, tokens)
@@ -457,8 +459,8 @@ class SSDStore:
     def stats_snapshot(self) -> StoreStats:
         """A consistent copy of the counters, safe to hand to another thread."""
         with self._lock:
-            return StoreStats(self.stats.bytes_read, self.stats.bytes_written, self.stats.files_written,
-                              Counter(self.stats.errors))
+            return StoreStats(self.stats.bytes_read, self.stats.bytes_written, self.stats.snapshot_bytes_written,
+                              self.stats.files_written, Counter(self.stats.errors))
 
     # ---- quarantine ---------------------------------------------------------------------------------
     def _bad(self, key: tuple[int, bytes], path: Path, exc: StoreFileError) -> None:

@@ -8,17 +8,23 @@ tensors sit in `device_kv.DeviceKV`, indexed by slot.
 - `StateCache`: both, plus the restore policy. A prefix hit on blocks 0..h−1 restores the
   compressed context up to H = h·B, but the next token also needs every layer's window and
   compressor tail at H. They come from the cheapest valid point p ≤ H:
-  - a snapshot at a sealed boundary kB (modes `full` and `periodic`), or
-  - p = H − span from an empty state (any mode; the only one in `zero`): recomputing [p, H)
+  - a snapshot at a sealed boundary kB (whichever mode wrote it: `full`, `periodic`, `auto` once
+    the prefix is hot, a request's own mode, another daemon sharing the store), or
+  - p = H − span from an empty state (always possible; all `zero` ever has): recomputing [p, H)
     while attention reads the cached entries is exact for layer ℓ from position
     p + (window−1)(ℓ+1) on, so every layer's state at H is exact.
   Tokens [p, H) are recomputed with their entries frozen (cached blocks are never written).
+- `HotPrefixes` (mode `auto`): the chain nodes where prefix hits landed. A prefix nobody has asked
+  for twice costs no snapshot writes (as `zero`); once it is hit, requests through it snapshot as
+  `periodic` does, plus the hit's own boundary, so the next hit restores there instead of
+  recomputing.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -110,6 +116,41 @@ class HostSnapshots(Generic[V]):
         self.used_bytes = 0
 
 
+class HotPrefixes:
+    """Chain-hash nodes a prefix hit landed on, each hot for `ttl` seconds after its latest hit (so a
+    document nobody asks about any more decays back to writing nothing); at most `max_nodes`, the
+    least recently hit forgotten first. After a restart the set is empty, but the store still holds
+    the prefix's blocks and snapshots: its first hit makes it hot again and restores from them."""
+
+    def __init__(self, ttl: float, max_nodes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.max_nodes, self.clock = ttl, max_nodes, clock
+        self._last_hit: OrderedDict[bytes, float] = OrderedDict()
+
+    def mark(self, node: bytes) -> None:
+        self._last_hit[node] = self.clock()
+        self._last_hit.move_to_end(node)
+        while len(self._last_hit) > self.max_nodes:
+            self._last_hit.popitem(last=False)
+
+    def any_hot(self, nodes: Iterable[bytes]) -> bool:
+        now = self.clock()
+        for node in nodes:
+            last = self._last_hit.get(node)
+            if last is not None and now - last < self.ttl:
+                return True
+        return False
+
+    def count(self) -> int:
+        """Nodes hot now (expired ones are dropped here)."""
+        now = self.clock()
+        while self._last_hit and now - next(iter(self._last_hit.values())) >= self.ttl:
+            self._last_hit.popitem(last=False)
+        return len(self._last_hit)
+
+    def clear(self) -> None:
+        self._last_hit.clear()
+
+
 @dataclass(frozen=True)
 class ResponseEnd:
     """A request's slot state where its response ended, inside a block: what resuming there needs
@@ -129,14 +170,13 @@ class StateCache:
         # conversation's newest turn end is its most recently used, so older ones go first).
         self.snapshots: HostSnapshots[object] = HostSnapshots(config.snapshot_bytes, self._forget_response)
         self._responses: dict[bytes, dict[tuple[int, ...], bytes]] = {}  # parent → {tail: key}
+        self.hot = HotPrefixes(config.hot_seconds, config.max_hot_prefixes)
 
     # ---- restoring after a hit ----------------------------------------------------------------
     def restore_candidates(self, hit_blocks: int) -> Iterator[int]:
         """Block counts k, nearest first, whose boundary kB is a better restore point after a hit
         on `hit_blocks` blocks than rebuilding the state from nothing (if a snapshot exists)."""
         cfg = self.config
-        if cfg.swa_cache_mode == "zero":
-            return
         floor = hit_blocks * cfg.block_size - cfg.zero_mode_span
         for k in range(hit_blocks, 0, -1):
             if k * cfg.block_size <= floor:
@@ -152,22 +192,26 @@ class StateCache:
         return max(0, hit_blocks * self.config.block_size - self.config.zero_mode_span), None
 
     # ---- taking snapshots ------------------------------------------------------------------------
-    def is_snapshot_point(self, position: int, prompt_len: int) -> bool:
-        """Boundaries where the slot state is saved: every sealed boundary (`full`), or every
-        interval and the prompt's last boundaries (`periodic`)."""
+    def is_snapshot_point(self, position: int, prompt_len: int, mode: str, hit_end: int = 0) -> bool:
+        """Boundaries where a request writing in `mode` saves its slot state: every sealed boundary
+        (`full`), or every interval and the prompt's last boundaries (`periodic`), plus `hit_end`,
+        where a hot prefix was hit (`auto`, once hot)."""
         cfg, b = self.config, self.config.block_size
-        if not cfg.enable_prefix_caching or cfg.swa_cache_mode == "zero" or position <= 0 or position % b:
+        if not cfg.enable_prefix_caching or mode == "zero" or position <= 0 or position % b:
             return False
-        if cfg.swa_cache_mode == "full":
+        if mode == "full":
             return True
-        ends = {(prompt_len // b) * b, ((prompt_len - 1) // b) * b}
+        ends = {(prompt_len // b) * b, ((prompt_len - 1) // b) * b, hit_end}
         return position % cfg.swa_checkpoint_interval == 0 or position in ends
 
-    def next_snapshot_point(self, position: int, prompt_len: int, limit: int) -> int | None:
+    def next_snapshot_point(self, position: int, prompt_len: int, limit: int, mode: str,
+                            hit_end: int = 0) -> int | None:
         """The first snapshot point in (position, limit], so a prefill chunk can end on it."""
+        if mode == "zero":
+            return None
         b = self.config.block_size
         for p in range((position // b + 1) * b, limit + 1, b):
-            if self.is_snapshot_point(p, prompt_len):
+            if self.is_snapshot_point(p, prompt_len, mode, hit_end):
                 return p
         return None
 

@@ -115,6 +115,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    swa_cache_mode: str | None = None  # how it writes window snapshots (None: the daemon's --swa-cache-mode)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -52,6 +52,7 @@ class SchedulerStats:
     recomputed: int = 0  # tokens recomputed to rebuild window state after hits
     preemptions: int = 0
     restores: Counter = field(default_factory=Counter)  # how hits restored the window state, by point
+    write_modes: Counter = field(default_factory=Counter)  # admissions by how they write snapshots (auto resolved)
     load_seconds: Histogram = field(default_factory=Histogram.for_store_reads)  # per-request store reads
 
 
@@ -73,7 +74,8 @@ class Scheduler:
 
     # ---- queue changes ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        request.kv = self.kv.new_request(request.cache_salt, request.num_tokens, request.token_slice)
+        request.kv = self.kv.new_request(request.cache_salt, request.num_tokens, request.token_slice,
+                                         request.swa_cache_mode)
         self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -191,6 +193,7 @@ class Scheduler:
                 self.stats.prefix_hits_disk += request.num_disk_hit_tokens
                 if plan.restore_point is not None:
                     self.stats.restores[plan.restore_point] += 1
+                self.stats.write_modes[self.kv.snapshot_mode(request.kv)] += 1
             self.stats.recomputed += plan.recompute_tokens
             self.running.append(request)
             chunks.append(ScheduledChunk(request, n))

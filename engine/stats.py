@@ -64,6 +64,12 @@ class EngineStats:
     evictions: int = 0  # cached blocks evicted to make room
     # admissions with a hit, by how the window state was restored: block, snapshot, response_end, recompute
     restores: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # window-state snapshots: bytes taken into host memory and written to the SSD store; admissions by
+    # how they wrote them (full, periodic, zero; auto resolved per prefix); prefix nodes hot now (auto)
+    snapshot_bytes_host: int = 0
+    snapshot_bytes_disk: int = 0
+    write_modes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    hot_prefixes: int = 0
     # the SSD store (zeros when it is off)
     store_read_bytes: int = 0
     store_written_bytes: int = 0

@@ -84,7 +84,8 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-store-dir", str, "folder of the SSD prefix store"),
     ("--kv-store-max-bytes", int, "size bound of the SSD prefix store"),
     ("--no-kv-store", bool, "do not use the SSD prefix store"),
-    ("--swa-cache-mode", str, "full, periodic (default) or zero: how window state is restored after a hit"),
+    ("--swa-cache-mode", str, "full, periodic (default), zero or auto: where window state is snapshotted for "
+                              "later hits (auto: nowhere until a prefix is hit, then as periodic)"),
     ("--swa-checkpoint-interval", int, "periodic mode: tokens between state snapshots (multiple of the block)"),
     ("--api-key", str, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
     ("--api-keys-file", str, "file of 'KEY TENANT' lines: each key is accepted (beside --api-key, whose tenant "

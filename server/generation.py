@@ -260,7 +260,7 @@ class FrontEnd:
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None, i,
                                                 grammar, self._thinking(thinking_budget)),
-                                  cache_salt=salt) for i in range(body.n)]
+                                  cache_salt=salt, swa_cache_mode=body.swa_cache_mode) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
                           self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout,
                           tenant or DEFAULT_TENANT)

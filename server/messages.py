@@ -141,6 +141,8 @@ class MessagesRequest(BaseModel):
     service_tier: str | None = ignored("v4serve has one service tier")
     speed: str | None = ignored("v4serve has one speed")
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+    # v4serve's: how this request writes window-state snapshots for later hits (see --swa-cache-mode).
+    swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -289,7 +291,8 @@ async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request) -> G
                                      else None)
     try:
         fields = SamplingFields.model_validate({"temperature": body.temperature, "top_p": body.top_p,
-                                               "top_k": body.top_k, "stop": body.stop_sequences})
+                                               "top_k": body.top_k, "stop": body.stop_sequences,
+                                               "swa_cache_mode": body.swa_cache_mode})
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ApiError(400, message.replace("stop", "stop_sequences", 1),

@@ -25,6 +25,7 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 FINISH_REASONS = ("stop", "length", "abort")
 RESTORE_POINTS = ("block", "snapshot", "response_end", "recompute")
+WRITE_MODES = ("full", "periodic", "zero")
 
 # (name, help, EngineStats field) of the snapshot's counters and gauges.
 _COUNTERS = (
@@ -103,6 +104,21 @@ class EngineCollector:
         for point in RESTORE_POINTS:
             restores.add_metric([self.model_name, point], s.restores.get(point, 0))
         yield restores
+        snapshots = CounterMetricFamily("v4serve_swa_snapshot_bytes", "Window-state snapshot bytes written, by tier "
+                                        "(host memory, the SSD store)", labels=["model_name", "tier"])
+        snapshots.add_metric([self.model_name, "host"], s.snapshot_bytes_host)
+        snapshots.add_metric([self.model_name, "disk"], s.snapshot_bytes_disk)
+        yield snapshots
+        modes = CounterMetricFamily("v4serve_swa_requests", "Admitted requests by how they wrote window snapshots "
+                                    "(auto resolved: zero while cold, periodic once hot)",
+                                    labels=["model_name", "mode"])
+        for mode in WRITE_MODES:
+            modes.add_metric([self.model_name, mode], s.write_modes.get(mode, 0))
+        yield modes
+        hot = GaugeMetricFamily("v4serve_swa_hot_prefixes", "Prefixes hot now (--swa-cache-mode auto: hit within "
+                                "the hour, so requests through them snapshot)", labels=["model_name"])
+        hot.add_metric(name, s.hot_prefixes)
+        yield hot
         per_position = CounterMetricFamily("v4serve_spec_decode_num_accepted_tokens_per_pos",
                                            "Draft tokens accepted, by their place in the draft (0: first)",
                                            labels=["model_name", "position"])

@@ -224,4 +224,6 @@ def swa_mode_words(mode: str, interval: int) -> str:
     """What an SWA cache mode keeps, as the startup log says it."""
     return {"full": "window state snapshotted at every block: a hit never recomputes",
             "periodic": f"window state snapshotted every {interval} tokens and at prompt and response ends",
-            "zero": "no window snapshots: a hit recomputes the window"}.get(mode, mode)
+            "zero": "no window snapshots: a hit recomputes the window",
+            "auto": f"no window snapshots until a prefix is hit; then every {interval} tokens, at prompt and "
+                    "response ends and at the hit's boundary"}.get(mode, mode)

@@ -154,6 +154,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None  # returned with the response
     truncation: Literal["disabled"] | None = None  # "auto" (dropping the conversation's middle) is a 400
+    # v4serve's: how this request writes window-state snapshots for later hits (see --swa-cache-mode).
+    swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
     include: list[str] | None = ignored("reasoning items always carry their text; nothing is encrypted or "
                                         "held back")
     user: str | None = ignored("an end-user id for the provider's abuse monitoring")
@@ -313,7 +315,7 @@ async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest
     new = conversation(body.input)
     options = {"thinking": thinking, "tools": tools.offered, "reasoning_effort": effort}
     prompt, messages = await _prompt(front, stored, body, owner, new, settings, options)
-    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p)
+    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode)
     max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
     output = front.output_options(fields, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
                                   parallel_tool_calls=tools.parallel)

@@ -658,6 +658,30 @@ def test_vllm_metric_names_carry_the_same_values(http: httpx.Client) -> None:
     assert next(dict(ls) for (n, ls) in got if n == "vllm:lora_requests_info")["running_lora_adapters"] == ""
 
 
+def test_a_request_picks_its_own_swa_cache_mode_on_every_endpoint(http: httpx.Client) -> None:
+    """`swa_cache_mode` (full/periodic/zero/auto) on chat, completions, Responses and Messages: counted
+    by how the request wrote snapshots; anything else is a 400 naming the field."""
+    def written(mode: str) -> float:
+        return metric(http, "v4serve_swa_requests_total", mode=mode)
+
+    before = {mode: written(mode) for mode in ("full", "zero", "periodic")}
+    text = fresh("a document " * 40)
+    bodies = {"/v1/completions": {"model": MODEL, "prompt": text, "max_tokens": 2},
+              "/v1/chat/completions": {"model": MODEL, "messages": user(text), "max_tokens": 2},
+              "/v1/responses": {"model": MODEL, "input": text, "max_output_tokens": 2},
+              "/v1/messages": {"model": MODEL, "messages": user(text), "max_tokens": 2}}
+    for path, body in bodies.items():
+        assert http.post(path, json={**body, "swa_cache_mode": "zero"}).status_code == 200, path
+        bad = http.post(path, json={**body, "swa_cache_mode": "sometimes"})
+        assert bad.status_code == 400 and "swa_cache_mode" in bad.text, (path, bad.text)
+    assert http.post("/v1/completions", json={**bodies["/v1/completions"], "prompt": fresh("x" * 300),
+                                              "swa_cache_mode": "full"}).status_code == 200
+    assert written("zero") - before["zero"] == 4 and written("full") - before["full"] == 1
+    assert written("periodic") == before["periodic"]  # the daemon's own mode wrote nothing of these
+    assert metric(http, "v4serve_swa_snapshot_bytes_total", tier="host") > 0
+    assert "v4serve_swa_hot_prefixes{" in http.get("/metrics").text
+
+
 def test_deepseeks_thinking_switch_and_every_reasoning_effort(http: httpx.Client) -> None:
     """DeepSeek's `{"type": "enabled"|"disabled"}` is the boolean switch; `xhigh` is `max` (V4's
     maximum-effort instruction, in thinking mode), `none` turns thinking off, the others think as V4 does."""

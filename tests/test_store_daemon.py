@@ -129,6 +129,23 @@ def test_two_daemons_share_one_store_folder(tmp_path, cold):
     assert disk_hits == 640
 
 
+def test_daemons_in_different_swa_modes_share_one_store(tmp_path, cold):
+    """An `auto` daemon writes nothing for a document until it is hit; then it snapshots the hit's
+    boundary, on disk too. A `zero` daemon on the same folder restores there (it writes no snapshots,
+    but uses every one it finds) and gives the cold run's tokens."""
+    store = ("--kv-store-dir", str(tmp_path))
+    with daemon(*store, "--swa-cache-mode", "auto") as first:
+        complete(first, DOC + tokens(10, 27))
+        assert metric(first, "v4serve_swa_snapshot_bytes_total", tier="disk") == 0  # cold: nothing written
+        again = complete(first, DOC[:700] + tokens(30, 28))  # the document's first hit: recomputed, now hot
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 640 - 508
+        wait_until(lambda: metric(first, "v4serve_swa_snapshot_bytes_total", tier="disk") > 0, "the hot snapshots")
+    with daemon(*store, "--swa-cache-mode", "zero") as second:
+        result = complete(second, DOC[:700] + QUESTION)
+    assert output_tokens(result) == cold[700]
+    assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 640  # restored at the hit's boundary
+
+
 def test_full_disk_stops_writes_not_serving(tmp_path, cold):
     """A real full filesystem: a 96 KiB tmpfs (mounting needs root, as `make test` runs in CI)."""
     mount = tmp_path / "tiny-disk"

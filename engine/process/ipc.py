@@ -34,14 +34,15 @@ class WireRequest(msgspec.Struct, array_like=True):
     sampling: SamplingParams
     cache_salt: str | None
     arrival_time: float  # CLOCK_MONOTONIC: one clock for every process of the machine
+    swa_cache_mode: str | None = None
 
     @classmethod
     def of(cls, r: Request) -> WireRequest:
-        return cls(r.request_id, r.prompt_token_ids, r.sampling, r.cache_salt, r.arrival_time)
+        return cls(r.request_id, r.prompt_token_ids, r.sampling, r.cache_salt, r.arrival_time, r.swa_cache_mode)
 
     def request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling, cache_salt=self.cache_salt,
-                       arrival_time=self.arrival_time)
+                       arrival_time=self.arrival_time, swa_cache_mode=self.swa_cache_mode)
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
