@@ -33,8 +33,9 @@ def urls() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def runs(urls: list[str]) -> dict[str, FleetRun]:
-    done = [measure(fleet, urls, JOBS, concurrency(fleet.policy)) for fleet in FLEETS]
-    done.append(measure_placed(next(f for f in FLEETS if f.policy == "kv_aware"), urls, JOBS, BLOCKS))
+    kv_aware = next(f for f in FLEETS if f.policy == "kv_aware")
+    done = [measure(fleet, urls, JOBS, concurrency(fleet.policy)) for fleet in FLEETS if fleet is not kv_aware]
+    done.append(measure_placed(kv_aware, urls, JOBS, BLOCKS))
     report(done, {"docs": DOCS, "questions": QUESTIONS, "replicas": REPLICAS, "blocks": BLOCKS, "seed": 0,
                   "requests": len(JOBS)}, name="fleet_test")
     return {run.name: run for run in done}
@@ -48,10 +49,11 @@ def test_one_replica_hits_every_documents_blocks_after_its_first_question(runs: 
     assert alone.hits == DOCS * (QUESTIONS - 1) * BLOCKS * BLOCK
 
 
-@pytest.mark.parametrize("name", ["vllm-router cache_aware", "sglang-router cache_aware", "vllm-router kv_aware"])
+@pytest.mark.parametrize("name", ["vllm-router cache_aware", "sglang-router cache_aware"])
 def test_cache_aware_routing_keeps_one_replicas_hit_rate(runs: dict[str, FleetRun], name: str) -> None:
     """vllm-router's cache_aware routes on the token ids of each worker's /v1/completions/render,
-    SGLang's on the request's text, kv_aware on the blocks the replicas announce in their KV events."""
+    SGLang's on the request's text. (kv_aware weighs cached tokens against requests in flight, so with
+    three in flight where its questions go depends on timing: its own test below sends one at a time.)"""
     fleet, alone = runs[name], runs["one replica"]
     assert sum(fleet.spread) == DOCS * QUESTIONS
     assert fleet.hit_rate >= 0.9 * alone.hit_rate, (fleet.spread, fleet.hit_rate, alone.hit_rate)
