@@ -84,6 +84,10 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
     if tokenizer is None:
         tokenizer = load_front_tokenizer(cfg)
     keys = cfg.api_keys()
+    if keys is not None and keys.isolating:
+        log.info("API keys: %d tenants from %s, %s (read again on SIGHUP or change)", len(keys.tenants),
+                 cfg.api_keys_file, "sharing one prefix cache" if cfg.shared_prefix_cache
+                 else "each with a prefix cache of its own")
     engine, info = start_engine(cfg, tokenizer)
     try:
         store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
