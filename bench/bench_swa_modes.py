@@ -25,13 +25,12 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import print_table, time_to_first_token, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
@@ -93,13 +92,7 @@ def run_mode(model, mode: str, jobs: list[Ask], max_len: int, interval: int) -> 
                 prompt = before.prompt_token_ids + before.output_token_ids + prompt
             req = Request(f"{mode}-{i}", prompt, SamplingParams(max_tokens=job.max_tokens, ignore_eos=True))
             sent.append(req)
-            t0 = time.perf_counter()
-            engine.add_request(req)
-            while not req.output_token_ids:
-                engine.step()
-            ttft = time.perf_counter() - t0
-            while engine.has_work():
-                engine.step()
+            ttft = time_to_first_token(engine, req)
             engine.kv.store.flush(600.0)  # the next request's lookups see every file this one wrote
             measured.append(Measured(ttft, job.kind, req.num_hit_tokens, req.num_recomputed_tokens))
         stats = engine.stats()
@@ -134,14 +127,9 @@ def cold_ttfts(model, doc_tokens: int, interval: int, repeats: int, seed: int) -
             for mode, engine in engines.items():
                 req = Request(f"cold-{mode}-{r}", [rng.randrange(64, 320) for _ in range(doc_tokens)],
                               SamplingParams(max_tokens=1, ignore_eos=True))
-                t0 = time.perf_counter()
-                engine.add_request(req)
-                while not req.output_token_ids:
-                    engine.step()
+                ttft = time_to_first_token(engine, req)
                 if r:
-                    times[mode].append(time.perf_counter() - t0)
-                while engine.has_work():
-                    engine.step()
+                    times[mode].append(ttft)
                 engine.kv.store.flush(600.0)  # the writes finish outside the next request's time
         for engine in engines.values():
             engine.close()
