@@ -52,6 +52,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # more names of the same model (--served-model-name a b c)
     keys: ApiKeys | None = None  # --api-key and --api-keys-file (None: no key asked)
     isolate_tenants: bool = False  # each tenant's prefix cache its own (a keys file, no --shared-prefix-cache)
+    swa_cache_mode: str = "periodic"  # the daemon's (a request's own `swa_cache_mode` overrides it)
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS

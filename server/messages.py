@@ -29,7 +29,8 @@ from v4serve.server.protocol import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS, Sampling
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
 
-CACHE_CONTROL = "prompt caching is automatic: every prefix is cached without markers"
+CACHE_CONTROL = ("prompt caching is automatic: every prefix is cached without markers (under --swa-cache-mode auto "
+                 "a marked request's prefix is treated as hot from its first request)")
 
 
 class TextBlock(BaseModel):
@@ -278,6 +279,17 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
                          "usage": _usage(generation.usage())})
 
 
+def _marked_mode(front: FrontEnd, body: MessagesRequest) -> str | None:
+    """A `cache_control` mark says the client will send this prefix again: under `auto` the request then
+    snapshots as `periodic` from its first time, instead of waiting for a hit to make its prefix hot."""
+    if front.config.swa_cache_mode != "auto":
+        return None
+    blocks = [*(body.system if isinstance(body.system, list) else []), *(body.tools or []),
+              *(b for m in body.messages if isinstance(m.content, list) for b in m.content)]
+    marked = body.cache_control is not None or any(getattr(b, "cache_control", None) is not None for b in blocks)
+    return "periodic" if marked else None
+
+
 async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request) -> Generation:
     thinking, budget = thinking_mode(body.thinking, body.max_tokens)
     think_end = front.think_end_id if thinking else None
@@ -292,7 +304,7 @@ async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request) -> G
     try:
         fields = SamplingFields.model_validate({"temperature": body.temperature, "top_p": body.top_p,
                                                "top_k": body.top_k, "stop": body.stop_sequences,
-                                               "swa_cache_mode": body.swa_cache_mode})
+                                               "swa_cache_mode": body.swa_cache_mode or _marked_mode(front, body)})
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ApiError(400, message.replace("stop", "stop_sequences", 1),

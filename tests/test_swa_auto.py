@@ -118,3 +118,22 @@ def test_hot_survives_a_restart_through_the_store_and_mixed_modes_share_it(tmp_p
         assert (req.num_hit_tokens, req.num_cached_tokens, req.restored) == (80, 80, "block"), mode
         assert req.num_disk_hit_tokens == 80 and req.output_token_ids == cold_run(model, prompt)[0]
         engine.close()
+
+
+def test_a_cache_control_mark_makes_a_prefix_hot_from_its_first_request() -> None:
+    """Anthropic's clients mark what they will send again: under auto such a request snapshots as
+    periodic at once (a conversation's second turn then restores from the first turn's end)."""
+    import httpx
+
+    from tests.daemon import daemon
+    from tests.test_store_daemon import metric
+
+    body = {"model": "v4serve-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+    with daemon("--swa-cache-mode", "auto") as url:
+        for marked in (False, True):  # two prompts that share nothing: neither is a hit
+            block = {"type": "text", "text": f"system prompt {marked} " * 30}
+            blocks = [{**block, "cache_control": {"type": "ephemeral"}}] if marked else [block]
+            got = httpx.post(url + "/v1/messages", json={**body, "system": blocks}, timeout=PATIENCE)
+            assert got.status_code == 200, got.text
+        assert metric(url, "v4serve_swa_requests_total", mode="zero") == 1  # the unmarked one, cold
+        assert metric(url, "v4serve_swa_requests_total", mode="periodic") == 1  # the marked one
