@@ -172,12 +172,19 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
         self._replay = None
-        if config.replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+        endpoint = config.endpoint
+        try:
+            (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+            if config.replay_endpoint:
+                endpoint = config.replay_endpoint
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise ValueError(f"--kv-events-config: cannot open {endpoint}: {exc.strerror} (an endpoint with '*', "
+                             "such as tcp://*:5557, is bound; any other is connected to, as vLLM does)") from None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode() if _binds(config.endpoint) else \
             config.endpoint  # with a port chosen at bind ("tcp://127.0.0.1:*"), the one it got
@@ -188,8 +195,9 @@ class ZmqEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="v4serve-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events: publishing on %s%s (topic %r)", self.endpoint,
-                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.topic)
+        log.info("KV events: publishing on %s%s (topic %r; %s)", self.endpoint,
+                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "", config.topic,
+                 "bound" if _binds(config.endpoint) else "connected to a collector")
 
     def _run(self) -> None:
         import zmq

@@ -217,3 +217,15 @@ def test_the_flag_takes_vllms_keys_and_refuses_others() -> None:
                       ("[1]", "must be a JSON object"), ("{", "is not JSON")):
         with pytest.raises(ValueError, match=says):
             KVEventsConfig.parse(bad)
+
+
+def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
+    from v4serve.cache.kv_events import KVEventLog, ZmqEventPublisher
+
+    first = ZmqEventPublisher(KVEventLog(16), KVEventsConfig(endpoint="tcp://127.0.0.1:*"))
+    try:
+        taken = first.endpoint.replace("127.0.0.1", "*")
+        with pytest.raises(ValueError, match=f"cannot open {taken.replace('*', '[*]')}: Address already in use"):
+            ZmqEventPublisher(KVEventLog(16), KVEventsConfig(endpoint=taken))
+    finally:
+        first.close()
