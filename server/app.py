@@ -135,7 +135,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     @api_route(app, "POST", "/chat/completions/render", openapi_extra=body_schema(ChatCompletionRequest),
                responses=text_routes)
     async def chat_render(raw: Request) -> dict[str, Any]:
-        """vLLM's: the conversation and its prompt (text, token ids) as the engine would get it."""
+        """vLLM's: the conversation's prompt (token ids, text) as the engine would get it."""
         return await chat.render(front, await parse_body(raw, ChatCompletionRequest))
 
     @api_route(app, "POST", "/completions/render", openapi_extra=body_schema(CompletionRequest), responses=text_routes)

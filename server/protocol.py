@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 CHAT_TEMPLATE_KWARGS = frozenset({"thinking", "enable_thinking"})
 MAX_STOPS = 16
@@ -27,6 +27,25 @@ IGNORED = "x-v4serve-ignored"  # schema marker of fields accepted for compatibil
 def ignored(reason: str, default: Any = None) -> Any:
     """A field accepted for compatibility and ignored; the README's list gives the same reason."""
     return Field(default, description=f"Accepted and ignored: {reason}", json_schema_extra={IGNORED: reason})
+
+
+# Router extras accepted only at the value that asks for what v4serve does anyway: field → (that value, why).
+ONLY_AT = {
+    "return_hidden_states": (False, "v4serve does not return hidden states"),
+    "continue_final_message": (False, "v4serve does not continue a final assistant message"),
+    "separate_reasoning": (True, "v4serve always returns reasoning apart from the answer, as it is made "
+                                 "(reasoning_content; include_reasoning: false leaves it out)"),
+    "stream_reasoning": (True, "v4serve always returns reasoning apart from the answer, as it is made "
+                               "(reasoning_content; include_reasoning: false leaves it out)"),
+}
+
+
+def only_at(cls: type, value: bool, info: ValidationInfo) -> bool:
+    """A field validator for ONLY_AT's fields: the value v4serve honours, or a 400 naming the field."""
+    expected, why = ONLY_AT[str(info.field_name)]
+    if value != expected:
+        raise ValueError(f"{why}; only {str(expected).lower()} is accepted")
+    return value
 
 
 class ThinkingSwitch(BaseModel):
@@ -79,12 +98,7 @@ class SamplingFields(BaseModel):
     no_stop_trim: bool = False  # keep the stop string in the output: include_stop_str_in_output
     return_hidden_states: bool = False
 
-    @field_validator("return_hidden_states")
-    @classmethod
-    def _hidden_states(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("v4serve does not return hidden states; only false is accepted")
-        return v
+    _hidden_states = field_validator("return_hidden_states")(only_at)
 
     @field_validator("stop")
     @classmethod
@@ -162,20 +176,7 @@ class ChatCompletionRequest(SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("v4serve does not continue a final assistant message; only false is accepted")
-        return v
-
-    @field_validator("separate_reasoning", "stream_reasoning")
-    @classmethod
-    def _reasoning_apart(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("v4serve always returns reasoning apart from the answer, as it is made "
-                             "(reasoning_content); only true is accepted (include_reasoning: false leaves it out)")
-        return v
+    _only_at = field_validator("continue_final_message", "separate_reasoning", "stream_reasoning")(only_at)
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
