@@ -78,7 +78,7 @@ from v4serve.engine.model.plan import (  # noqa: E402
     preset_config,
     tp_split_axis,
 )
-from v4serve.engine.model.resident import can_stay_quantized  # noqa: E402
+from v4serve.engine.model.resident import can_stay_quantized, held_in_fp32  # noqa: E402
 from v4serve.kernels.launches import LaunchRecorder, is_work  # noqa: E402
 
 MODELS = ("deepseek-v4-flash", "deepseek-v4-pro")
@@ -212,7 +212,7 @@ def rank_bytes(tensor: StoredTensor, tp: int) -> tuple[int, tuple[int, ...]]:
         shape = (*shape[:axis], -(-shape[axis] // tp), *shape[axis + 1:])
     if tensor.is_int or (tensor.quant and can_stay_quantized(tensor.name)):
         return tensor.stored_bytes(shape), shape
-    return math.prod(shape) * ACT, shape
+    return math.prod(shape) * (4 if held_in_fp32(tensor.name) else ACT), shape
 
 
 def model_weights(model: str, tp: int) -> ModelWeights:
@@ -471,42 +471,42 @@ class _Proxy:
 # per rank). `main` says when a fresh count differs. `--stored-launches` uses these.
 STORED_LAUNCHES: dict[int, dict[str, dict[str, list[int]]]] = {
     1: {
-        "csa": {"attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0], "mhc": [14, 6, 0],
+        "csa": {"attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0], "mhc": [10, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0], "proj_out": [4, 2, 0],
-                "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [7, 2, 0]},
-        "hca": {"attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [14, 6, 0], "moe_routed": [10, 1, 0],
+                "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
+        "hca": {"attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [10, 6, 0], "moe_routed": [10, 1, 0],
                 "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0], "proj_q": [2, 1, 0],
-                "proj_x": [3, 1, 0], "router": [7, 2, 0]},
-        "step": {"embed": [13, 0, 0], "hc_head": [17, 0, 0], "head": [12, 0, 0]},
-        "swa": {"attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [14, 6, 0], "moe_routed": [10, 1, 0],
+                "proj_x": [3, 1, 0], "router": [5, 2, 0]},
+        "step": {"embed": [13, 0, 0], "hc_head": [14, 0, 0], "head": [10, 0, 0]},
+        "swa": {"attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [10, 6, 0], "moe_routed": [10, 1, 0],
                 "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0], "proj_q": [2, 1, 0],
-                "proj_x": [2, 1, 0], "router": [7, 2, 0]},
+                "proj_x": [2, 1, 0], "router": [6, 2, 0]},
     },
     4: {
         "csa": {"all_reduce": [7, 0, 3], "attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0],
-                "mhc": [14, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
-                "proj_out": [4, 2, 0], "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [7, 2, 0]},
-        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [14, 6, 0],
+                "mhc": [10, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
+                "proj_out": [4, 2, 0], "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
+        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [10, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
-                "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [7, 2, 0]},
-        "step": {"all_reduce": [1, 0, 1], "embed": [20, 0, 0], "hc_head": [17, 0, 0], "head": [12, 0, 0],
+                "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
+        "step": {"all_reduce": [1, 0, 1], "embed": [20, 0, 0], "hc_head": [14, 0, 0], "head": [10, 0, 0],
                 "logits_gather": [6, 4, 1]},
-        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [14, 6, 0],
+        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [10, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
-                "proj_q": [2, 1, 0], "proj_x": [2, 1, 0], "router": [7, 2, 0]},
+                "proj_q": [2, 1, 0], "proj_x": [2, 1, 0], "router": [6, 2, 0]},
     },
     8: {
         "csa": {"all_reduce": [7, 0, 3], "attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0],
-                "mhc": [14, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
-                "proj_out": [4, 2, 0], "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [7, 2, 0]},
-        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [14, 6, 0],
+                "mhc": [10, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
+                "proj_out": [4, 2, 0], "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
+        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [10, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
-                "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [7, 2, 0]},
-        "step": {"all_reduce": [1, 0, 1], "embed": [20, 0, 0], "hc_head": [17, 0, 0], "head": [12, 0, 0],
+                "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
+        "step": {"all_reduce": [1, 0, 1], "embed": [20, 0, 0], "hc_head": [14, 0, 0], "head": [10, 0, 0],
                 "logits_gather": [10, 8, 1]},
-        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [14, 6, 0],
+        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [10, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
-                "proj_q": [2, 1, 0], "proj_x": [2, 1, 0], "router": [7, 2, 0]},
+                "proj_q": [2, 1, 0], "proj_x": [2, 1, 0], "router": [6, 2, 0]},
     },
 }
 
@@ -620,8 +620,8 @@ def step_work(case: Case, weights: ModelWeights, launches: Launches) -> list[Wor
         Work("embed", bytes=b * d * ACT * (1 + hc + (2 if n_tp > 1 else 0)), weight_bytes=b * d * ACT),
         Work("hc_head", bytes=step["hc_head"].bytes + b * hc * d * (ACT + 4 + 4) + b * d * (4 + ACT),
              weight_bytes=step["hc_head"].bytes, flops=2 * b * hc * hc * d, math="fp32"),
-        # `head.weight.float()` every step: the bf16 weight read, fp32 written and read by an fp32 GEMM.
-        Work("head", bytes=5 * step["head"].bytes + b * d * (ACT + 4) + b * vocab_rows * 4,
+        # The head is held in fp32 (resident.held_in_fp32): read once by an fp32 GEMM, never cast.
+        Work("head", bytes=step["head"].bytes + b * d * (ACT + 4) + b * vocab_rows * 4,
              weight_bytes=step["head"].bytes, flops=2 * b * step["head"].params, math="fp32"),
     ]
     if n_tp > 1:
@@ -697,10 +697,10 @@ def _layer_work(cfg: ModelConfig, kind: str, layer: LayerLayout, w: dict[str, We
                       program_bytes=keys * key_bytes + 2 * 16 * hd * ACT,
                       program_flops=4 * min(16, heads) * keys * hd))
     works.append(gemm("proj_out", heads * hd + (cfg.o_groups // n_tp) * cfg.o_lora_rank))
-    # Router in fp32: `gate.weight.float()` (and the bias's) every step, then an fp32 GEMM on CUDA cores.
+    # Router in fp32 (its weight and bias held so: resident.held_in_fp32), an fp32 GEMM on CUDA cores.
     gate = w["router"]
-    table_read = b * k * 8 if hashed else 5 * table.bytes  # tid2eid rows gathered, or the bias cast
-    works.append(Work("router", bytes=5 * gate.bytes + table_read + b * d * (ACT + 4) + 2 * b * experts * 4
+    table_read = b * k * 8 if hashed else table.bytes  # tid2eid rows gathered, or the bias
+    works.append(Work("router", bytes=gate.bytes + table_read + b * d * (ACT + 4) + 2 * b * experts * 4
                       + b * (k + 1) * 12, weight_bytes=gate.bytes + (b * k * 8 if hashed else table.bytes),
                       flops=2 * b * gate.params, math="fp32"))
     # Routed experts: the touched ones' slices; each (token, expert) pair's activations.

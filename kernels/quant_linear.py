@@ -4,8 +4,8 @@
 DeepSeek-V4 checkpoints hold most projections as FP8 e4m3 with one scale per 128×128 block and the
 routed experts as FP4 e2m1, two codes per byte along the input dimension (low nibble = even
 element), with one scale per 32 inputs of a row. A `QuantizedWeight` keeps those codes and scales
-as loaded; `linear(x, w)` computes `x @ dequant(w)ᵀ` one tile of output rows at a time, so the
-dequantized weight never exists whole (a 7168×18432 projection would be 0.5 GB in fp32).
+as loaded; `linear(x, w)` computes `x @ dequant(w)ᵀ` from a transient dequantized copy, one tile of
+output rows at a time past `_TILE_ELEMENTS` (no V4 projection is that large; see there).
 
 Resident weights hold no floating-point tensor, so casting a model (`model.to(torch.bfloat16)`) can
 never round them: codes are bytes (FP8 codes viewed as uint8) and scales are raw e8m0 bytes (uint8,
@@ -26,9 +26,12 @@ FP8_BLOCK = 128  # FP8 weights: one scale per FP8_BLOCK × FP8_BLOCK tile
 FP4_GROUP = 32  # FP4 weights: one scale per FP4_GROUP consecutive inputs of a row
 FORMATS = ("fp8", "fp4")
 
-# A dequantized tile holds at most this many elements (16 MiB in fp32): big enough that a GEMM per
-# tile runs at full speed, small enough to stay far below the weight's size.
-_TILE_ELEMENTS = 1 << 22
+# A dequantized tile holds at most this many elements (512 MiB in fp32). Every packed projection of
+# V4-Flash and V4-Pro fits whole (the largest, Pro's wo_b, is 117 M values): one GEMM over the whole
+# weight, as a dequantized model runs it, because splitting a GEMM by output rows changes its
+# rounding once T is large (MKL, 2,300 rows: 1.5e-4 apart), and `--weight-dtype checkpoint` must
+# give the logits `fp32` gives. Tiles bound the transient copy only for larger weights.
+_TILE_ELEMENTS = 1 << 27
 
 # Value of each 4-bit e2m1 code: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

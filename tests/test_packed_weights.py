@@ -21,6 +21,7 @@ from v4serve.engine.engine import kv_namespace
 from v4serve.engine.model import checkpoint_files, checkpoint_layout, loader
 from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
 from v4serve.engine.model.packed import packed_count, resident_bytes, weight_of
+from v4serve.engine.model.resident import held_in_fp32
 from v4serve.engine.model.single import SingleSequence
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.kernels.quant_linear import QuantizedWeight
@@ -104,6 +105,27 @@ def test_mixed_layout_keeps_fp4_experts_and_fp8_attention(quantized: dict[str, P
         assert handle.get_slice("layers.1.attn.wq_b.weight").get_dtype() == "F8_E4M3"
     config = json.loads((quantized["mixed"] / "config.json").read_text())
     assert config["quantization_config"]["expert_dtype"] == "fp4"
+
+
+def test_a_bf16_model_holds_the_head_router_and_mhc_parameters_in_fp32(quantized: dict[str, Path]) -> None:
+    """What the published checkpoints store as F32 (mHC, sinks, `ape`, the router bias) keeps its
+    precision, and the head and router weight, whose products are fp32, are held so: no step casts
+    them. Everything else takes the model dtype, and the bf16 model runs."""
+    ref = load_model(quantized["mixed"], packed=True, progress=False)
+    model = load_model(quantized["mixed"], packed=True, progress=False, dtype=torch.bfloat16)
+    held = {name for name, _ in model.named_parameters() if held_in_fp32(name)}
+    assert {"head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale", "layers.1.hc_attn_fn", "layers.1.hc_ffn_base",
+            "layers.1.ffn.gate.weight", "layers.1.ffn.gate.bias", "layers.1.attn.attn_sink",
+            "layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape"} <= held
+    want = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        if name in held:
+            assert param.dtype == torch.float32 and torch.equal(param, want[name]), name
+        elif param.is_floating_point():
+            assert param.dtype == torch.bfloat16, name
+    out = logits(model, PROMPT[:20])
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert (out.argmax(-1) == logits(ref, PROMPT[:20]).argmax(-1)).float().mean() >= 0.5
 
 
 def test_packed_weights_survive_a_cast_and_a_move(quantized: dict[str, Path]) -> None:

@@ -28,12 +28,13 @@ from v4serve.engine.model.plan import (
     PlanError,
     PlanSettings,
     check_parallel,
+    checkpoint_tensors,
     plan_checkpoint,
     plan_model,
     preset_config,
 )
 from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
-from v4serve.engine.model.resident import resolve_weight_dtype
+from v4serve.engine.model.resident import held_in_fp32, resolve_weight_dtype
 from v4serve.engine.model.tiny import build_tiny
 from v4serve.server import model_loading
 from v4serve.server.cli import main
@@ -63,31 +64,32 @@ def fp4_bytes(rows: int, cols: int) -> int:
 
 def expected_per_rank(m: dict, tp: int, ep: bool) -> dict[str, int]:
     """Resident bytes of the largest rank under `--weight-dtype checkpoint` on a GPU (bf16): FP8/FP4
-    linear weights as stored (wo_a included: the grouped projection reads packed rows), every other float at 2
-    bytes per parameter, tid2eid as stored (int64). Split and replicated as the plan's rules say."""
+    linear weights as stored (wo_a included: the grouped projection reads packed rows), the head, the
+    router (weight and bias), mHC parameters, sinks and `ape` at 4 bytes per parameter, every other
+    float at 2, tid2eid as stored (int64). Split and replicated as the plan's rules say."""
     d, hd, heads, q, g, ol = m["hidden"], m["head_dim"], m["heads"], m["q_lora"], m["o_groups"], m["o_lora"]
-    ih, idim, e, inter, bf16 = m["index_heads"], m["index_dim"], m["experts"], m["inter"], 2
+    ih, idim, e, inter, bf16, f32 = m["index_heads"], m["index_dim"], m["experts"], m["inter"], 2, 4
     mix = (2 + m["hc"]) * m["hc"]
     attention = other = routed = shared = 0
     for i, ratio in enumerate(m["ratios"]):
         attention += (fp8_bytes(q, d) + fp8_bytes(heads * hd // tp, q) + fp8_bytes(hd, d)
                       + fp8_bytes(g * ol // tp, heads * hd // g) + fp8_bytes(d, g * ol // tp)
-                      + heads // tp * bf16 + (q + hd) * bf16)
+                      + heads // tp * f32 + (q + hd) * bf16)
         if ratio:
             width = (2 if ratio == 4 else 1) * hd
-            attention += (ratio * width + 2 * width * d + hd) * bf16
+            attention += ratio * width * f32 + (2 * width * d + hd) * bf16
         if ratio == 4:
             attention += (fp8_bytes(ih * idim // tp, q) + ih // tp * d * bf16
-                          + (ratio * 2 * idim + 2 * 2 * idim * d + idim) * bf16)
-        router = m["vocab"] * m["topk"] * 8 if i < m["hash_layers"] else e * bf16
-        other += (2 * d + 2 * (mix * m["hc"] * d + mix + 3) + e * d) * bf16 + router
+                          + ratio * 2 * idim * f32 + (2 * 2 * idim * d + idim) * bf16)
+        router = m["vocab"] * m["topk"] * 8 if i < m["hash_layers"] else e * f32
+        other += 2 * d * bf16 + (2 * (mix * m["hc"] * d + mix + 3) + e * d) * f32 + router
         if ep:
             routed += math.ceil(e / tp) * (2 * fp4_bytes(inter, d) + fp4_bytes(d, inter))
         else:
             routed += e * (2 * fp4_bytes(inter // tp, d) + d * (inter // tp // 2 + inter // tp // 32))
         shared += 2 * fp8_bytes(inter // tp, d) + fp8_bytes(d, inter // tp)
-    embedding_and_head = 2 * m["vocab"] // tp * d * bf16
-    other += (d + m["hc"] * m["hc"] * d + m["hc"] + 1) * bf16
+    embedding_and_head = m["vocab"] // tp * d * (bf16 + f32)
+    other += d * bf16 + (m["hc"] * m["hc"] * d + m["hc"] + 1) * f32
     out = dict(attention=attention, routed_experts=routed, shared_experts=shared,
                embedding_and_head=embedding_and_head, other=other)
     return {**out, "total": sum(out.values())}
@@ -160,7 +162,9 @@ def test_dequantized_weights_cost_two_or_four_bytes_per_parameter():
     tid2eid = cfg.num_hash_layers * cfg.vocab_size * cfg.num_experts_per_tok * 8
     bf16 = plan_model("deepseek-v4-flash", settings(weight_dtype="bf16")).weights_per_rank.total
     fp32 = plan_model("deepseek-v4-flash", settings(weight_dtype="fp32")).weights_per_rank.total
-    params = (bf16 - tid2eid) // 2
+    held = sum(math.prod(t.shape) for t in checkpoint_tensors(cfg) if held_in_fp32(t.name))  # fp32 in both
+    assert 5e8 < held < 1e9  # the head (0.53 B) and the router and mHC parameters
+    params = (bf16 - tid2eid - 4 * held) // 2 + held
     assert fp32 - tid2eid == 4 * params
     assert 280e9 < params < 290e9  # "284B parameters" with the MTP layer's ~2B
     # On a CPU, auto keeps checkpoint precision too (the torch twins read packed weights); only the

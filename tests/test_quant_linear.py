@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from tests.helpers import requires_triton
+from v4serve.engine.model.plan import checkpoint_tensors, preset_config
 from v4serve.engine.model.quant import dequant_fp4_packed, dequant_fp8_block, quantize_fp4_packed, quantize_fp8_block
+from v4serve.engine.model.resident import can_stay_quantized
 from v4serve.kernels import invariant, moe, quant_linear
 from v4serve.kernels.quant_linear import QuantizedWeight
 
@@ -87,6 +89,26 @@ def test_twin_tile_by_tile_equals_dequantize_then_matmul(monkeypatch, fmt: str, 
     assert quant_linear.tile_rows(w) == tile < n
     x = torch.randn(5, k, generator=gen).to(DEVICE)
     assert rel_err(quant_linear.quant_linear(x, w), x @ dense.T) <= 1e-6
+
+
+def test_every_v4_projection_is_one_tile_so_packed_rounds_as_dequantized() -> None:
+    """A GEMM split by output rows rounds differently from one over all of them once T is large, so
+    the twin must not split any V4 weight: then `--weight-dtype checkpoint` gives bitwise the logits
+    of the dequantized model (bench/bench_real_widths.py at V4-Flash's widths)."""
+    for name in ("deepseek-v4-flash", "deepseek-v4-pro"):
+        for tensor in checkpoint_tensors(preset_config(name)):
+            if tensor.quant and can_stay_quantized(tensor.name):
+                n, k = tensor.shape[-2:]
+                fmt = "fp4" if tensor.quant == "fp4" else "fp8"
+                codes = torch.empty(n, k // 2 if fmt == "fp4" else k, dtype=torch.uint8, device="meta")
+                assert quant_linear.tile_rows(QuantizedWeight(codes, codes, fmt)) == n, tensor.name
+    # V4-Flash's fused wq_a + wkv (1,536 x 4,096) under a 2,300-token prefill: bitwise the dense GEMM
+    # (tiles of 1,024 + 512 rows, as the twin had, were 1.5e-4 apart).
+    gen = torch.Generator().manual_seed(5)
+    w, dense = quantized(1536, 4096, "fp8", E8M0, "resident", gen)
+    x = torch.randn(2300, 4096, generator=gen).to(DEVICE)
+    got, want = quant_linear.linear(x, w), torch.nn.functional.linear(x, dense)
+    assert torch.equal(got, want) if DEVICE == "cpu" else rel_err(got, want) <= 1e-6
 
 
 # ---- the Triton kernels ---------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def meta_model(scenario: Scenario) -> DeepseekV4:
     if scenario.tensor_parallel_size > 1:
         split = ParallelConfig(scenario.tensor_parallel_size, scenario.expert_parallel, rank=0)
     with torch.device("meta"):
-        model = DeepseekV4(cfg, split).to(torch.bfloat16)  # packed buffers are bytes: the cast leaves them
+        model = DeepseekV4(cfg, split).in_dtype(torch.bfloat16)  # packed buffers are bytes: the cast leaves them
         pack_model(model, packed_formats_of(cfg))
     model.use_kernels(load_kernels("triton", "cpu"))
     return model

@@ -130,7 +130,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     sharding = RankShard(cfg, parallel) if parallel is not None else None
     with torch.device("meta"):
         # Packed buffers are bytes: the cast leaves them alone.
-        model = DeepseekV4(cfg, parallel, mtp_layers=int(mtp)).to(dtype)
+        model = DeepseekV4(cfg, parallel, mtp_layers=int(mtp)).in_dtype(dtype)
         pack_model(model, formats)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     # Not `to_empty`: its `empty_like` of a meta tensor runs torch's Python reference and imports

@@ -35,6 +35,7 @@ from v4serve.engine.model.checkpoint_files import (
 from v4serve.engine.model.checkpoint_layout import Plan, Sharding, Unit, check_plan, plan_units, scale_name
 from v4serve.engine.model.packed import PackedFormat
 from v4serve.engine.model.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_packed, dequant_fp8_block
+from v4serve.engine.model.resident import held_in_fp32
 
 # Progress goes to this module's logger, the one a user would look for when a load seems slow.
 log = logging.getLogger(__name__)
@@ -47,11 +48,11 @@ _HEARTBEAT_S = 10.0
 
 
 def _materialize(
-    unit: Unit, handles: Handles, dtype: torch.dtype, int_dtypes: dict[str, torch.dtype],
+    unit: Unit, handles: Handles, dtype: torch.dtype, own_dtypes: dict[str, torch.dtype],
     packed: Mapping[str, PackedFormat],
 ) -> list[tuple[str, torch.Tensor]]:
     if unit.parts:
-        return _sliced_outputs(unit, handles, dtype, int_dtypes, packed)
+        return _sliced_outputs(unit, handles, dtype, own_dtypes, packed)
     tensor = handles.read(unit.weight, unit.expert)
     if unit.scale is not None and unit.outputs[0][0] in packed:
         return _packed_outputs(unit, tensor, handles.read(unit.scale, unit.expert), packed)
@@ -66,7 +67,7 @@ def _materialize(
             raise CheckpointError(f"cannot dequantize {unit.weight.where()}: {err}") from err
     out = []
     for name, rows in unit.outputs:
-        want = int_dtypes.get(name, dtype)
+        want = own_dtypes.get(name, dtype)
         if rows is None:
             out.append((name, tensor.to(want)))
         else:
@@ -76,7 +77,7 @@ def _materialize(
 
 
 def _sliced_outputs(
-    unit: Unit, handles: Handles, dtype: torch.dtype, int_dtypes: dict[str, torch.dtype],
+    unit: Unit, handles: Handles, dtype: torch.dtype, own_dtypes: dict[str, torch.dtype],
     packed: Mapping[str, PackedFormat],
 ) -> list[tuple[str, torch.Tensor]]:
     """A rank's outputs of one unit, each read on its own: its region of the codes, and of the scales
@@ -87,7 +88,7 @@ def _sliced_outputs(
         region = unit.region(rows, unit.parts.get(name))
         tensor = handles.read_region(unit.weight, unit.expert, _stored_region(unit, region))
         if unit.scale is None:
-            out.append((name, tensor.to(int_dtypes.get(name, dtype))))
+            out.append((name, tensor.to(own_dtypes.get(name, dtype))))
             continue
         scale = handles.read_region(unit.scale, unit.expert, _scale_region(unit, region))
         if name in packed:
@@ -221,11 +222,11 @@ def stream_checkpoint(
     put each on its device before the next is read (no whole-model copy in host memory).
 
     `expected` maps every official name the model needs to (shape, dtype). Floating tensors, FP8 and
-    FP4 ones dequantized, come back as `dtype`; tensors whose expected dtype is an integer type
-    (`ffn.gate.tid2eid`) come back as that type. Weights named in `packed` (see `checkpoint_layout.packed_formats`)
-    come back as stored instead: their codes as bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales
-    as int32 bits). Multi-token-prediction tensors (`mtp.*`) are read when `expected` names them, else
-    skipped. Raises CheckpointError
+    FP4 ones dequantized, come back as `dtype`, but for those `resident.held_in_fp32` names, which come
+    back in their expected dtype, as do integer tensors (`ffn.gate.tid2eid`). Weights named in
+    `packed` (see `checkpoint_layout.packed_formats`) come back as stored instead: their codes as
+    bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales as int32 bits). Multi-token-prediction
+    tensors (`mtp.*`) are read when `expected` names them, else skipped. Raises CheckpointError
     naming the offending tensors, before any tensor data is read, when the checkpoint does not match.
     `sharding`: one rank's part (module docstring); `expected` then holds that rank's shapes.
     """
@@ -249,8 +250,10 @@ def stream_checkpoint(
             f"skipping {plan.skipped_mtp} multi-token-prediction (mtp.*) tensors: "
             "speculative decoding with method 'mtp' uses them (--speculative-config)"
         )
-    int_dtypes = {n: spec[1] for n, spec in expected.items() if spec[1] is not None and not spec[1].is_floating_point}
-    for name, tensor in _read_all(plan, files, dtype, int_dtypes, packed, reporter):
+    # Integer tensors, and the parameters the model may hold in fp32 whatever `dtype` (held_in_fp32).
+    own_dtypes = {n: spec[1] for n, spec in expected.items()
+                  if spec[1] is not None and (not spec[1].is_floating_point or held_in_fp32(n))}
+    for name, tensor in _read_all(plan, files, dtype, own_dtypes, packed, reporter):
         want = expected.get(name)
         if want is not None and tuple(tensor.shape) != tuple(want[0]):
             raise CheckpointError(f"{name}: the model expects {list(want[0])}, the checkpoint gives "
@@ -293,7 +296,7 @@ def _read_all(
     plan: Plan,
     files: Sequence[Path],
     dtype: torch.dtype,
-    int_dtypes: dict[str, torch.dtype],
+    own_dtypes: dict[str, torch.dtype],
     packed: Mapping[str, PackedFormat],
     reporter: _Progress,
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -304,7 +307,7 @@ def _read_all(
     for shard_no, file in enumerate(files, start=1):
         units = by_file[file]
         for count, unit in enumerate(units, start=1):
-            yield from _materialize(unit, handles, dtype, int_dtypes, packed)
+            yield from _materialize(unit, handles, dtype, own_dtypes, packed)
             share = unit.weight.nbytes // (unit.weight.shape[0] if unit.expert is not None else 1)
             reporter.tensor(shard_no, file, count, len(units), share)
         reporter.shard(shard_no, file, len(units))

@@ -26,6 +26,7 @@ from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.engine.model.packed import weight_of
 from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum, embed_shard, gather_vocab, local
+from v4serve.engine.model.resident import held_in_fp32
 from v4serve.kernels.attention import RaggedBatch, upload
 from v4serve.kernels.moe import swiglu
 from v4serve.kernels.norm_rope import rms_norm
@@ -270,6 +271,15 @@ class DeepseekV4(nn.Module):
         self.rotary_compress = Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
         self.kernels = load_kernels("torch")
         self.mtp = nn.ModuleList(MTPBlock(cfg, k, self.parallel) for k in range(mtp_layers))
+
+    def in_dtype(self, dtype: torch.dtype) -> DeepseekV4:
+        """Cast to `dtype`, but for the parameters `held_in_fp32` names (engine/model/resident.py),
+        which stay fp32 so no step casts them again."""
+        self.to(dtype)
+        for name, param in self.named_parameters():
+            if held_in_fp32(name):
+                param.data = param.data.float()
+        return self
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Switch every module that calls kernels (each has a `kernels` attribute) to a kernel set

@@ -15,7 +15,8 @@ What a tensor costs once resident depends on `--weight-dtype` (resolved per devi
   and so is cast every other floating tensor: both cost the model dtype (bf16 on a GPU: 2 bytes per
   value), which is what the loader does with them.
 * `bf16` / `fp32`: every floating tensor dequantized to 2 / 4 bytes per value.
-* Integer tensors (`ffn.gate.tid2eid`) stay as stored whatever the setting.
+* Integer tensors (`ffn.gate.tid2eid`) stay as stored whatever the setting, and the parameters
+  `resident.held_in_fp32` names (the head, the router, mHC, sinks, `ape`) cost 4 bytes per value.
 
 **Parallelism** (bytes are those of the largest rank; issue 14 implements exactly these rules).
 `--tensor-parallel-size N` splits across the N ranks: `attn.wq_b` rows (heads), `attn.attn_sink`,
@@ -61,7 +62,7 @@ from typing import Any
 
 from v4serve.cache.layout import COMPUTE_ITEMSIZE, KVLayout, check_kv_cache_dtype, key_record
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.resident import can_stay_quantized, resolve_weight_dtype
+from v4serve.engine.model.resident import can_stay_quantized, held_in_fp32, resolve_weight_dtype
 
 GIB = 1 << 30
 DEFAULT_UTILIZATION = 0.90
@@ -448,6 +449,8 @@ class _Residency:
     def resident_bytes(self, tensor: StoredTensor, shape: tuple[int, ...], packable: bool) -> int:
         if tensor.is_int or (tensor.quant and packable and self.weight_dtype == "checkpoint"):
             return tensor.stored_bytes(shape)
+        if held_in_fp32(tensor.name):
+            return math.prod(shape) * 4
         return math.prod(shape) * _DEQUANTIZED_ITEMSIZE.get(self.weight_dtype, self.float_itemsize)
 
 

@@ -3,9 +3,8 @@
 A weight stays quantized when its layer computes through `kernels.linear`, `kernels.grouped_linear`
 (the grouped output projection `wo_a`) or the experts kernel, which read FP8/FP4 codes directly
 (kernels/quant_linear.py). The rest of a quantized checkpoint is dequantized at load to the model
-dtype: the router `ffn.gate.weight` (run in fp32), the embedding, the head, norms and mHC
-parameters. Plain Python, no torch: the capacity plan uses it on
-headers alone.
+dtype, but for the parameters `held_in_fp32` names, which stay fp32 whatever the model dtype.
+Plain Python, no torch: the capacity plan uses it on headers alone.
 """
 
 from __future__ import annotations
@@ -24,6 +23,22 @@ _PACKABLE = re.compile(
     r"|ffn\.(?:experts\.\d+|shared_experts)\.w[123]"
     r")\.weight$"
 )
+
+
+# Held in fp32 whatever the model dtype: what the published checkpoints store as F32 (attention
+# sinks, compressor position biases `ape`, the router bias, the mHC mixing parameters), and the two
+# weights whose products are computed in fp32: the router's scores and the head's logits (DeepSeek's
+# reference holds its head in fp32 too). Held in bf16 instead, every step would cast them again: on
+# V4-Flash at TP 1 the head alone is 1 GB read and 2 GB written per step, before its GEMM.
+_HELD_IN_FP32 = re.compile(
+    r"(?:^|\.)(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn_sink|ape|gate\.(?:weight|bias)|head\.weight)$"
+)
+
+
+def held_in_fp32(name: str) -> bool:
+    """True for a parameter (official name, or the model's own: they agree) kept in fp32 at any
+    model dtype: `head.weight`, `layers.3.ffn.gate.weight`, `layers.3.hc_attn_fn`, ..."""
+    return _HELD_IN_FP32.search(name) is not None
 
 
 def can_stay_quantized(name: str) -> bool:
