@@ -27,6 +27,10 @@ class CacheConfig:
     # auto mode: seconds a hit keeps its prefix hot (its window state snapshotted) after the last hit.
     hot_seconds: float = 3600.0
     max_hot_prefixes: int = 1 << 16  # hot prefix nodes remembered (the least recently hit go first)
+    # Snapshots at boundaries inside a prefill chunk are assembled from the rows the chunk wrote
+    # (cache/state_capture.py), so chunks need not end on them. Off with a multi-token-prediction
+    # layer, whose slot also holds a hidden state the capture does not keep: chunks end on them there.
+    snapshots_inside_chunks: bool = True
 
     def __post_init__(self) -> None:
         if self.swa_cache_mode not in SWA_CACHE_MODES:

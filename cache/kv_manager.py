@@ -143,13 +143,29 @@ class KVCacheManager:
         assert isinstance(response, ResponseEnd)
         return key, len(response.tail)
 
-    def chunk_size(self, kv: RequestKV, start: int, n: int, prompt_len: int) -> int:
-        """Shorten a chunk of n tokens from `start` so it ends on the next snapshot point (the state
-        there can then be saved); while a hit's window state is rebuilt, no point before the hit
-        boundary counts."""
-        lo = max(start, kv.frozen_until - 1) if kv.window_from else start
-        point = self.state.next_snapshot_point(lo, prompt_len, start + n - 1, self.snapshot_mode(kv), self._hit_end(kv))
+    def chunk_size(self, kv: RequestKV, start: int, n: int, prompt_len: int, capture: bool = True) -> int:
+        """The tokens of a chunk of at most n from `start`: all of them when the states at snapshot
+        points inside it can be captured (`capture_points`), else up to the next snapshot point (the
+        state there can then be saved)."""
+        if capture and self.config.snapshots_inside_chunks:
+            return n
+        point = self.state.next_snapshot_point(self._first_point_after(kv, start), prompt_len, start + n - 1,
+                                               self.snapshot_mode(kv), self._hit_end(kv))
         return n if point is None else point - start
+
+    def capture_points(self, kv: RequestKV, start: int, end: int, prompt_len: int) -> tuple[int, ...]:
+        """Snapshot points strictly inside a chunk [start, end) whose states the step must capture
+        (the chunk's end is saved after the step as always)."""
+        if not self.config.snapshots_inside_chunks:
+            return ()
+        mode, hit_end, b = self.snapshot_mode(kv), self._hit_end(kv), self.config.block_size
+        first = (self._first_point_after(kv, start) // b + 1) * b
+        return tuple(p for p in range(first, end, b) if self.state.is_snapshot_point(p, prompt_len, mode, hit_end))
+
+    @staticmethod
+    def _first_point_after(kv: RequestKV, start: int) -> int:
+        """While a hit's window state is rebuilt, no point before the hit boundary counts."""
+        return max(start, kv.frozen_until - 1) if kv.window_from else start
 
     def admit(self, kv: RequestKV, first_chunk_end: int) -> bool:
         """Take a slot, the planned hit's blocks and blocks for tokens up to first_chunk_end, and
@@ -191,9 +207,11 @@ class KVCacheManager:
         return True
 
     # ---- after a step -----------------------------------------------------------------------------
-    def advance(self, kv: RequestKV, num_computed: int, prompt_len: int, tokens: TokenSlice) -> None:
+    def advance(self, kv: RequestKV, num_computed: int, prompt_len: int, tokens: TokenSlice,
+                captured: Sequence[tuple[int, Any]] = ()) -> None:
         """The request has computed `num_computed` tokens: seal every block completed since the last
-        call (and queue it for the SSD store), and save the slot state if this is a snapshot point."""
+        call (and queue it for the SSD store), save the states `captured` at points inside the step's
+        chunk (`capture_points`), and the slot state if `num_computed` is a snapshot point."""
         b = self.config.block_size
         full = min(num_computed // b, len(kv.block_hashes))
         for i in range(kv.num_sealed, full):
@@ -205,6 +223,8 @@ class KVCacheManager:
                 self.store.put(KIND_BLOCK, kv.block_hashes[i], block_tokens,
                                self.device.block_payload(kv.block_table[i]), parent)
         kv.num_sealed = max(kv.num_sealed, full)
+        for point, state in captured:
+            self._save_snapshot(kv, kv.block_hashes[point // b - 1], tokens(point - b, point), state)
         if kv.state_exact_at(num_computed) and self.state.is_snapshot_point(num_computed, prompt_len,
                                                                             self.snapshot_mode(kv), self._hit_end(kv)):
             self._save_snapshot(kv, kv.block_hashes[num_computed // b - 1], tokens(num_computed - b, num_computed))
@@ -233,11 +253,13 @@ class KVCacheManager:
         if self._store_writing():  # so the conversation resumes here after a restart too
             self.store.put(KIND_RESPONSE, key, tail, [*self.device.snapshot_payload(response.state), block], parent)
 
-    def _save_snapshot(self, kv: RequestKV, key: bytes, last_block_tokens: Sequence[int]) -> None:
+    def _save_snapshot(self, kv: RequestKV, key: bytes, last_block_tokens: Sequence[int], state: Any = None) -> None:
+        """The slot's state now (or `state`, captured at that boundary inside a chunk) under `key`."""
         if key in self.state.snapshots:
             return
         assert kv.slot is not None
-        state = self.device.read_slot(kv.slot)
+        if state is None:
+            state = self.device.read_slot(kv.slot)
         if self.state.snapshots.put(key, state, self.device.slot_nbytes()):
             self.snapshot_bytes_host += self.device.slot_nbytes()
         if self._store_writing():

@@ -19,6 +19,7 @@ from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.layout import KVLayout, cache_table, key_record
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
+from v4serve.cache.state_capture import CaptureSeq, StateCapture
 from v4serve.engine.model.decode_graphs import DecodeGraphs, decode_buckets
 from v4serve.engine.model.fingerprint import tensors_digest
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
@@ -170,7 +171,8 @@ class LLMEngine:
             num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
             swa_checkpoint_interval=config.swa_checkpoint_interval,
             enable_prefix_caching=config.enable_prefix_caching, snapshot_bytes=config.snapshot_bytes,
-            overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0)
+            overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0,
+            snapshots_inside_chunks=not mtp)
         store = None
         persistent = bool(config.kv_store_dir and config.enable_prefix_caching)
         # KV that outlives the process is keyed by every byte of the weights; within one process the
@@ -195,6 +197,7 @@ class LLMEngine:
         self._pass: tuple[torch.Tensor, torch.Tensor, dict[str, int]] | None = None
         self.spec = SpecCounters()
         self._kept_slots: dict[str, list[torch.Tensor]] = {}  # slot states before this step's drafts
+        self._step_capture: StateCapture | None = None  # this step's slot states inside its chunks
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
                                     cache=self.cache_config)
         self.sampler = Sampler(config.seed, self.eos_token_id)
@@ -313,6 +316,7 @@ class LLMEngine:
             if c.drafts:  # put back if a draft is rejected
                 self._kept_slots[r.request_id] = self.device_kv.copy_slot(kv.slot)
         meta = AttentionMetadata.build(seqs, [self.logit_rows(c) for c in chunks])
+        self._step_capture = self._state_capture(chunks, seqs)
         threads = step_threads(len(ids), self._cpu_threads)
         # Rows without drafts are kept whatever is sampled: the MTP layer takes them right after the
         # pass, before `update` seals blocks and snapshots the slots.
@@ -321,6 +325,7 @@ class LLMEngine:
         if self.ranks is not None:
             assert isinstance(self.device_kv, MirroredDeviceKV)
             self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads, kept_rows))
+        meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
         if (self.graphs is not None and self.graphs.fits(seqs)
                 and all(len(self.logit_rows(c)) == 1 for c in chunks)):
             return self.graphs.run(ids, seqs)  # a decode-only step: replayed
@@ -335,10 +340,26 @@ class LLMEngine:
         self.mtp.commit(kept_rows, states, input_ids)
         return logits
 
+    def _state_capture(self, chunks: list[ScheduledChunk], seqs: list[SeqChunk]) -> StateCapture | None:
+        """What the step keeps of the rows it writes into the slots of chunks crossing snapshot
+        points, with each slot's state before the step (None: no chunk crosses one)."""
+        crossing = [CaptureSeq(c.request.request_id, seq.offset, seq.start, c.capture_points,
+                               self.device_kv.copy_slot(seq.slot))
+                    for c, seq in zip(chunks, seqs, strict=True) if c.capture_points]
+        return StateCapture(crossing) if crossing else None
+
+    def _captured_states(self) -> dict[str, list[tuple[int, list[torch.Tensor]]]]:
+        """Each request's slot states at the snapshot points inside its chunk of the step just run."""
+        capture, self._step_capture = self._step_capture, None
+        if capture is None:
+            return {}
+        return {seq.owner: capture.states_at(self.device_kv, seq) for seq in capture.seqs}
+
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         # Row layout and completion are decided on the pre-step counts.
         plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
-        self.scheduler.advance([c for c in chunks if not c.drafts])  # a drafted chunk: once its drafts are judged
+        # A drafted chunk advances once its drafts are judged.
+        self.scheduler.advance([c for c in chunks if not c.drafts], self._captured_states())
         outputs: list[RequestOutput | None] = []
         sampled: list[tuple[int, ScheduledChunk, range]] = []  # (place in outputs, chunk, its logits rows)
         i = 0

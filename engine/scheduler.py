@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.engine.request import Request, RequestStatus
@@ -37,6 +38,9 @@ class ScheduledChunk:
     request: Request
     num_new: int  # tokens computed, drafts included
     drafts: tuple[int, ...] = ()  # speculative tokens after the request's last one, checked by this pass
+    # Snapshot points strictly inside the chunk: the step captures the slot states there
+    # (cache/state_capture.py) instead of ending the chunk on each.
+    capture_points: tuple[int, ...] = ()
 
     @property
     def completes(self) -> bool:
@@ -109,7 +113,7 @@ class Scheduler:
             drafts = drafts[:max(0, n - (request.num_tokens - request.num_computed_tokens))]
             if n <= 0 or not self._grow_or_preempt(request, n, chunks):
                 continue
-            chunks.append(ScheduledChunk(request, n, tuple(drafts)))
+            chunks.append(self._chunk(request, n, tuple(drafts)))
             budget -= n
         self._admit(chunks, budget)
         return chunks
@@ -119,7 +123,13 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> int:
         n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
-        return self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens)
+        # A drafted pass may be undone, so no state inside it is captured: it ends on snapshot points.
+        return self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens, capture=not drafts)
+
+    def _chunk(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        points = () if drafts else self.kv.capture_points(request.kv, start, start + n, request.num_prompt_tokens)
+        return ScheduledChunk(request, n, drafts, points)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, cut so that none of them could end it: an accepted draft
@@ -196,7 +206,7 @@ class Scheduler:
                 self.stats.write_modes[self.kv.snapshot_mode(request.kv)] += 1
             self.stats.recomputed += plan.recompute_tokens
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, n))
+            chunks.append(self._chunk(request, n))
             budget -= n
 
     # ---- the SSD store ----------------------------------------------------------------------------
@@ -225,12 +235,15 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     # ---- after the forward ----------------------------------------------------------------------
-    def advance(self, chunks: Iterable[ScheduledChunk]) -> None:
-        """Account computed tokens (the cache seals full blocks and takes due snapshots)."""
+    def advance(self, chunks: Iterable[ScheduledChunk],
+                captured: Mapping[str, Sequence[tuple[int, Any]]] | None = None) -> None:
+        """Account computed tokens (the cache seals full blocks and takes due snapshots, with the
+        states `captured` inside each request's chunk)."""
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new
-            self.kv.advance(request.kv, request.num_computed_tokens, request.num_prompt_tokens, request.token_slice)
+            self.kv.advance(request.kv, request.num_computed_tokens, request.num_prompt_tokens, request.token_slice,
+                            (captured or {}).get(request.request_id, ()))
 
     def append_token(self, request: Request, token: int) -> None:
         request.output_token_ids.append(token)

@@ -87,6 +87,8 @@ class Attention(nn.Module):
             # the cache later (a prefix hit, the next chunk) equals the one used now.
             kv = k.round_keys(kv, record)
         compressions = self._compressions(of_x, layer_kv, record)
+        if meta.capture is not None:
+            meta.capture.keep(layer_kv, kv, compressions)
         if batch.only_decodes:
             # All of the layer's writes in one call, before anything reads them (decode_writes.py).
             k.write_decode_step(layer_kv.window, kv, batch, record, compressions, rotary.inv_freq)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from v4serve.cache.state_capture import StateCapture
 from v4serve.kernels.attention import RaggedBatch
 
 
@@ -40,6 +41,9 @@ class AttentionMetadata:
     # Block tables padded to this many blocks (None: the longest in the batch); fixed, it makes a
     # decode step's shapes independent of the context.
     table_width: int | None = None
+    # Sequences whose chunks cross snapshot points: every layer hands it the rows it writes into
+    # the slot rings (cache/state_capture.py). Set for the local forward only, never sent to ranks.
+    capture: StateCapture | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqChunk], logit_rows: Sequence[Iterable[int]] | None = None) -> AttentionMetadata:
