@@ -20,16 +20,16 @@ but 3 layers (compress ratios 0, 4, 128: one of each kind; the first hash-routed
    against the same on the torch kernels, with fp32 keys and with FP8 keys (`--kv-cache-dtype
    fp8`; its prompt prefilled again on the torch kernels into FP8 records). The real top-k 512
    selects here (from position 2,051 on with the default prompt). Interpreted at these widths a
-   Triton decode step takes about 1.5 minutes and a 4-token chunk about 3 on 2 cores: too slow for
-   `make test`, which compares the twins at small widths (tests/test_kernels.py,
+   Triton decode step and an 8-token chunk take about 45 s together on 2 cores: with the model's
+   build and the rest too slow for `make test`, which compares the twins at small widths (tests/test_kernels.py,
    tests/test_triton_backend.py) and compiles these widths for GPUs (tests/test_aot.py).
 3. **packed**: the same weights written `--quantize mixed` (FP8 dense, FP4 experts) and loaded
    packed (`--weight-dtype checkpoint`) vs dequantized at load: the same prompt and decode steps,
    compared bitwise.
 
-Cost, measured on 2 cores with `--prompt 300 --decode 2 --chunk 4`: 16 minutes, peak RSS 9.0 GB
-(reported at the end, `resource.getrusage`); the default prompt adds the longer prefills and
-transformers' attention matrices (64 heads × 2,308²). The phases run one after another and each
+Cost, measured on 2 cores with `--chunk 8` and the other defaults: 7 minutes, peak RSS 11.6 GB
+(reported at the end, `resource.getrusage`; transformers' attention matrices, 64 heads × 2,308²,
+are the peak). The phases run one after another and each
 frees its model before the next loads, so at most one 4.2 GB model is resident at a time. Checkpoints are
 written to a temporary folder (4.2 GB fp32 plus 1.2 GB mixed) and removed at the end. Results:
 bench/results/bench_real_widths.json.
