@@ -78,7 +78,11 @@ def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, R, n, K, BLOCK_R: tl.con
     every entry above it and as many equal to it as k needs, in entry order."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < R
-    need = tl.minimum(tl.load(counts_ptr + r, mask=row_ok, other=0), K)  # invisible entries score −inf
+    count = tl.load(counts_ptr + r, mask=row_ok, other=0)
+    need = tl.minimum(count, K)  # invisible entries score −inf
+    # Entries past every row's count score −inf and are never picked: the walks stop at the widest
+    # row's count, not at the table's width (a captured step's fixed width, sized for max-model-len).
+    stop = tl.minimum(tl.max(count, axis=0), n)
     bins = tl.arange(0, 512)  # digits 0..255, and 256 for entries not matching the prefix (dropped)
     local = tl.arange(0, BLOCK_R)[:, None] * 512  # each row's own bins in one histogram
     prefix = tl.zeros([BLOCK_R], tl.int32)  # each row's k-th best key: the bits found so far
@@ -86,9 +90,9 @@ def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, R, n, K, BLOCK_R: tl.con
     left = need  # entries still to pick among those matching the prefix
     for shift in tl.static_range(24, -8, -8):
         hist = tl.zeros([BLOCK_R, 512], tl.int32)
-        for e0 in range(0, n, BLOCK_N):
+        for e0 in range(0, stop, BLOCK_N):
             e = e0 + tl.arange(0, BLOCK_N)
-            ok = row_ok[:, None] & (e < n)[None, :]
+            ok = row_ok[:, None] & (e < stop)[None, :]
             key = _ordered(tl.load(scores_ptr + r[:, None] * n + e[None, :], mask=ok, other=float("-inf")))
             matches = ok & ((key & known[:, None]) == prefix[:, None])
             # Each entry's bin in its row's histogram (not `digit`: that name carries a round's result
@@ -104,9 +108,9 @@ def _index_topk_kernel(scores_ptr, counts_ptr, out_ptr, R, n, K, BLOCK_R: tl.con
     above = need - left
     taken_above = tl.zeros([BLOCK_R], tl.int32)
     taken_equal = tl.zeros([BLOCK_R], tl.int32)
-    for e0 in range(0, n, BLOCK_N):
+    for e0 in range(0, stop, BLOCK_N):
         e = e0 + tl.arange(0, BLOCK_N)
-        ok = row_ok[:, None] & (e < n)[None, :] & (0 < need[:, None])
+        ok = row_ok[:, None] & (e < stop)[None, :] & (0 < need[:, None])
         key = _ordered(tl.load(scores_ptr + r[:, None] * n + e[None, :], mask=ok, other=float("-inf")))
         over = ok & (_flip(key) > _flip(prefix[:, None]))  # the ordered keys compare as unsigned
         same = ok & (key == prefix[:, None])

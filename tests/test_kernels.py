@@ -303,6 +303,21 @@ def test_index_topk_picks_the_twins_entries(triton_kernels, n: int, k: int) -> N
     assert torch.equal(got, want)
 
 
+def test_index_topk_walks_only_to_the_widest_rows_count(triton_kernels) -> None:
+    """A captured decode step scores at a fixed table width (sized for --max-model-len); the top-k
+    stops at the widest row's count instead of walking every column. Columns past it are never
+    read: filled with huge finite values here, they change nothing (a walk over them would pick them)."""
+    gen = torch.Generator().manual_seed(9)
+    counts = torch.tensor([10, 6, 0])
+    scores = torch.randn(3, 2048, generator=gen)
+    masked = scores.masked_fill(torch.arange(2048)[None, :] >= counts[:, None], float("-inf"))
+    scores = masked.clone()
+    scores[:, 10:] = 1e30  # past every row's count: not scores at all
+    want = TWIN.index_topk(masked.to(DEVICE), counts.to(DEVICE), 8)
+    assert torch.equal(triton_kernels.index_topk(scores.to(DEVICE), counts.to(DEVICE), 8), want)
+    assert want[2].tolist() == [-1] * 8 and want[1, 6:].tolist() == [-1, -1]
+
+
 def test_index_topk_full_rows_need_no_mask() -> None:
     """`full` (every row sees at least k, known on the host) lets the twin skip its masking ops;
     the picks stay those of the masked form. (The Triton kernel masks as it writes either way.)"""
