@@ -4,10 +4,10 @@ A snapshot is a slot's state (every layer's window ring and compressor rings) at
 boundary. Ending each prefill chunk on such a boundary so the state exists there costs a forward
 pass per block: `full` snapshots every block, so a 2,048-token chunk would run as 16 passes of 128.
 Instead the chunk runs whole while the model hands over the rows it writes into the rings
-(`StateCapture.keep`), and after the step each boundary's state is assembled (`states_at`): the
-slot as it was before the chunk, with the rows of positions up to the boundary written as the
-kernels write them. A ring keeps the last R positions written, so that is exactly the state a
-chunk ending at the boundary would have left.
+(`StateCapture.keep`, before the layer writes them): each boundary's state is the layer's slot as
+it was before the chunk, with the rows of positions up to the boundary written as the kernels write
+them. A ring keeps the last R positions written, so that is exactly the state a chunk ending at the
+boundary would have left; after the step `states_at` copies the states to the host.
 
 Torch only; the model calls `keep`, the engine `states_at`, the KV manager saves what comes out.
 """
@@ -30,44 +30,44 @@ class CaptureSeq:
     """One sequence of the step whose chunk crosses snapshot points."""
 
     owner: str  # whose chunk it is (the engine's request id)
+    slot: int  # its State Cache slot
     offset: int  # its first row in the flattened batch
     start: int  # the position of that row
     points: tuple[int, ...]  # boundaries strictly inside the chunk, ascending
-    base: list[torch.Tensor]  # its slot's state before the chunk (`DeviceKV.copy_slot`)
-    # id(LayerKV) → rows of positions [start, points[-1]) for each of the layer's slot tensors, in
-    # `LayerKV.slot_tensors` order, as they enter the rings (window keys; compressor kv and biased scores).
-    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # point → id(LayerKV) → the layer's slot tensors at that point, in `LayerKV.slot_tensors` order.
+    states: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
 
 
 class StateCapture:
-    """The rows one step writes into the rings of the sequences in `seqs`."""
+    """The slot states at the snapshot points inside the chunks of the sequences in `seqs`."""
 
     def __init__(self, seqs: Sequence[CaptureSeq]) -> None:
         self.seqs = list(seqs)
 
     def keep(self, layer: LayerKV, window_rows: torch.Tensor, compressions: Sequence[Compression]) -> None:
-        """A layer's ring rows of the whole batch: window keys [T, d] (as the window kernel takes
-        them) and each compressor's kv and score rows [T, c·d] (scores before the position bias)."""
+        """A layer's ring rows of the whole batch, handed over before the layer writes them: window
+        keys [T, d] (as the window kernel takes them) and each compressor's kv and score rows
+        [T, c·d] (scores before the position bias). The layer's slot still holds its state from
+        before the chunk; each point's state is that plus the rows up to the point (only the last
+        R of them stay in a ring of R rows)."""
         for seq in self.seqs:
-            rows = slice(seq.offset, seq.offset + seq.points[-1] - seq.start)
-            parts = [window_rows[rows].clone()]
+            end = seq.offset + seq.points[-1] - seq.start
+            rows = [window_rows[seq.offset:end]]
             for c in compressions:
-                parts += [c.kv[rows].clone(), biased(c.score[rows], c.ape, seq.start, c.ratio)]
-            seq.rows[id(layer)] = parts
+                rows += [c.kv[seq.offset:end], biased(c.score[seq.offset:end], c.ape, seq.start, c.ratio)]
+            before = layer.slot_tensors()
+            assert len(rows) == len(before), "a layer's ring rows do not match its slot"
+            records = [layer.layout.record, *[None] * (len(rows) - 1)]  # only window keys may be FP8 records
+            for point in seq.points:
+                parts = []
+                for ring, new, record in zip(before, rows, records, strict=True):
+                    part = ring[seq.slot].clone()
+                    lo = max(seq.start, point - part.shape[0])
+                    ring_write(part, point, new[lo - seq.start:point - seq.start], record)
+                    parts.append(part)
+                seq.states.setdefault(point, {})[id(layer)] = parts
 
     def states_at(self, kv: DeviceKV, seq: CaptureSeq) -> list[tuple[int, list[torch.Tensor]]]:
         """(boundary, host copy of the slot state there) for each of `seq`'s points."""
-        state = [t.clone() for t in seq.base]
-        out, done = [], seq.start
-        for point in seq.points:
-            at = 0
-            for layer in kv.layers:
-                rows = seq.rows[id(layer)]
-                assert len(rows) == len(layer.slot_tensors()), "a layer's captured rows do not match its slot"
-                records = [layer.layout.record, *[None] * (len(rows) - 1)]  # only window keys may be FP8 records
-                for part, new, record in zip(state[at:at + len(rows)], rows, records, strict=True):
-                    ring_write(part, point, new[done - seq.start:point - seq.start], record)
-                at += len(rows)
-            out.append((point, [t.to("cpu", copy=True) for t in state]))
-            done = point
-        return out
+        return [(point, [part.to("cpu", copy=True) for layer in kv.layers for part in seq.states[point][id(layer)]])
+                for point in seq.points]

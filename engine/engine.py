@@ -341,10 +341,9 @@ class LLMEngine:
         return logits
 
     def _state_capture(self, chunks: list[ScheduledChunk], seqs: list[SeqChunk]) -> StateCapture | None:
-        """What the step keeps of the rows it writes into the slots of chunks crossing snapshot
-        points, with each slot's state before the step (None: no chunk crosses one)."""
-        crossing = [CaptureSeq(c.request.request_id, seq.offset, seq.start, c.capture_points,
-                               self.device_kv.copy_slot(seq.slot))
+        """Where the step keeps the slot states at the snapshot points inside its chunks (None: no
+        chunk crosses one)."""
+        crossing = [CaptureSeq(c.request.request_id, seq.slot, seq.offset, seq.start, c.capture_points)
                     for c, seq in zip(chunks, seqs, strict=True) if c.capture_points]
         return StateCapture(crossing) if crossing else None
 
