@@ -9,6 +9,11 @@ from dataclasses import dataclass
 # `zero` until a prefix is hit, `periodic` from then on (see StateCache.snapshot_mode).
 SWA_CACHE_MODES = ("full", "periodic", "zero", "auto")
 
+# Slot states one step may capture inside its prefill chunks (cache/state_capture.py): they wait on the
+# device until the step ends, so past this many a chunk ends on the next snapshot point instead. 16 is
+# one 2,048-token chunk of `full` at 128-token blocks; the capacity plan reserves their bytes.
+MAX_CAPTURED_STATES = 16
+
 
 @dataclass(frozen=True)
 class CacheConfig:

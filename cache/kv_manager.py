@@ -160,7 +160,9 @@ class KVCacheManager:
             return ()
         mode, hit_end, b = self.snapshot_mode(kv), self._hit_end(kv), self.config.block_size
         first = (self._first_point_after(kv, start) // b + 1) * b
-        return tuple(p for p in range(first, end, b) if self.state.is_snapshot_point(p, prompt_len, mode, hit_end))
+        # A state already saved there (a shared prefix, a resumed request) is not captured again.
+        return tuple(p for p in range(first, end, b) if self.state.is_snapshot_point(p, prompt_len, mode, hit_end)
+                     and kv.block_hashes[p // b - 1] not in self.state.snapshots)
 
     @staticmethod
     def _first_point_after(kv: RequestKV, start: int) -> int:

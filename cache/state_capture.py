@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from v4serve.cache.device_kv import DeviceKV, LayerKV
+from v4serve.kernels.attention import upload
 from v4serve.kernels.compressor import biased
 from v4serve.kernels.decode_writes import Compression
-from v4serve.kernels.paged import ring_write
+from v4serve.kernels.kv_fp8 import stored
 
 
 @dataclass
@@ -34,8 +35,23 @@ class CaptureSeq:
     offset: int  # its first row in the flattened batch
     start: int  # the position of that row
     points: tuple[int, ...]  # boundaries strictly inside the chunk, ascending
-    # point → id(LayerKV) → the layer's slot tensors at that point, in `LayerKV.slot_tensors` order.
-    states: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+    # id(LayerKV) → the layer's slot tensors at every point, [points, ...] each, in `LayerKV.slot_tensors` order.
+    states: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    _writes: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def writes(self, ring_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(point, ring row, chunk row) of every row a ring of `ring_rows` rows takes from the chunk
+        at each point: positions [max(start, p − ring_rows), p) of point p, each once. Built once
+        per ring length (a few per model), uploaded without blocking."""
+        if ring_rows not in self._writes:
+            columns: tuple[list[int], list[int], list[int]] = ([], [], [])
+            for i, point in enumerate(self.points):
+                for position in range(max(self.start, point - ring_rows), point):
+                    columns[0].append(i)
+                    columns[1].append(position % ring_rows)
+                    columns[2].append(position - self.start)
+            self._writes[ring_rows] = tuple(upload(c, device) for c in columns)
+        return self._writes[ring_rows]
 
 
 class StateCapture:
@@ -49,25 +65,25 @@ class StateCapture:
         keys [T, d] (as the window kernel takes them) and each compressor's kv and score rows
         [T, c·d] (scores before the position bias). The layer's slot still holds its state from
         before the chunk; each point's state is that plus the rows up to the point (only the last
-        R of them stay in a ring of R rows)."""
+        R of them stay in a ring of R rows): one copy and one scatter per ring for all points."""
+        rings = layer.slot_tensors()
+        records = [layer.layout.record, *[None] * (len(rings) - 1)]  # only window keys may be FP8 records
         for seq in self.seqs:
             end = seq.offset + seq.points[-1] - seq.start
             rows = [window_rows[seq.offset:end]]
             for c in compressions:
                 rows += [c.kv[seq.offset:end], biased(c.score[seq.offset:end], c.ape, seq.start, c.ratio)]
-            before = layer.slot_tensors()
-            assert len(rows) == len(before), "a layer's ring rows do not match its slot"
-            records = [layer.layout.record, *[None] * (len(rows) - 1)]  # only window keys may be FP8 records
-            for point in seq.points:
-                parts = []
-                for ring, new, record in zip(before, rows, records, strict=True):
-                    part = ring[seq.slot].clone()
-                    lo = max(seq.start, point - part.shape[0])
-                    ring_write(part, point, new[lo - seq.start:point - seq.start], record)
-                    parts.append(part)
-                seq.states.setdefault(point, {})[id(layer)] = parts
+            assert len(rows) == len(rings), "a layer's ring rows do not match its slot"
+            parts = []
+            for ring, new, record in zip(rings, rows, records, strict=True):
+                state = ring[seq.slot].unsqueeze(0).repeat(len(seq.points), *[1] * (ring.dim() - 1))
+                point, ring_row, chunk_row = seq.writes(ring.shape[1], ring.device)
+                state[point, ring_row] = stored(new[chunk_row], ring, record)
+                parts.append(state)
+            seq.states[id(layer)] = parts
 
     def states_at(self, kv: DeviceKV, seq: CaptureSeq) -> list[tuple[int, list[torch.Tensor]]]:
-        """(boundary, host copy of the slot state there) for each of `seq`'s points."""
-        return [(point, [part.to("cpu", copy=True) for layer in kv.layers for part in seq.states[point][id(layer)]])
-                for point in seq.points]
+        """(boundary, host copy of the slot state there) for each of `seq`'s points (KeyError if a
+        layer of `kv` handed nothing over)."""
+        host = [part.to("cpu") for layer in kv.layers for part in seq.states[id(layer)]]
+        return [(point, [part[i].clone() for part in host]) for i, point in enumerate(seq.points)]

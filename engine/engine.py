@@ -282,6 +282,7 @@ class LLMEngine:
         """Fail the requests of this step (their KV may be half written; it is private to them and
         freed) and go on, unless the forward pass keeps failing."""
         self._forward_failures += 1
+        self._step_capture = None
         if self.ranks is not None:  # the ranks may be mid-collective: the group cannot go on
             self.ranks.broken = True
             cause = self.ranks.dead_rank() or repr(exc)
@@ -352,7 +353,11 @@ class LLMEngine:
         capture, self._step_capture = self._step_capture, None
         if capture is None:
             return {}
-        return {seq.owner: capture.states_at(self.device_kv, seq) for seq in capture.seqs}
+        try:
+            return {seq.owner: capture.states_at(self.device_kv, seq) for seq in capture.seqs}
+        except Exception:  # snapshots save recompute later; losing them must not stop the engine
+            log.exception("the slot states captured in this step could not be read back; no snapshots from it")
+            return {}
 
     def update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         # Row layout and completion are decided on the pre-step counts.

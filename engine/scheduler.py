@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from v4serve.cache.config import MAX_CAPTURED_STATES
 from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.engine.request import Request, RequestStatus
 from v4serve.engine.stats import Histogram
@@ -31,6 +32,7 @@ class SchedulerConfig:
     max_prefill_chunk: int = 1024  # one request's prefill tokens per step
     max_model_len: int = 32768
     max_waiting: int = 1024
+    max_captured_states: int = MAX_CAPTURED_STATES  # slot states a step may capture inside its chunks
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Scheduler:
         self.loading: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self._states_left = config.max_captured_states  # this step's, while it is being scheduled
 
     # ---- queue changes ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -104,6 +107,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         self._finish_loads()
         budget = self.config.max_num_batched_tokens
+        self._states_left = self.config.max_captured_states
         chunks: list[ScheduledChunk] = []
         for request in self._running_decodes_first():
             if request.status is not RequestStatus.RUNNING or request.paused or budget <= 0:
@@ -124,11 +128,16 @@ class Scheduler:
     def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> int:
         n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
         # A drafted pass may be undone, so no state inside it is captured: it ends on snapshot points.
-        return self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens, capture=not drafts)
+        n = self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens, capture=not drafts)
+        points = () if drafts else self.kv.capture_points(request.kv, start, start + n, request.num_prompt_tokens)
+        if len(points) > self._states_left:  # the step's allowance is spent: end on the next point
+            n = points[self._states_left] - start
+        return n
 
     def _chunk(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         points = () if drafts else self.kv.capture_points(request.kv, start, start + n, request.num_prompt_tokens)
+        self._states_left -= len(points)
         return ScheduledChunk(request, n, drafts, points)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:

@@ -137,3 +137,40 @@ def test_a_rebuilt_window_captures_nothing_before_the_hit_boundary() -> None:
     assert set(got[False]) == set(got[True]) == {4, 5, 6}
     for k in got[False]:
         assert all(torch.equal(a, b) for a, b in zip(got[False][k], got[True][k], strict=True))
+
+
+def test_a_step_captures_at_most_its_allowance_and_ends_the_chunk_past_it() -> None:
+    """Captured states wait on the device until the step ends: with room for 2 a step, the 101-token
+    prompt's six points in `full` take three passes (2 captured and one chunk end each, then the rest),
+    with the same states as a run splitting at every point."""
+    model = model_on("torch", batch_invariant=True)
+    prompt = tokens(101, 3)
+    engine = engine_for(model, swa_cache_mode="full")
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_captured_states=2)
+    request = greedy("a", prompt, n=3)
+    engine.add_request(request)
+    ends = []
+    while request.num_computed_tokens < len(prompt):
+        engine.step()
+        engine.check()
+        ends.append(request.num_computed_tokens)
+    assert ends == [48, 96, 101]
+    engine.run_checked()
+    split, _, _ = run(model, prompt, split=True, swa_cache_mode="full")
+    hashes = engine.kv.hashes(prompt, None)
+    got, want = snapshots(engine, hashes), snapshots(split, hashes)
+    assert set(got) == set(want) == {1, 2, 3, 4, 5, 6}
+    for k in got:
+        assert all(torch.equal(a, b) for a, b in zip(got[k], want[k], strict=True)), f"boundary {k * BLOCK}"
+
+
+def test_states_already_saved_are_not_captured_again() -> None:
+    """A second request over the same prompt computing it again (prompt logprobs: nothing reused)
+    captures nothing: every point's state is already saved."""
+    model = model_on("torch", batch_invariant=False)
+    prompt = tokens(101, 3)
+    engine, _, _ = run(model, prompt, split=False, swa_cache_mode="full")
+    again = engine.kv.new_request(None, len(prompt), lambda a, b: prompt[a:b])
+    assert engine.kv.capture_points(again, 0, len(prompt), len(prompt)) == ()
+    fresh = engine.kv.new_request(None, 101, lambda a, b: tokens(101, 4)[a:b])
+    assert engine.kv.capture_points(fresh, 0, 101, 101) == (16, 32, 48, 64, 80, 96)

@@ -41,7 +41,9 @@ compressor tails) and the whole Block Cache (compressed entries and indexer keys
 residual streams hc_mult x hidden, the query heads x head_dim, the index heads x index_head_dim
 and the chosen experts' top_k x 2 x moe_intermediate gate/up output), in fp32, four such buffers
 live at once (input, output and two temporaries), plus the fp32 logits of `max_num_seqs` sampled
-rows. It is not divided by the tensor-parallel size (a conservative bound). What else the runtime
+rows, plus the slot states a step may capture inside its prefill chunks for snapshots
+(`cache.config.MAX_CAPTURED_STATES` State Cache slots' worth). It is not divided by the
+tensor-parallel size (a conservative bound). What else the runtime
 needs (CUDA context, allocator slack, kernels' scratch) is left to the (1 - utilization) margin, as
 vLLM's `gpu_memory_utilization` does.
 
@@ -60,6 +62,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from v4serve.cache.config import MAX_CAPTURED_STATES
 from v4serve.cache.layout import COMPUTE_ITEMSIZE, KVLayout, check_kv_cache_dtype, key_record
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.resident import can_stay_quantized, held_in_fp32, resolve_weight_dtype
@@ -648,7 +651,8 @@ def build_plan(cfg: ModelConfig, tensors: list[StoredTensor], settings: PlanSett
         weights_per_rank=weight_bytes_per_rank(tensors, residency),
         state_cache_bytes_per_request=layout.state_bytes_per_slot(itemsize),
         block_cache_bytes_per_block=layout.block_bytes(itemsize), block_size=layout.block_size,
-        activation_reserve_bytes=activation_reserve(cfg, settings.max_num_batched_tokens, settings.max_num_seqs),
+        activation_reserve_bytes=(activation_reserve(cfg, settings.max_num_batched_tokens, settings.max_num_seqs)
+                                  + MAX_CAPTURED_STATES * layout.state_bytes_per_slot(itemsize)),
     )
 
 
