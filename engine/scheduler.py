@@ -113,11 +113,11 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.paused or budget <= 0:
                 continue
             drafts = self._drafts(request, budget)
-            n = self._chunk_size(request, request.num_computed_tokens, budget, len(drafts))
+            n, points = self._chunk_size(request, request.num_computed_tokens, budget, len(drafts))
             drafts = drafts[:max(0, n - (request.num_tokens - request.num_computed_tokens))]
             if n <= 0 or not self._grow_or_preempt(request, n, chunks):
                 continue
-            chunks.append(self._chunk(request, n, tuple(drafts)))
+            chunks.append(self._chunk(request, n, tuple(drafts), points))
             budget -= n
         self._admit(chunks, budget)
         return chunks
@@ -125,18 +125,18 @@ class Scheduler:
     def _running_decodes_first(self) -> list[Request]:
         return sorted(self.running, key=lambda r: r.is_prefill)
 
-    def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> int:
+    def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> tuple[int, tuple[int, ...]]:
+        """(tokens of the request's next chunk, the snapshot points inside it whose states it captures)."""
         n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
         # A drafted pass may be undone, so no state inside it is captured: it ends on snapshot points.
         n = self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens, capture=not drafts)
         points = () if drafts else self.kv.capture_points(request.kv, start, start + n, request.num_prompt_tokens)
         if len(points) > self._states_left:  # the step's allowance is spent: end on the next point
             n = points[self._states_left] - start
-        return n
+            points = points[:self._states_left]
+        return n, points
 
-    def _chunk(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        points = () if drafts else self.kv.capture_points(request.kv, start, start + n, request.num_prompt_tokens)
+    def _chunk(self, request: Request, n: int, drafts: tuple[int, ...], points: tuple[int, ...]) -> ScheduledChunk:
         self._states_left -= len(points)
         return ScheduledChunk(request, n, drafts, points)
 
@@ -196,7 +196,7 @@ class Scheduler:
             plan = self.kv.plan_prefix(request.kv, request.num_tokens, request.token_slice, reuse)
             if reuse and self._start_disk_load(request):
                 continue
-            n = self._chunk_size(request, plan.resume_from, budget)
+            n, points = self._chunk_size(request, plan.resume_from, budget)
             if not self.kv.admit(request.kv, plan.resume_from + n):
                 break  # head of line waits for slots/blocks; arrival order is kept
             self.waiting.popleft()
@@ -215,7 +215,7 @@ class Scheduler:
                 self.stats.write_modes[self.kv.snapshot_mode(request.kv)] += 1
             self.stats.recomputed += plan.recompute_tokens
             self.running.append(request)
-            chunks.append(self._chunk(request, n))
+            chunks.append(self._chunk(request, n, (), points))
             budget -= n
 
     # ---- the SSD store ----------------------------------------------------------------------------
