@@ -318,6 +318,112 @@ async def run_hostile(url: str, clients: int, requests: int, idle: int = 200, sl
             "hostile_statuses": statuses}
 
 
+# ---- one costly request at a time, beside an innocent client and a /health poller ------------------------------
+def heavy_requests() -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, path, body): single requests of at most 4 MiB that cost the server the most to prepare
+    (#41's cases); each must leave /health under 0.5 s and an innocent greedy request within 2x its
+    quiet latency while it is processed."""
+    props = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(10_000)}
+    big = {"type": "object", "properties": props}
+    tool = {"type": "function", "function": {"name": "big", "parameters": big}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    mid = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2_000)}}
+    blocks = [{"type": "text", "text": "a"}]
+    return [
+        ("chat, a 10,000-property tool, tool_choice none", "/v1/chat/completions",
+         {**chat, "tools": [tool], "tool_choice": "none"}),
+        ("chat, a 10,000-property tool, a missing named tool", "/v1/chat/completions",
+         {**chat, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+        ("responses, a 10,000-property tool", "/v1/responses",
+         {"input": "hi", "max_output_tokens": 4, "tools": [{"type": "function", "name": "big", "parameters": big}]}),
+        ("chat, a 2,000-property response_format (grammar compile)", "/v1/chat/completions",
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": mid}}}),
+        ("chat render, 3.9 MB of text", "/v1/chat/completions/render",
+         {"messages": [{"role": "user", "content": "a" * 3_900_000}]}),
+        ("chat, 3.9 MB of JSON pasted as text", "/v1/chat/completions",
+         {**chat, "messages": [{"role": "user", "content": '{"a": [1, 2]}, ' * 200_000}]}),
+        ("count_tokens, 16,000 blocks", "/v1/messages/count_tokens",
+         {"model": "v4serve-tiny", "messages": [{"role": "user", "content": blocks * 16_000}]}),
+        ("count_tokens, 150,000 blocks", "/v1/messages/count_tokens",
+         {"model": "v4serve-tiny", "messages": [{"role": "user", "content": blocks * 150_000}]}),
+    ]
+
+
+async def health_poller(url: str, stop: asyncio.Event, seconds: list[float]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await client.get("/health")
+            seconds.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.02)
+
+
+async def innocent(url: str, stop: asyncio.Event, seconds: list[float]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            (await client.post("/v1/completions", json=GREEDY)).raise_for_status()
+            seconds.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+
+
+async def beside(url: str, work: Any) -> tuple[list[float], list[float], Any]:
+    """(innocent latencies, /health latencies, what `work()` returned) while `work` runs."""
+    stop = asyncio.Event()
+    greedy: list[float] = []
+    health: list[float] = []
+    side = [asyncio.ensure_future(innocent(url, stop, greedy)), asyncio.ensure_future(health_poller(url, stop, health))]
+    try:
+        result = await work()
+    finally:
+        stop.set()
+        await asyncio.gather(*side)
+    return greedy, health, result
+
+
+async def run_heavy(url: str, repeats: int = 3, quiet_seconds: float = 5.0) -> dict[str, Any]:
+    """Each costly request `repeats` times in a row, the innocent client and the poller beside it; a
+    quiet phase first for the innocent request's own latency."""
+
+    async def quiet() -> None:
+        await asyncio.sleep(quiet_seconds)
+
+    greedy, health, _ = await beside(url, quiet)
+    rows: dict[str, Any] = {"quiet": {"greedy_p50_s": statistics.median(greedy), "greedy_max_s": max(greedy),
+                                      "health_max_s": max(health), "statuses": {}}}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for name, path, body in heavy_requests():
+            body = {"model": "v4serve-tiny", **body}
+
+            async def send(path: str = path, body: dict[str, Any] = body) -> tuple[dict[int, int], float]:
+                statuses: dict[int, int] = {}
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    code = (await client.post(path, json=body)).status_code
+                    statuses[code] = statuses.get(code, 0) + 1
+                return statuses, (time.perf_counter() - t0) / repeats
+
+            greedy, health, (statuses, each) = await beside(url, send)
+            rows[name] = {"greedy_p50_s": statistics.median(greedy) if greedy else None,
+                          "greedy_max_s": max(greedy) if greedy else None, "health_max_s": max(health),
+                          "statuses": statuses, "request_s": each, "probes": len(greedy)}
+    return rows
+
+
+def report_heavy(rows: dict[str, Any]) -> Path:
+    quiet = rows["quiet"]["greedy_p50_s"]
+    table = []
+    for name, r in rows.items():
+        ratio = f"{r['greedy_max_s'] / quiet:.2f}" if r["greedy_max_s"] else "-"
+        p50 = f"{r['greedy_p50_s'] / quiet:.2f}" if r["greedy_p50_s"] else "-"
+        table.append([name, json.dumps(r["statuses"]), f"{r.get('request_s', 0):.2f}", p50, ratio,
+                      f"{r['health_max_s'] * 1000:.0f}"])
+    print_table("one costly request at a time: the innocent greedy request's latency (ratio to its quiet median) "
+                "and /health's worst, while it is processed (goals: /health < 500 ms, greedy max < 2x)",
+                ["request", "statuses", "s each", "greedy p50 ratio", "greedy max ratio", "/health max ms"], table)
+    return write_results("bench_load_heavy", rows)
+
+
 def report_hostile(figures: dict[str, Any]) -> Path:
     quiet = figures["phases"]["quiet"]["greedy_p50_s"]
     rows = [[name, f"{p['greedy_p50_s'] / quiet:.2f}", f"{p['greedy_max_s'] / quiet:.2f}",
@@ -337,10 +443,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--hostile", action="store_true",
                         help="also run the load with hostile clients beside it, probing a greedy request")
+    parser.add_argument("--heavy-only", action="store_true",
+                        help="only the costly single requests beside an innocent client (--hostile runs them too)")
     args = parser.parse_args()
     with daemon("--max-num-seqs", "16") as url:
-        result, _ = asyncio.run(run_load(url, args.clients, args.requests))
-        report(result)
+        if not args.heavy_only:
+            result, _ = asyncio.run(run_load(url, args.clients, args.requests))
+            report(result)
+        if args.hostile or args.heavy_only:
+            report_heavy(asyncio.run(run_heavy(url)))
         if args.hostile:
             report_hostile(asyncio.run(run_hostile(url, args.clients, args.requests)))
 

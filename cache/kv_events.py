@@ -14,6 +14,22 @@ them; `ZmqEventPublisher` sends them as vLLM does: a PUB socket, multipart `[top
 endian), msgpack(EventBatch)]`, and a ROUTER socket that replays the batches still buffered from a
 sequence number a subscriber asks for (`[identity, "", seq]` → `[identity, "", topic, seq, payload]`...,
 then the end marker `[identity, "", "", -1, ""]`).
+
+The replay socket is open to anyone who can reach it, and an answer can be the whole buffer (10,000
+batches by default, tens of milliseconds of this thread holding the GIL the engine step needs). So:
+- answers with batches in them are rate-limited, all clients together (a token bucket: `REPLAY_RATE` a
+  second, bursts of `REPLAY_BURST`); a request over the limit gets an empty replay, the end marker
+  alone. vLLM's protocol has no "refused" frame, and an empty replay is what an up-to-date subscriber
+  gets, so every client reads it and none waits on its own timeout (a dropped request would leave it
+  waiting); a subscriber that needed the batches sees the gap again at its next live batch and asks
+  again then. A request with nothing to send (a subscriber that is up to date) is never limited;
+- one answer sends at most `MAX_REPLAY_BATCHES` batches or `MAX_REPLAY_BYTES`, the oldest asked for
+  first (always one): still a contiguous replay from the asked sequence, which the subscriber resumes
+  from where it stopped;
+- requests queue at most `REPLAY_RCVHWM` deep per connection (then ZeroMQ stops reading it: the flooder
+  waits, not this thread), and the excess costs one message each. Without the limit, a flood sent in
+  a tenth of a second queued thousands of full answers that this thread went on serving for minutes
+  after the flood had stopped: the latency it caused outlived it.
 """
 
 from __future__ import annotations
@@ -24,8 +40,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from itertools import islice
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -34,6 +51,13 @@ DEVICE, DISK = "GPU", "DISK"  # tiers, as `medium` names them (vLLM's GPU; the s
 MAX_EVENTS_PER_BATCH = 1024  # routers refuse batches beyond a few thousand events
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 CLOSE_LINGER_MS = 500  # at exit, how long the last events may take to leave
+REPLAY_RATE = 2.0  # replay answers with batches in them, per second, all clients together
+REPLAY_BURST = 4  # such answers allowed at once after a quiet spell (a few routers starting together)
+MAX_REPLAY_BATCHES = 4096  # batches one answer sends at most (the default buffer holds 10,000)
+MAX_REPLAY_BYTES = 16 << 20  # payload bytes one answer sends at most (a full batch is a few hundred KB)
+REPLAY_RCVHWM = 64  # replay requests queued per connection before ZeroMQ stops reading it
+REPLAY_SNDHWM = 1000  # messages queued per replay client at least (ZeroMQ's default)
+REPLAY_LOG_SECONDS = 60.0  # at most one warning this often about limited replays (a flood must not flood the log)
 
 
 @dataclass(frozen=True)
@@ -160,13 +184,38 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up; the clock is injectable so that tests count
+    answers instead of timing them."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._tokens, self._at = float(burst), clock()
+
+    def take(self) -> bool:
+        """Spend one token if there is one."""
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + max(0.0, now - self._at) * self.rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
 class ZmqEventPublisher:
     """Sends what `log` collects, from a thread of its own (the engine step never waits on a socket)."""
 
-    def __init__(self, log_: KVEventLog, config: KVEventsConfig) -> None:
+    def __init__(self, log_: KVEventLog, config: KVEventsConfig, replay_limit: TokenBucket | None = None,
+                 max_replay_batches: int = MAX_REPLAY_BATCHES, max_replay_bytes: int = MAX_REPLAY_BYTES) -> None:
         import zmq
 
         self.log, self.config = log_, config
+        self.replay_limit = replay_limit or TokenBucket(REPLAY_RATE, REPLAY_BURST)
+        self.max_replay_batches, self.max_replay_bytes = max_replay_batches, max_replay_bytes
+        self.replays_answered = 0  # answers that sent batches
+        self.replays_limited = 0  # requests answered with an empty replay because of the rate limit
+        self._limited_logged_at: float | None = None
         self.topic = config.topic.encode()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -180,6 +229,10 @@ class ZmqEventPublisher:
                 endpoint = config.replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what passes a peer's send HWM without a word: one whole answer must fit,
+                # or a client reading it would miss batches from its middle.
+                self._replay.setsockopt(zmq.SNDHWM, max(REPLAY_SNDHWM, max_replay_batches + 1))
+                self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
                 self._replay.bind(endpoint)
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
@@ -241,11 +294,38 @@ class ZmqEventPublisher:
         if len(frames) != 3:
             return
         identity, _, start = frames
-        since = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= since:
-                self._replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        batches = self._replay_batches(int.from_bytes(start, "big"))
+        if batches and not self.replay_limit.take():
+            self._limited()
+            batches = []
+        elif batches:
+            self.replays_answered += 1
+        for seq, payload in batches:
+            self._replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))
+
+    def _replay_batches(self, since: int) -> list[tuple[int, bytes]]:
+        """The buffered batches from `since` on, oldest first, cut at the per-answer bounds (at least
+        one, so a subscriber always moves on). The buffer's sequences are contiguous: no scan to find
+        where `since` is."""
+        first = self.seq - len(self._buffer)
+        skip = min(max(0, since - first), len(self._buffer))  # any 8 bytes (or more) may come: islice takes ssize_t
+        picked: list[tuple[int, bytes]] = []
+        size = 0
+        for seq, payload in islice(self._buffer, skip, None):
+            size += len(payload)
+            if picked and (len(picked) == self.max_replay_batches or size > self.max_replay_bytes):
+                break
+            picked.append((seq, payload))
+        return picked
+
+    def _limited(self) -> None:
+        self.replays_limited += 1
+        now = time.monotonic()
+        if self._limited_logged_at is None or now - self._limited_logged_at >= REPLAY_LOG_SECONDS:
+            self._limited_logged_at = now
+            log.warning("KV events: replay requests over %.0f a second answered empty (%d so far)",
+                        self.replay_limit.rate, self.replays_limited)
 
     def close(self) -> None:
         """Send what is left, then close the sockets."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
 from v4serve.engine.mtp import MTPLayer, MTPRows, MTPSeed, mtp_drafts, mtp_ready
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
-from v4serve.engine.sampler import Sampler
+from v4serve.engine.sampler import NonFiniteLogits, Sampler, finite_top
 from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.speculative import SpecCounters, SpeculativeConfig, accepted_count, after_pass, ngram_drafts
 from v4serve.engine.stats import EngineStats
@@ -236,6 +237,10 @@ class LLMEngine:
         self.scheduler.add(request)
         self.requests[request.request_id] = request
 
+    def grammar_compiled(self, spec: GrammarSpec) -> bool:
+        """Whether a request with this grammar joins without compiling it (no grammars: nothing to compile)."""
+        return self.grammars is None or self.grammars.compiled(spec)
+
     def check_grammar(self, spec: GrammarSpec) -> None:
         """Raise RequestError (a 400) now if this grammar cannot be enforced; thread-safe."""
         self.grammar_matcher(spec, check_only=True)
@@ -285,13 +290,16 @@ class LLMEngine:
         self._step_capture = None
         if self.ranks is not None:  # the ranks may be mid-collective: the group cannot go on
             self.ranks.broken = True
-            cause = self.ranks.dead_rank() or repr(exc)
+            cause = self.ranks.dead_rank() or type(exc).__name__
             raise EngineUnhealthy(f"a parallel step failed ({cause}); the ranks cannot continue") from exc
         log.error("the forward pass failed (%d in a row); failing its %d requests", self._forward_failures,
                   len(chunks), exc_info=exc)
         if self._forward_failures >= MAX_FORWARD_FAILURES:
-            raise EngineUnhealthy(f"the forward pass failed {self._forward_failures} times in a row: {exc!r}") from exc
-        return [self.fail(c.request, f"the forward pass failed: {exc!r}") for c in chunks]
+            raise EngineUnhealthy(f"the forward pass failed {self._forward_failures} times in a row "
+                                  f"({type(exc).__name__}; the engine's log has the detail)") from exc
+        # The exception's text stays in the log: it can hold anything (paths, shapes, another request's data).
+        return [self.fail(c.request, f"the forward pass failed ({type(exc).__name__}; the engine's log has the detail)")
+                for c in chunks]
 
     @staticmethod
     def logit_rows(chunk: ScheduledChunk) -> range:
@@ -472,7 +480,7 @@ class LLMEngine:
             log.info("request %s ended: %s", request.request_id, exc)
             return self.fail(request, str(exc), param=exc.param or "request")
         log.error("request %s failed after the forward pass", request.request_id, exc_info=exc)
-        return self.fail(request, f"sampling failed: {exc!r}")
+        return self.fail(request, f"sampling failed ({type(exc).__name__}; the engine's log has the detail)")
 
     def _record_prompt_logprobs(self, request: Request, start: int, rows: torch.Tensor) -> None:
         """Row p predicts prompt token p+1; the first prompt token has no logprob."""
@@ -482,12 +490,14 @@ class LLMEngine:
             p = start + j
             if p + 1 >= len(prompt) or len(request.prompt_logprobs) != p + 1:
                 continue  # past the prompt, or already recorded before a preemption
-            tok = prompt[p + 1]
-            top = []
+            tok, top = prompt[p + 1], []
             if k:
                 vals, ids = logprobs[j].topk(k)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            request.prompt_logprobs.append(Sample(token=tok, logprob=float(logprobs[j, tok]), top=top))
+                top = finite_top(list(zip(ids.tolist(), vals.tolist(), strict=True)))
+            logprob = float(logprobs[j, tok])
+            if not math.isfinite(logprob):  # the reply could not carry it (JSON has no NaN or infinity)
+                raise NonFiniteLogits(f"the logits of prompt position {p} are not finite")
+            request.prompt_logprobs.append(Sample(token=tok, logprob=logprob, top=top))
 
     def _accept(self, request: Request, sample: Sample) -> RequestOutput:
         if request.grammar is not None:

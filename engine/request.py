@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -77,6 +78,17 @@ MAX_SEED = 2**63 - 1  # torch generators take seeds up to this
 # Any top_k past the vocabulary keeps every token; larger ones are clamped to this, which crosses
 # the engine-process boundary (64-bit integers) and means the same.
 MAX_TOP_K = 2**31 - 1
+MAX_CHOICE_INDEX = MAX_SEED  # hashed as 8 bytes beside the seed
+
+
+def choice_seed(seed: int, choice_index: int) -> int:
+    """The generator seed of choice `choice_index` of a request seeded `seed`. Choice 0 keeps the client's
+    seed, so n = 1 outputs are what they always were; the others hash (seed, index), so every choice has
+    a stream of its own: with seed + index, seeds s and s + 1 shared n − 1 choices."""
+    if choice_index == 0:
+        return seed
+    key = seed.to_bytes(8, "little") + choice_index.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"v4serve-choice").digest(), "little") & MAX_SEED
 
 
 @dataclass
@@ -88,6 +100,9 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    # Which of the request's n choices this is: with a seed, each choice draws from its own stream
+    # (`choice_seed`), so the front end sends every choice the client's seed unchanged.
+    choice_index: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -101,6 +116,11 @@ class SamplingParams:
     # the only one allowed (the thinking ends there; a grammar waiting for it starts).
     thinking_budget: int | None = None
     thinking_end_token: int | None = None
+
+    @property
+    def generator_seed(self) -> int | None:
+        """The seed of this choice's own generator (None: it draws from the engine's shared one)."""
+        return None if self.seed is None else choice_seed(self.seed, self.choice_index)
 
     @property
     def greedy(self) -> bool:
@@ -203,7 +223,9 @@ class RequestLimits:
         if not 0 <= params.min_tokens <= params.max_tokens:
             raise RequestError(f"min_tokens must be between 0 and max_tokens ({params.max_tokens})", param="min_tokens")
         if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
-            raise RequestError(f"seed must be between 0 and {MAX_SEED} (after adding the choice index)", param="seed")
+            raise RequestError(f"seed must be between 0 and {MAX_SEED}", param="seed")
+        if not 0 <= params.choice_index <= MAX_CHOICE_INDEX:
+            raise RequestError(f"the choice index must be between 0 and {MAX_CHOICE_INDEX}", param="n")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(

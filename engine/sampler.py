@@ -3,25 +3,28 @@ all rows at once on the logits' device.
 
 Order: logit_bias → grammar mask, or else min_tokens (no EOS or stop token yet) → penalties →
 (logprobs reported from here) → temperature → top-k → top-p → min-p → draw. A request with a `seed`
-draws from its own generator, so the same seed gives the same output whatever else shares the batch.
+draws from its own generator, so the same seed gives the same output whatever else shares the batch
+(each of n choices from a stream of its own: `SamplingParams.generator_seed`).
 
 What crosses between host and device per step: the parameters, bias/penalty indices and grammar
 bitmasks go up (non-blocking copies from pinned memory on a GPU; nothing when no row needs them),
-and one tensor comes back holding every row's token, its logprob, a non-finite flag and the
-requested top logprobs. The logits themselves never leave the device (0.5 MB a row at V4's
-vocabulary). The draw is an exponential race, argmax(p / E) with E ~ Exp(1) from the row's
-generator: a categorical draw from p that needs no host-side cumulative sum.
+and one tensor comes back holding every row's token, its logprob, a flag (non-finite logits, or every
+token barred) and the requested top logprobs; alternatives a mask barred (−inf) are dropped on the
+host, so no non-finite logprob leaves the engine. The logits themselves never leave the device
+(0.5 MB a row at V4's vocabulary). The draw is an exponential race, argmax(p / E) with E ~ Exp(1)
+from the row's generator: a categorical draw from p that needs no host-side cumulative sum.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from v4serve.engine.request import Request, Sample, SamplingParams
+from v4serve.engine.request import Request, RequestError, Sample, SamplingParams
 from v4serve.kernels.attention import upload
 
 NEG_INF = float("-inf")
@@ -29,6 +32,21 @@ NEG_INF = float("-inf")
 
 class NonFiniteLogits(ValueError):
     """A row of logits (after bias and penalties) holds NaN or +inf."""
+
+
+class AllTokensBarred(RequestError):
+    """Every token of a row is barred (grammar, logit_bias, min_tokens, a spent thinking budget): the
+    request's own masks leave nothing to draw, and no logprob of it would be finite."""
+
+
+# The flag column of `Sampler.on_device`: why a row cannot be sampled (0: it can).
+_FLAG_NON_FINITE, _FLAG_ALL_BARRED = 1.0, 2.0
+
+
+def finite_top(pairs: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Alternatives a mask gave probability zero (logprob −inf) are not alternatives: JSON cannot carry
+    them, and their ids are arbitrary among the tied −inf (so fewer than asked may be listed)."""
+    return [(t, v) for t, v in pairs if math.isfinite(v)]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
@@ -200,15 +218,16 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
 
-    def _generator(self, key: str | None, seed: int | None, device: torch.device) -> torch.Generator:
+    def _generator(self, key: str | None, params: SamplingParams | None, device: torch.device) -> torch.Generator:
         if key is None:
             gen = self._default.get(device)
             if gen is None:
                 gen = self._default[device] = torch.Generator(device).manual_seed(self._seed)
             return gen
         gen = self._per_request.get(key)
-        if gen is None:
-            gen = self._per_request[key] = torch.Generator(device).manual_seed(seed)
+        if gen is None:  # the seed is hashed once, when the request's generator is made, not every step
+            assert params is not None and params.generator_seed is not None
+            gen = self._per_request[key] = torch.Generator(device).manual_seed(params.generator_seed)
         return gen
 
     def sample(self, request: Request, logits: torch.Tensor) -> Sample:
@@ -253,7 +272,7 @@ class Sampler:
 
     def on_device(self, preps: list[_RowPrep], logits: torch.Tensor) -> torch.Tensor:
         """Every row's sampling, on the logits' device, without reading anything back → [R, 3 + 2w]
-        float64: token, non-finite flag, its logprob, then w top ids and w top logprobs (w: the most
+        float64: token, flag (`_flags`), its logprob, then w top ids and w top logprobs (w: the most
         any row asked for). Token ids are exact in float64 (< 2^53), fp32 values widen exactly."""
         device = logits.device
         rows = _Rows.build(preps, device)
@@ -266,11 +285,11 @@ class Sampler:
         if rows.ends is not None:
             logits[rows.ends] = NEG_INF
         _penalise(logits, rows)
-        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+        flag = _flags(logits)
         logprobs = logits.log_softmax(-1)
         tokens = self._draw(logits, preps, device)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        parts = [tokens.double()[:, None], bad.double()[:, None], chosen.double()[:, None]]
+        parts = [tokens.double()[:, None], flag[:, None], chosen.double()[:, None]]
         width = min(max((p.params.logprobs or 0) for p in preps), logprobs.shape[1])
         if width:
             vals, ids = logprobs.topk(width, -1)
@@ -292,7 +311,7 @@ class Sampler:
             noise[upload(unseeded, device)] = shared
         for j, i in enumerate(sampled):
             if preps[i].generator_key is not None:
-                gen = self._generator(preps[i].generator_key, preps[i].params.seed, device)
+                gen = self._generator(preps[i].generator_key, preps[i].params, device)
                 noise[j].exponential_(generator=gen)
         # clamp: an Exp(1) draw of exactly 0 would turn a barred token's 0 into 0/0
         picked = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
@@ -300,8 +319,19 @@ class Sampler:
 
     @staticmethod
     def _unpack(row: list[float], k: int, width: int) -> Sample | Exception:
-        if row[1]:
+        if row[1] == _FLAG_ALL_BARRED:
+            return AllTokensBarred("every token is barred (by the grammar, logit_bias, min_tokens or the thinking "
+                                   "budget together): nothing can be sampled")
+        if row[1] or not math.isfinite(row[2]):  # a drawn token always has a finite logprob unless the row is bad
             return NonFiniteLogits("the logits are not finite (NaN or +inf); nothing can be sampled from them")
         k = min(k, width)
-        top = [(int(t), v) for t, v in zip(row[3:3 + k], row[3 + width:3 + width + k], strict=True)]
+        top = finite_top([(int(t), v) for t, v in zip(row[3:3 + k], row[3 + width:3 + width + k], strict=True)])
         return Sample(token=int(row[0]), logprob=row[2], top=top)
+
+
+def _flags(logits: torch.Tensor) -> torch.Tensor:
+    """Per row [R] float64: `_FLAG_NON_FINITE` for NaN or +inf, `_FLAG_ALL_BARRED` when every token is
+    −inf (its log_softmax would be NaN throughout), else 0; on the device, no read back."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+    barred = torch.isneginf(logits).all(-1)
+    return torch.where(bad, _FLAG_NON_FINITE, barred.double() * _FLAG_ALL_BARRED)

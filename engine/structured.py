@@ -50,6 +50,11 @@ class Grammars:
         400 before any response byte is sent."""
         self.matcher(spec).allowed_bitmask()
 
+    def compiled(self, spec: GrammarSpec) -> bool:
+        """Whether this grammar is compiled already (so a matcher for it costs a copy)."""
+        with self._lock:
+            return (spec.kind, spec.text) in self._compiled
+
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:
         return RequestGrammar(self._template(spec).deep_copy(), spec.after_token, self.vocab_size, spec.param)
 

@@ -15,15 +15,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.process.client import EngineClient
-from v4serve.server import chat, completions, responses
+from v4serve.server import chat, completions, jobs, responses
 from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
-from v4serve.server.errors import ApiError, error_json, error_responses, install_error_handlers
+from v4serve.server.connections import RequestCap
+from v4serve.server.errors import ApiError, echo, error_json, error_responses, install_error_handlers
 from v4serve.server.generation import FrontEnd, ServerConfig
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
+from v4serve.server.preprocess import Preprocessor
 from v4serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from v4serve.server.responses import ResponsesRequest
-from v4serve.server.tenants import CURRENT_TENANT, ApiKeys
+from v4serve.server.tenants import CURRENT_CALLER, CURRENT_TENANT, ApiKeys, Caller, CredentialsError, caller
 from v4serve.server.text.tokenizer import Tokenizer
 
 try:
@@ -32,38 +34,39 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     VERSION = "0.0.0+unknown"
 
 
-class ApiKeyAuth:
+class Authenticate:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the
-    handlers): `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it) or Anthropic's
-    `x-api-key: KEY`, looked up by digest among `--api-key` and `--api-keys-file`'s keys, on every route
-    but the probes (`/health`, and `/metrics` unless it is protected too). The key's tenant is the
-    request's from then on (`CURRENT_TENANT`)."""
+    handlers): `tenants.caller` decides who the request is, once, and everything after takes its
+    answer (`CURRENT_CALLER`, `CURRENT_TENANT`). With keys (`--api-key`, `--api-keys-file`) every route
+    but the probes (`/health`, and `/metrics` unless it is protected too) needs one of them; with or
+    without keys, credentials that disagree are a 401."""
 
-    def __init__(self, app: Any, keys: ApiKeys, protect_metrics: bool = False) -> None:
+    def __init__(self, app: Any, keys: ApiKeys | None, protect_metrics: bool = False) -> None:
         self.app, self.keys = app, keys
-        self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
+        self.open_paths = {"/health"} if protect_metrics or keys is None else {"/health", "/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or path in self.open_paths:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-        tenant = self.keys.tenant_of(given.strip(b" ")) if scheme.lower() == b"bearer" else None
-        if tenant is None and b"x-api-key" in headers:
-            tenant = self.keys.tenant_of(headers[b"x-api-key"].strip(b" "))
-        if tenant is None:
+        try:
+            who: Caller | None = caller(scope["headers"], self.keys)
+        except CredentialsError as exc:
+            who, message = None, f"{exc}."
+        else:
             message = "Incorrect API key provided."
+        if who is None or (self.keys is not None and who.tenant is None):
             body = anthropic_error(401, message) if "/messages" in path else \
                 error_json(message, "invalid_request_error", code="invalid_api_key")
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return
-        token = CURRENT_TENANT.set(tenant)
+        caller_token, tenant_token = CURRENT_CALLER.set(who), CURRENT_TENANT.set(who.tenant)
         try:
             await self.app(scope, receive, send)
         finally:
-            CURRENT_TENANT.reset(token)
+            CURRENT_TENANT.reset(tenant_token)
+            CURRENT_CALLER.reset(caller_token)
 
 
 class BrowserGuard:
@@ -93,27 +96,34 @@ class BrowserGuard:
         return "*" in self.allowed or origin in self.allowed or (bool(host) and urlsplit(origin).netloc == host)
 
 
-def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> FastAPI:
+def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics,
+              prep: Preprocessor | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if config.keys is not None:
+            config.keys.watch()
         try:
             yield
         finally:
+            if config.keys is not None:
+                config.keys.close()
+            front.prep.close()
             engine.shutdown()
 
     app = FastAPI(title="v4serve", version=VERSION, lifespan=lifespan)
-    front = FrontEnd(engine, tokenizer, config, metrics)
-    stored = responses.StoredResponses()
+    front = FrontEnd(engine, tokenizer, config, metrics, prep)
+    stored = responses.StoredResponses(max_bytes=config.responses_store_bytes)
     app.state.front = front
     install_error_handlers(app)
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
                           MessagesRequest, CountTokensRequest, ResponsesRequest])
     # Added last, so it runs first: a refused key costs nothing, an oversized body is never read.
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
-    if config.keys is not None:
-        app.add_middleware(ApiKeyAuth, keys=config.keys, protect_metrics=config.protect_metrics)
+    app.add_middleware(Authenticate, keys=config.keys, protect_metrics=config.protect_metrics)
     app.add_middleware(BrowserGuard, allowed_origins=config.allowed_origins, metrics=metrics)
+    app.add_middleware(RequestCap, limit=config.max_requests,
+                       on_refused=lambda: metrics.count_limited("requests_at_once"))
     if config.allowed_origins:  # outermost: a preflight carries no key and must be answered first
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -216,15 +226,16 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         if body.messages is not None:
             tokens = await front.encode_chat([m.model_dump(exclude_none=True) for m in body.messages])
         else:
-            tokens = await front.encode_text(body.prompt or "", add_bos=body.add_special_tokens)
+            (tokens,) = await front.encode_texts([body.prompt or ""], add_bos=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.max_model_len}
 
     @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest), responses=text_routes)
     async def detokenize(raw: Request) -> dict[str, Any]:
         body = await parse_body(raw, DetokenizeRequest)
         front.check_model(body.model)
+        jobs.check_length(body.tokens, config.max_model_len + 1, "tokens")
         engine.limits.check_token_ids(body.tokens, "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await front.prep.run(jobs.decode, body.tokens)}
 
     store_param = {"parameters": [{"name": "store", "in": "query", "required": False, "schema": {"type": "boolean"},
                                    "description": "also empty the SSD store"}]}
@@ -255,5 +266,5 @@ def api_route(app: FastAPI, method: str, path: str, **options: Any) -> Callable[
 def query_flag(raw: Request, name: str) -> bool:
     value = raw.query_params.get(name, "false").strip().lower()
     if value not in ("true", "1", "yes", "false", "0", "no", ""):
-        raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name)
+        raise ApiError(400, f"{name} must be true or false, got {echo(value)}", param=name)
     return value in ("true", "1", "yes")

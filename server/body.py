@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from v4serve.server import jobs
 from v4serve.server.errors import ApiError, BodyTooLarge, ClientGone, validation_message
 
 M = TypeVar("M", bound=BaseModel)
@@ -101,6 +102,33 @@ class BodyLimit:
             await asyncio.wait_for(drop(), self.drain_seconds)
 
 
+# JSON objects and arrays one body may hold. Validating a body is one call into pydantic that holds the
+# GIL throughout, about 3 µs per object (a 4 MiB body of 150,000 one-letter content blocks held the
+# event loop 0.4-0.6 s); at this bound it holds it ~50 ms. A long agent session with its tools holds a
+# few thousand.
+MAX_JSON_CONTAINERS = 16384
+# A body this small cannot hold enough containers to matter (each takes at least two bytes).
+_SCAN_FROM_BYTES = MAX_JSON_CONTAINERS * 2
+
+
+def _validate(model: type[M], data: bytes) -> M:
+    # Strict, as OpenAI's API: `"max_tokens": true` or `"n": "2"` is a 400, not 1 and 2.
+    return model.model_validate_json(data, strict=True)
+
+
+async def _check_containers(raw: Request, data: bytes) -> None:
+    """Refuse a body of more JSON containers than MAX_JSON_CONTAINERS before pydantic sees it. Its
+    `{` and `[` bytes bound them from above (one fast pass); only when that bound is passed (braces in
+    strings: code, JSON pasted as text) does a preprocessing worker count them exactly, off this process."""
+    if len(data) < _SCAN_FROM_BYTES or data.count(b"{") + data.count(b"[") <= MAX_JSON_CONTAINERS:
+        return
+    count = await raw.app.state.front.prep.run(jobs.json_containers, data)
+    if count > MAX_JSON_CONTAINERS:
+        raw.app.state.front.metrics.count_limited("body_containers")
+        raise ApiError(400, f"the request body holds {count} JSON objects and arrays; at most {MAX_JSON_CONTAINERS} "
+                            "(send fewer, larger content blocks)", code="request_too_complex")
+
+
 async def parse_body(raw: Request, model: type[M]) -> M:
     """The body as `model`, parsed and validated on a worker thread; a bad body is a 400, one that is
     not declared JSON a 415 (what a web page can send another site without asking first is a form or
@@ -114,8 +142,9 @@ async def parse_body(raw: Request, model: type[M]) -> M:
         raw.app.state.front.metrics.count_limited("media_type")
         raise ApiError(415, f"request bodies must be sent as Content-Type: application/json, got "
                             f"{media_type or 'no content type'}", code="unsupported_media_type")
+    await _check_containers(raw, data)
     try:
-        return await asyncio.to_thread(model.model_validate_json, data)
+        return await asyncio.to_thread(_validate, model, data)
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ApiError(400, message, param=param) from None

@@ -17,27 +17,28 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from v4serve.server import jobs
 from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
 from v4serve.server.text.tool_calls import ToolCallDelta
-from v4serve.server.tools import ToolPlan, answer_grammar, plan_tools
 
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
     model = front.check_model(body.model)
     thinking = body.thinking_mode()
     think_end = front.think_end_id if thinking else None
-    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    grammar = answer_grammar(tools, body.response_format, think_end)
-    prompt = await _prompt(front, body, tools)
+    prepared = await front.prep.run(jobs.chat, _messages(body), body.tools, body.tool_choice, body.parallel_tool_calls,
+                                    body.response_format, think_end, front.config.max_model_len,
+                                    thinking=thinking, reasoning_effort=body.v4_effort())
+    prompt = prepared.prompt.tolist()
     max_tokens = front.default_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    options = front.output_options(body, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
-                                   parallel_tool_calls=tools.parallel)
-    generation = front.generation(rid, prompt, body, max_tokens, logprobs, options, grammar=grammar)
+    options = front.output_options(body, reasoning_end_token=think_end, tool_calls=prepared.parse_calls,
+                                   parallel_tool_calls=prepared.parallel)
+    generation = front.generation(rid, prompt, body, max_tokens, logprobs, options, grammar=prepared.grammar)
     await front.check([generation], raw)
     created = int(time.time())
     if body.stream:
@@ -51,10 +52,8 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
                              "model": model, "choices": choices, "usage": usage([generation.usage()])})
 
 
-async def _prompt(front: FrontEnd, body: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    return await front.encode_chat(messages, thinking=body.thinking_mode(), tools=tools.offered,
-                                   reasoning_effort=body.v4_effort())
+def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_none=True) for m in body.messages]
 
 
 async def render(front: FrontEnd, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -62,8 +61,10 @@ async def render(front: FrontEnd, body: ChatCompletionRequest) -> dict[str, Any]
     `token_ids`): the conversation's prompt as the engine would get it, tools and thinking mode
     applied; nothing is generated."""
     model = front.check_model(body.model)
-    prompt = await _prompt(front, body, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls))
-    return front.rendered(prompt, model)
+    prompt, text = await front.prep.run(jobs.rendered_chat, _messages(body), body.tools, body.tool_choice,
+                                        body.parallel_tool_calls, front.config.max_model_len,
+                                        thinking=body.thinking_mode(), reasoning_effort=body.v4_effort())
+    return front.rendered(prompt.tolist(), text, model)
 
 
 def _choice(front: FrontEnd, i: int, deltas: list[Delta], reasoning: bool, logprobs: bool) -> dict[str, Any]:

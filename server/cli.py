@@ -108,12 +108,20 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--grammar-cache-bytes", int, "compiled grammars (structured outputs, forced tool calls) kept per process, "
                                    "least recently used dropped first, weighed by their text (default 8 MiB; "
                                    "~30x that in memory)"),
+    ("--responses-store-bytes", int, "Responses API responses kept for previous_response_id, counted with their "
+                                     "input, output, tools and metadata; least recently used dropped first "
+                                     "(default 256 MiB)"),
+    ("--preprocess-workers", int, "processes that render conversations, tokenize and check tools and schemas, so "
+                                  "a costly request cannot stall the front end (default 2; 0: a thread of it)"),
+    ("--max-preprocess-seconds", float, "CPU seconds one request's preprocessing may take in a worker before it "
+                                        "is refused with a 400 (default 10)"),
     ("--allowed-origins", str, "comma-separated web origins (https://app.example.com) whose pages may call the "
                                "API, or '*' (CORS); other pages' POSTs get 403"),
     ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),
     ("--header-timeout", float, "seconds a connection has to send a request's headers, from when it opens or "
                                 "its last response ends (default 10)"),
-    ("--max-connections", int, "open connections plus running requests before new requests get 503 "
+    ("--max-connections", int, "open connections (past it the one idle longest is closed) and requests running "
+                               "at once (past it new ones get 503; /health and /metrics are always answered) "
                                "(default 2048)"),
     ("--stall-timeout", float, "seconds the engine may go without finishing a step before /health answers 503 "
                                "(default 60)"),

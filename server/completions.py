@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from v4serve.server.errors import ApiError
+from v4serve.server import jobs
+from v4serve.server.errors import ApiError, failure_message
 from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import CompletionRequest
@@ -60,16 +61,25 @@ async def render(front: FrontEnd, body: CompletionRequest) -> list[dict[str, Any
     each prompt as the engine would get it, as vLLM's `GenerateRequest` (its token ids, the model) plus
     its text; nothing is generated."""
     model = front.check_model(body.model)
-    return [front.rendered(p, model) for p in await _prompts(front, body.prompt)]
+    prompt = body.prompt
+    if isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        pairs = await front.prep.run(jobs.rendered_texts, texts, front.config.max_model_len)
+        return [front.rendered(ids.tolist(), text, model) for ids, text in pairs]
+    prompts = await _prompts(front, prompt)
+    for p in prompts:
+        jobs.check_length(p, front.config.max_model_len, "prompt")
+    texts = await front.prep.run(jobs.decode_all, prompts)
+    return [front.rendered(p, text, model) for p, text in zip(prompts, texts, strict=True)]
 
 
 async def _prompts(front: FrontEnd, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [await front.encode_text(prompt)]
+        return await front.encode_texts([prompt])
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [await front.encode_text(p) for p in prompt]
+        return await front.encode_texts(list(prompt))
     if all(isinstance(p, list) for p in prompt):
         if any(not p for p in prompt):
             raise ApiError(400, "token-id prompts must not be empty", param="prompt")
@@ -132,7 +142,8 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
                 async for delta in deltas:
                     await merged.put((p, delta))
         except Exception as exc:  # e.g. the engine stopped between the check and the submission
-            await merged.put((p, Delta(index=0, finished=True, finish_reason="error", error=str(exc))))
+            message = failure_message(exc, "a prompt's stream failed")
+            await merged.put((p, Delta(index=0, finished=True, finish_reason="error", error=message)))
         finally:
             await merged.put((p, None))
 

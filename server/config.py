@@ -90,6 +90,9 @@ class ServeConfig:
     speculative_config: str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, ...}
     kv_events_config: str | None = None  # vLLM's JSON: {"publisher": "zmq", "endpoint": "tcp://*:5557", ...}
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
+    responses_store_bytes: int = 256 << 20  # stored Responses API responses, all counted (metadata, tools, ...)
+    preprocess_workers: int = 2  # processes that render, tokenize and check tools (0: a thread of the front end)
+    max_preprocess_seconds: float = 10.0  # CPU seconds one request's preprocessing may take, in a worker
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
     max_connections: int = 2048
@@ -164,9 +167,12 @@ class ServeConfig:
         self.speculative  # noqa: B018 - so is parsing this
         self.kv_events  # noqa: B018 - and this
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
-                     "max_logprob_entries", "unread_timeout", "grammar_cache_bytes"):
+                     "max_logprob_entries", "unread_timeout", "grammar_cache_bytes", "responses_store_bytes",
+                     "max_preprocess_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.preprocess_workers < 0:
+            raise ValueError(f"--preprocess-workers must be 0 or more, got {self.preprocess_workers}")
         if self.max_request_tokens is not None and self.max_request_tokens <= 0:
             raise ValueError(f"--max-request-tokens must be positive, got {self.max_request_tokens}")
         if self.watchdog_timeout < 0:

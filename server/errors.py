@@ -5,6 +5,7 @@ turn every failure into it: 400 for bad requests (never 422 or 500), 404 for an 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,9 +55,26 @@ def error_json(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": ErrorBody(message=message, type=type_, param=param, code=code).model_dump()}
 
 
+# An error message is at most this long: a value it quotes from the request is cut to ECHO_CHARS
+# (`echo`), and a message that still grows past this (a schema library quoting a whole schema) is cut
+# here. An error must not hand back a multi-megabyte field, or amplify one.
+MAX_MESSAGE_CHARS = 1000
+ECHO_CHARS = 64
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """A value from the request as an error message quotes it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}… (message cut at {MAX_MESSAGE_CHARS} characters)"
+        if param is not None and len(param) > 2 * ECHO_CHARS:  # it can hold a property's name
+            param = f"{param[:2 * ECHO_CHARS]}…"
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -108,6 +126,25 @@ def as_api_error(exc: Exception) -> ApiError:
     raise TypeError(f"no OpenAI error for {type(exc).__name__}")
 
 
+def internal_error(exc: BaseException, what: str = "the request failed") -> ApiError:
+    """The 500 for a failure no client caused: "internal error" and an id to find it by in the log,
+    where the detail goes. An exception's text never reaches a client: it can hold anything (a
+    file's bytes, a path, another request's data)."""
+    error_id = f"err_{uuid.uuid4().hex[:16]}"
+    log.error("%s (%s)", what, error_id, exc_info=exc)
+    return ApiError(500, f"internal error ({error_id}; the server's log has the detail)", "server_error",
+                    code="internal_error")
+
+
+def failure_message(exc: BaseException, what: str) -> str:
+    """What a client may read of a failure once its stream has begun: the error's own message when it
+    is one of ours (built from the request or the engine's state), else an internal error's."""
+    try:
+        return as_api_error(exc).message  # type: ignore[arg-type]
+    except TypeError:
+        return internal_error(exc, what).message
+
+
 class ClientGone(Exception):
     """The client closed its connection before its request body ended."""
 
@@ -121,9 +158,8 @@ def install_error_handlers(app: FastAPI) -> None:
         log.debug("a client closed its connection mid-body")
         return ApiError(400, "the connection closed before the request body ended").response()
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error", exc_info=exc)
-        return ApiError(500, f"internal error: {exc!r}", "server_error", code="internal_error").response()
+    async def unexpected(raw: Request, exc: Exception) -> JSONResponse:
+        return internal_error(exc, f"{raw.method} {raw.url.path} failed").response()
 
     for kind in (ApiError, RequestValidationError, RequestError, EngineOverloaded, EngineDead,
                  StarletteHTTPException):

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from v4serve.server.errors import error_json
+from v4serve.server.errors import error_json, failure_message
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
             async for item in stream:
                 yield item
     except Exception as exc:
-        log.exception("a stream failed")
-        yield error_event(f"the stream failed: {exc!r}")
+        yield error_event(f"the stream failed: {failure_message(exc, 'a stream failed')}")
         yield DONE
 
 

@@ -22,18 +22,19 @@ from fastapi import Request
 from v4serve.engine.process.client import EngineClient, TokenOutput
 from v4serve.engine.request import MAX_TOP_K, GrammarSpec, SamplingParams
 from v4serve.engine.request import Request as EngineRequest
+from v4serve.server import jobs
 from v4serve.server.config import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_UNREAD_TOKENS,
     DEFAULT_UNREAD_TIMEOUT,
 )
-from v4serve.server.errors import ApiError
+from v4serve.server.errors import ApiError, echo, internal_error
 from v4serve.server.framing import PromptUsage
 from v4serve.server.metrics import Metrics
+from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.protocol import SamplingFields
 from v4serve.server.tenants import CURRENT_TENANT, DEFAULT_TENANT, ApiKeys, scoped_salt
-from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.output import ChoiceText, Delta, OutputOptions
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
 
@@ -59,6 +60,8 @@ class ServerConfig:
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     max_request_tokens: int | None = None  # prompts + n × max_tokens of one request (None: no ceiling)
+    responses_store_bytes: int = 256 << 20  # stored Responses API responses, all counted
+    max_requests: int = 2048  # requests running at once (--max-connections); the probes are always answered
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
@@ -134,8 +137,9 @@ class Generation:
         try:
             delta = self.texts[out.index].push(out)
         except Exception as exc:  # this choice's text failed: it alone ends
-            log.exception("turning %s's tokens into text failed", self.requests[out.index].request_id)
-            delta = Delta(index=out.index, finished=True, finish_reason="error", error=f"detokenizing failed: {exc!r}")
+            failed = internal_error(exc, f"turning {self.requests[out.index].request_id}'s tokens into text failed")
+            delta = Delta(index=out.index, finished=True, finish_reason="error",
+                          error=f"detokenizing failed: {failed.message}")
         self._tracker.tokens(out.index, len(delta.token_ids))
         if delta.finished:
             self._open.discard(out.index)
@@ -199,8 +203,11 @@ class Generation:
 class FrontEnd:
     """Request handling shared by the endpoints, kept apart from routing."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics,
+                 prep: Preprocessor | None = None) -> None:
         self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
+        self.prep = prep or Preprocessor(tokenizer, PreprocessConfig(workers=0))
+        self.prep.on_cpu_limit = lambda: metrics.count_limited("preprocess_cpu")
         self._compilers = ThreadPoolExecutor(GRAMMAR_COMPILERS, thread_name_prefix="v4serve-grammar")
         think_end = tokenizer.encode(THINK_END)
         self.think_end_id = think_end[0] if len(think_end) == 1 else None
@@ -210,15 +217,16 @@ class FrontEnd:
         if name is None:
             return self.config.served_model_name
         if name not in self.config.model_names:
-            raise ApiError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
+            raise ApiError(404, f"The model {echo(name)} does not exist.", "NotFoundError", "model", "model_not_found")
         return name
 
-    def rendered(self, prompt: list[int], model: str) -> dict[str, Any]:
+    @staticmethod
+    def rendered(prompt: list[int], text: str, model: str) -> dict[str, Any]:
         """A prompt as the render endpoints give it: vLLM's `GenerateRequest` fields that describe it
         (`token_ids`, what routers route on; `model`), and, as vLLM's earlier render did, its text and
         `prompt_token_ids`."""
         return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": prompt, "model": model,
-                "prompt": self.tokenizer.decode(prompt), "prompt_token_ids": prompt}
+                "prompt": text, "prompt_token_ids": prompt}
 
     def default_max_tokens(self, requested: int | None, prompt_len: int) -> int:
         if requested is not None:
@@ -227,15 +235,16 @@ class FrontEnd:
 
     @staticmethod
     def sampling(body: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                 seed_offset: int = 0, grammar: GrammarSpec | None = None,
+                 choice_index: int = 0, grammar: GrammarSpec | None = None,
                  thinking: tuple[int, int] | None = None) -> SamplingParams:
-        """`thinking`: (budget, end token) when the thinking has a token budget."""
+        """`choice_index`: which of the request's n choices (with a seed, each draws from its own stream,
+        derived by the engine). `thinking`: (budget, end token) when the thinking has a token budget."""
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k in (None, 0) else min(body.top_k, MAX_TOP_K),
-            min_p=body.min_p or 0.0, seed=None if body.seed is None else body.seed + seed_offset,
+            min_p=body.min_p or 0.0, seed=body.seed, choice_index=choice_index,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
@@ -259,8 +268,9 @@ class FrontEnd:
         tenant = CURRENT_TENANT.get()
         salt = scoped_salt(tenant if self.config.isolate_tenants else None, body.cache_salt)
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
-                                  self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None, i,
-                                                grammar, self._thinking(thinking_budget)),
+                                  self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None,
+                                                choice_index=i, grammar=grammar,
+                                                thinking=self._thinking(thinking_budget)),
                                   cache_salt=salt, swa_cache_mode=body.swa_cache_mode) for i in range(body.n)]
         return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
                           self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout,
@@ -274,22 +284,13 @@ class FrontEnd:
                                 "be enforced", param="thinking.budget_tokens")
         return budget, self.think_end_id
 
-    async def encode_text(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of a text prompt (BOS first unless asked not to), off the event loop."""
-        ids = await asyncio.to_thread(self.tokenizer.encode, text)
-        bos = self.tokenizer.bos_token_id
-        return [bos] + ids if add_bos and ids[:1] != [bos] else ids
+    async def encode_texts(self, texts: list[str], add_bos: bool = True) -> list[list[int]]:
+        """Token ids of text prompts (BOS first unless asked not to), in a preprocessing worker."""
+        return [p.tolist() for p in await self.prep.run(jobs.encode_texts, texts, add_bos, self.config.max_model_len)]
 
     async def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-        """Token ids of a conversation in DeepSeek-V4's prompt format, off the event loop."""
-
-        def encode() -> list[int]:
-            try:
-                return self.tokenizer.encode(encode_messages(messages, **options))
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages") from exc
-
-        return await asyncio.to_thread(encode)
+        """Token ids of a conversation in DeepSeek-V4's prompt format, in a preprocessing worker."""
+        return (await self.prep.run(jobs.encode_chat, messages, self.config.max_model_len, **options)).tolist()
 
     def token_text(self, token: int) -> tuple[str, list[int]]:
         raw = self.tokenizer.token_bytes(token)

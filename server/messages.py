@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,8 +22,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from v4serve.server import jobs
 from v4serve.server.body import parse_body
-from v4serve.server.errors import ApiError, as_api_error, validation_message
+from v4serve.server.errors import ApiError, as_api_error, failure_message, validation_message
 from v4serve.server.framing import PromptUsage, typed_event
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS, SamplingFields, ignored
@@ -245,25 +247,67 @@ def thinking_mode(config: ThinkingConfig | None, max_tokens: int | None) -> tupl
     return True, budget
 
 
+# ---- preprocessing (jobs for `preprocess.Preprocessor`: the body's bytes in, parsed again there) ---------------
+class CountTokensHead(BaseModel):
+    """What the front end reads of a count_tokens body itself (the model); the rest is validated where it
+    is counted, in a preprocessing worker: validating a body of thousands of blocks holds the GIL."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+
+
+def counted(tokenizer: Any, data: bytes) -> int:
+    """count_tokens: the tokens of the conversation's prompt."""
+    try:
+        body = CountTokensRequest.model_validate_json(data, strict=True)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise ApiError(400, message, param=param) from None
+    tools = tool_plan(body.tools, body.tool_choice)
+    thinking, _ = thinking_mode(body.thinking, None)
+    return len(jobs.encode_chat(tokenizer, conversation(body.system, body.messages), sys.maxsize, thinking=thinking,
+                                tools=tools.offered))
+
+
+def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int) -> tuple[jobs.Prepared, bool]:
+    """(the prompt, its tools and output grammar; whether a block carries a `cache_control` mark)."""
+    body = MessagesRequest.model_validate_json(data, strict=True)
+    thinking, _ = thinking_mode(body.thinking, body.max_tokens)
+    think_end = think_end_id if thinking else None
+    tools = tool_plan(body.tools, body.tool_choice)
+    output = body.output_config or OutputConfig()
+    response_format = output.format and {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": output.format.schema_}}
+    grammar = answer_grammar(tools, response_format, think_end)
+    effort = "max" if output.effort in ("xhigh", "max") else None
+    prompt = jobs.encode_chat(tokenizer, conversation(body.system, body.messages), max_len, thinking=thinking,
+                              tools=tools.offered, reasoning_effort=effort)
+    return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar), _marked(body)
+
+
+def _marked(body: MessagesRequest) -> bool:
+    blocks = [*(body.system if isinstance(body.system, list) else []), *(body.tools or []),
+              *(b for m in body.messages if isinstance(m.content, list) for b in m.content)]
+    return body.cache_control is not None or any(getattr(b, "cache_control", None) is not None for b in blocks)
+
+
 # ---- the endpoints -------------------------------------------------------------------------------------------
 async def count_tokens(front: FrontEnd, raw: Request) -> Response:
     try:
-        body: CountTokensRequest = await parse_body(raw, CountTokensRequest)
-        front.check_model(body.model)
-        tools = tool_plan(body.tools, body.tool_choice)
-        thinking, _ = thinking_mode(body.thinking, None)
-        prompt = await front.encode_chat(conversation(body.system, body.messages), thinking=thinking,
-                                         tools=tools.offered)
+        head = await parse_body(raw, CountTokensHead)
+        front.check_model(head.model)
+        count = await front.prep.run(counted, await raw.body())
     except Exception as exc:
         return error_response(exc)
-    return JSONResponse({"input_tokens": len(prompt)})
+    return JSONResponse({"input_tokens": count})
 
 
 async def messages(front: FrontEnd, raw: Request) -> Response:
     try:
         body: MessagesRequest = await parse_body(raw, MessagesRequest)
         model = front.check_model(body.model)
-        generation = await _generation(front, body, raw)
+        generation = await _generation(front, body, raw, await raw.body())
     except Exception as exc:
         return error_response(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -279,41 +323,26 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
                          "usage": _usage(generation.usage())})
 
 
-def _marked_mode(front: FrontEnd, body: MessagesRequest) -> str | None:
-    """A `cache_control` mark says the client will send this prefix again: under `auto` the request then
-    snapshots as `periodic` from its first time, instead of waiting for a hit to make its prefix hot."""
-    if front.config.swa_cache_mode != "auto":
-        return None
-    blocks = [*(body.system if isinstance(body.system, list) else []), *(body.tools or []),
-              *(b for m in body.messages if isinstance(m.content, list) for b in m.content)]
-    marked = body.cache_control is not None or any(getattr(b, "cache_control", None) is not None for b in blocks)
-    return "periodic" if marked else None
-
-
-async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request) -> Generation:
+async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request, data: bytes) -> Generation:
     thinking, budget = thinking_mode(body.thinking, body.max_tokens)
     think_end = front.think_end_id if thinking else None
-    tools = tool_plan(body.tools, body.tool_choice)
-    output = body.output_config or OutputConfig()
-    response_format = output.format and {"type": "json_schema",
-                                         "json_schema": {"name": "output", "schema": output.format.schema_}}
-    grammar = answer_grammar(tools, response_format, think_end)
-    prompt = await front.encode_chat(conversation(body.system, body.messages), thinking=thinking,
-                                     tools=tools.offered, reasoning_effort="max" if output.effort in ("xhigh", "max")
-                                     else None)
+    ready, marked = await front.prep.run(prepared, data, front.think_end_id, front.config.max_model_len)
+    # A `cache_control` mark says the client will send this prefix again: under `auto` the request then
+    # snapshots as `periodic` from its first time, instead of waiting for a hit to make its prefix hot.
+    mode = body.swa_cache_mode or ("periodic" if marked and front.config.swa_cache_mode == "auto" else None)
     try:
         fields = SamplingFields.model_validate({"temperature": body.temperature, "top_p": body.top_p,
                                                "top_k": body.top_k, "stop": body.stop_sequences,
-                                               "swa_cache_mode": body.swa_cache_mode or _marked_mode(front, body)})
+                                               "swa_cache_mode": mode})
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ApiError(400, message.replace("stop", "stop_sequences", 1),
                        param=param and param.replace("stop", "stop_sequences", 1)) from None
-    options = front.output_options(fields, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
-                                   parallel_tool_calls=tools.parallel)
+    options = front.output_options(fields, reasoning_end_token=think_end, tool_calls=ready.parse_calls,
+                                   parallel_tool_calls=ready.parallel)
     rid = f"msg-{uuid.uuid4().hex}"
-    generation = front.generation(rid, prompt, fields, body.max_tokens, None, options, grammar=grammar,
-                                  thinking_budget=budget)
+    generation = front.generation(rid, ready.prompt.tolist(), fields, body.max_tokens, None, options,
+                                  grammar=ready.grammar, thinking_budget=budget)
     await front.check([generation], raw)
     return generation
 
@@ -446,7 +475,8 @@ async def _stream(generation: Generation, message_id: str, model: str, show_thin
                                                   "usage": {"output_tokens": generation.usage().completion_tokens}})
                     yield typed_event("message_stop", {})
     except Exception as exc:  # after the first byte an error can only be an event
-        failed = f"the stream failed after {time.monotonic() - started:.1f} s: {exc!r}"
+        why = failure_message(exc, "a stream failed")
+        failed = f"the stream failed after {time.monotonic() - started:.1f} s: {why}"
         yield typed_event("error", {"error": anthropic_error(500, failed)["error"]})
 
 

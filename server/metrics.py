@@ -187,7 +187,10 @@ LIMITS = ("unread_held",  # half of --max-unread-tokens unread: the engine holds
           "logprob_entries",  # --max-logprob-entries: refused up front or ended
           "request_tokens",  # --max-request-tokens: prompts + n × max_tokens over the ceiling (400)
           "media_type",  # a body not sent as application/json (415)
-          "origin")  # a POST from another site's page (403)
+          "origin",  # a POST from another site's page (403)
+          "requests_at_once",  # --max-connections requests already running (503)
+          "preprocess_cpu",  # --max-preprocess-seconds of CPU time to prepare (400)
+          "body_containers")  # more JSON objects and arrays than a body may hold (400)
 
 
 class Metrics:
@@ -226,8 +229,10 @@ class Metrics:
         for limit in LIMITS:
             self.limited.labels(**self.label, limit=limit)
         self.closed = Counter("v4serve_connections_closed", "Connections the daemon closed before a request came "
-                              "(header_timeout: idle, or headers too slow)", [*label, "reason"], registry=r)
-        self.closed.labels(**self.label, reason="header_timeout")
+                              "(header_timeout: idle, or headers too slow; idle_evicted: the longest idle, to make "
+                              "room past --max-connections)", [*label, "reason"], registry=r)
+        for reason in ("header_timeout", "idle_evicted"):
+            self.closed.labels(**self.label, reason=reason)
 
     def add_tenant(self, tenant: str) -> None:
         for metric in (self.prompt_tokens, self.generation_tokens):

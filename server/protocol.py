@@ -117,7 +117,7 @@ class SamplingFields(BaseModel):
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
             if not _TOKEN_ID.fullmatch(key):  # ASCII digits: str.isdigit() also takes "²", which int() refuses
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids, got {repr(key)[:64]}")
             if not -100 <= value <= 100:
                 raise ValueError("logit_bias values must be between -100 and 100")
         return v

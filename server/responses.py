@@ -14,8 +14,8 @@ first) and kept per API key: a response is found only with the key that made it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
+import logging
 import time
 import uuid
 from array import array
@@ -28,17 +28,24 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from v4serve.server.errors import ApiError
+from v4serve.server import jobs
+from v4serve.server.errors import ApiError, echo, failure_message
 from v4serve.server.framing import PromptUsage, typed_event
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import MAX_MESSAGES, MAX_TOOLS, SamplingFields, ignored
-from v4serve.server.text.chat_encoding import encode_messages
+from v4serve.server.tenants import CURRENT_CALLER
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
 
-# What the stored responses may hold, together; past either bound the least recently used go.
+# What the stored responses may hold, together; past any bound the least recently used go.
 MAX_STORED_RESPONSES = 4096
 MAX_STORED_TOKENS = 16 * 1024 * 1024  # prompt and output ids (4 bytes each: 64 MiB)
+DEFAULT_STORED_BYTES = 256 << 20  # --responses-store-bytes: everything kept, counted as below (`_weight`)
+# OpenAI's limits on `metadata`: pairs, and characters of a key and of a value.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+log = logging.getLogger(__name__)
 
 
 # ---- the request ---------------------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None  # returned with the response
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)  # returned with the response
     truncation: Literal["disabled"] | None = None  # "auto" (dropping the conversation's middle) is a 400
     # v4serve's: how this request writes window-state snapshots for later hits (see --swa-cache-mode).
     swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
@@ -164,6 +171,15 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = ignored("v4serve has one service tier")
     stream_options: dict[str, Any] | None = ignored("stream obfuscation pads events against a network "
                                                     "observer; v4serve adds none")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (v or {}).items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY} characters and values at most "
+                                 f"{MAX_METADATA_VALUE} (as OpenAI's)")
+        return v
 
     @field_validator("input")
     @classmethod
@@ -181,38 +197,70 @@ class StoredResponse:
     messages: list[dict[str, Any]]  # the conversation it answered, the answer last
     settings: tuple[Any, ...]  # what else shaped its prompt: instructions, tools, thinking, effort
     tokens: array = field(default_factory=lambda: array("i"))  # its prompt and output ids
+    weight: int = 0  # bytes it is counted as (`_weight`)
+
+
+def _weight(value: Any) -> int:
+    """About the bytes a kept value holds: its strings' lengths and 8 per other leaf or container,
+    walked once when it is kept (metadata, tools, input and output all count)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return 8 + sum(len(k) + _weight(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 8 + sum(_weight(v) for v in value)
+    if isinstance(value, array):
+        return value.itemsize * len(value)
+    return 8
 
 
 class StoredResponses:
-    """Responses by id, least recently used dropped first past MAX_STORED_RESPONSES or MAX_STORED_TOKENS."""
+    """Responses by id, least recently used dropped first past MAX_STORED_RESPONSES, MAX_STORED_TOKENS or
+    `max_bytes` (`--responses-store-bytes`); a response larger than `max_bytes` alone is not kept."""
 
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_tokens: int = MAX_STORED_TOKENS) -> None:
+    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_tokens: int = MAX_STORED_TOKENS,
+                 max_bytes: int = DEFAULT_STORED_BYTES) -> None:
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self._tokens, self.max_responses, self.max_tokens = 0, max_responses, max_tokens
+        self.bytes, self.max_bytes = 0, max_bytes
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
+        stored.weight = _weight([stored.body, stored.messages, stored.settings, stored.tokens])
+        if stored.weight > self.max_bytes or len(stored.tokens) > self.max_tokens:
+            log.warning("response %s not stored: it weighs %d bytes and %d tokens, more than the store holds "
+                        "(--responses-store-bytes %d)", response_id, stored.weight, len(stored.tokens), self.max_bytes)
+            return
         self._items[response_id] = stored
         self._tokens += len(stored.tokens)
-        while self._items and (len(self._items) > self.max_responses or self._tokens > self.max_tokens):
+        self.bytes += stored.weight
+        while self._items and (len(self._items) > self.max_responses or self._tokens > self.max_tokens
+                               or self.bytes > self.max_bytes):
             _, dropped = self._items.popitem(last=False)
-            self._tokens -= len(dropped.tokens)
+            self._forget(dropped)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, response_id: str, owner: str) -> StoredResponse:
         stored = self._items.get(response_id)
         if stored is None or stored.owner != owner:
-            raise ApiError(404, f"No response found with id '{response_id}'.", "NotFoundError",
+            raise ApiError(404, f"No response found with id {echo(response_id)}.", "NotFoundError",
                            param="previous_response_id", code="response_not_found")
         self._items.move_to_end(response_id)
         return stored
 
     def delete(self, response_id: str, owner: str) -> None:
         self.get(response_id, owner)
-        self._tokens -= len(self._items.pop(response_id).tokens)
+        self._forget(self._items.pop(response_id))
+
+    def _forget(self, dropped: StoredResponse) -> None:
+        self._tokens -= len(dropped.tokens)
+        self.bytes -= dropped.weight
 
 
 def owner_of(raw: Request) -> str:
-    key = raw.headers.get("authorization", "").partition(" ")[2].strip() or raw.headers.get("x-api-key", "")
-    return hashlib.sha256(key.encode()).hexdigest()
+    """Whom a stored response belongs to: the caller the key check decided on (`tenants.caller`)."""
+    return CURRENT_CALLER.get().owner
 
 
 # ---- items → conversation --------------------------------------------------------------------------------------
@@ -294,9 +342,40 @@ async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesReques
 
 
 async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> _Plan:
-    owner = owner_of(raw)
     model = front.check_model(body.model)
-    thinking = body.reasoning is not None and body.reasoning.effort not in (None, "none")
+    thinking = _thinking(body)
+    earlier = None
+    if body.previous_response_id is not None:
+        found = stored.get(body.previous_response_id, owner_of(raw))
+        earlier = (found.messages, found.settings, found.tokens)
+    ready, messages, settings = await front.prep.run(prepared, await raw.body(), front.think_end_id,
+                                                     front.config.max_model_len, earlier)
+    prompt = ready.prompt.tolist()
+    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode)
+    max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
+    output = front.output_options(fields, reasoning_end_token=front.think_end_id if thinking else None,
+                                  tool_calls=ready.parse_calls, parallel_tool_calls=ready.parallel)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    generation = front.generation(response_id, prompt, fields, max_tokens, None, output, grammar=ready.grammar)
+    await front.check([generation], raw)
+    return _Plan(response_id, model, generation, messages, settings, prompt, body.previous_response_id, thinking)
+
+
+def _thinking(body: ResponsesRequest) -> bool:
+    return body.reasoning is not None and body.reasoning.effort not in (None, "none")
+
+
+# ---- preprocessing (a job for `preprocess.Preprocessor`: the body's bytes in, parsed again there) -------------
+Earlier = tuple[list[dict[str, Any]], tuple[Any, ...], array]  # a stored response's conversation, settings, ids
+
+
+def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int, earlier: Earlier | None
+             ) -> tuple[jobs.Prepared, list[dict[str, Any]], tuple[Any, ...]]:
+    """(the prompt with its tools and grammar, the conversation to store, the settings that shaped it):
+    a follow-up of a stored response with the same settings continues its tokens; anything else is
+    rendered whole."""
+    body = ResponsesRequest.model_validate_json(data, strict=True)
+    thinking = _thinking(body)
     effort = "max" if thinking and body.reasoning and body.reasoning.effort in ("xhigh", "max") else None
     functions = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                    "parameters": t.parameters or {"type": "object", "properties": {}}}}
@@ -309,48 +388,18 @@ async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest
     response_format = None if fmt is None or fmt.type == "text" else \
         {"type": "json_object"} if fmt.type == "json_object" else \
         {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_ or {}}}
-    think_end = front.think_end_id if thinking else None
-    grammar = answer_grammar(tools, response_format, think_end)
+    grammar = answer_grammar(tools, response_format, think_end_id if thinking else None)
     settings = (body.instructions, json.dumps(functions), thinking, effort)
-    new = conversation(body.input)
     options = {"thinking": thinking, "tools": tools.offered, "reasoning_effort": effort}
-    prompt, messages = await _prompt(front, stored, body, owner, new, settings, options)
-    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode)
-    max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
-    output = front.output_options(fields, reasoning_end_token=think_end, tool_calls=tools.parse_calls,
-                                  parallel_tool_calls=tools.parallel)
-    response_id = f"resp_{uuid.uuid4().hex}"
-    generation = front.generation(response_id, prompt, fields, max_tokens, None, output, grammar=grammar)
-    await front.check([generation], raw)
-    return _Plan(response_id, model, generation, messages, settings, prompt, body.previous_response_id, thinking)
-
-
-async def _prompt(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, owner: str,
-                  new: list[dict[str, Any]], settings: tuple[Any, ...], options: dict[str, Any]
-                  ) -> tuple[list[int], list[dict[str, Any]]]:
-    """(prompt ids, the conversation): a follow-up of a stored response with the same settings continues
-    its tokens; anything else is rendered whole."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    if body.previous_response_id is None:
-        return await front.encode_chat(system + new, **options), new
-    earlier = stored.get(body.previous_response_id, owner)
-    messages = earlier.messages + new
-    if earlier.settings == settings:
-        suffix = _suffix(system + earlier.messages, new, options)
-        if suffix is not None:
-            tail = front.tokenizer.encode(suffix)
-            return earlier.tokens.tolist() + tail, messages
-    return await front.encode_chat(system + messages, **options), messages
-
-
-def _suffix(before: list[dict[str, Any]], new: list[dict[str, Any]], options: dict[str, Any]) -> str | None:
-    """What the new items add to a rendered conversation (None when it is not an addition at its end)."""
-    try:
-        done = encode_messages(before, add_generation_prompt=False, drop_thinking=False, **options)
-        more = encode_messages(before + new, drop_thinking=False, **options)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="input") from exc
-    return more[len(done):] if more.startswith(done) else None
+    new = conversation(body.input)
+    messages = new if earlier is None else earlier[0] + new
+    prompt = None
+    if earlier is not None and earlier[1] == settings:
+        prompt = jobs.continuation(tokenizer, system + earlier[0], new, earlier[2], max_len, **options)
+    if prompt is None:
+        prompt = jobs.encode_chat(tokenizer, system + messages, max_len, "input", **options)
+    return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar), messages, settings
 
 
 def _keep(stored: StoredResponses, body: ResponsesRequest, plan: _Plan, response: dict[str, Any],
@@ -529,7 +578,8 @@ async def _stream(front: FrontEnd, stored: StoredResponses, body: ResponsesReque
                 for piece in _pieces(events, delta):
                     yield piece
     except Exception as exc:  # after the first byte an error can only be an event
-        yield events("error", code="server_error", message=f"the stream failed: {exc!r}", param=None)
+        yield events("error", code="server_error", param=None,
+                     message=f"the stream failed: {failure_message(exc, 'a stream failed')}")
         return
     last = deltas[-1]
     for piece in events.finish("incomplete" if last.finish_reason == "length" else "completed"):

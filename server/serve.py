@@ -39,6 +39,7 @@ from v4serve.server.connections import protocol_with_header_timeout
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
 from v4serve.server.metrics import Metrics
+from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["EngineFailed", "GracefulServer", "PortUnavailable", "ServeConfig", "bind_sockets", "build", "run",
@@ -88,7 +89,17 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
         log.info("API keys: %d tenants from %s, %s (read again on SIGHUP or change)", len(keys.tenants),
                  cfg.api_keys_file, "sharing one prefix cache" if cfg.shared_prefix_cache
                  else "each with a prefix cache of its own")
-    engine, info = start_engine(cfg, tokenizer)
+        if not cfg.protect_metrics:
+            log.warning("/metrics answers without a key and shows each tenant's name and token counts; "
+                        "--protect-metrics requires a key there too")
+    # Workers start (each loads the tokenizer) while the engine loads its model.
+    prep = Preprocessor(tokenizer, PreprocessConfig(cfg.preprocess_workers, cfg.max_preprocess_seconds, cfg.model))
+    prep.start()
+    try:
+        engine, info = start_engine(cfg, tokenizer)
+    except BaseException:
+        prep.close()
+        raise
     try:
         store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
         metrics = Metrics(cfg.model_name, lambda: engine.stats,
@@ -103,12 +114,14 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
                               unread_timeout=cfg.unread_timeout,
                               max_request_tokens=cfg.max_request_tokens
                               or REQUEST_TOKENS_PER_CONTEXT * info["max_model_len"],
+                              responses_store_bytes=cfg.responses_store_bytes, max_requests=cfg.max_connections,
                               allowed_origins=cfg.origins,
                               stall_timeout=cfg.stall_timeout,
                               version_info=info["version_info"])
-        return build_app(engine, tokenizer, server, metrics), engine
+        return build_app(engine, tokenizer, server, metrics, prep), engine
     except BaseException:
         engine.shutdown()
+        prep.close()
         raise
 
 
@@ -162,7 +175,7 @@ class GracefulServer(uvicorn.Server):
         keys = getattr(self.config.app.state.front.config, "keys", None)
         if keys is not None and keys.keys_file is not None:
             log.info("SIGHUP: reading %s again", keys.keys_file)
-            keys.reload()
+            threading.Thread(target=keys.reload, name="v4serve-keys-reload", daemon=True).start()  # off the loop
         else:
             log.info("SIGHUP: nothing to reload (settings are read at start; --api-keys-file is read again on "
                      "SIGHUP); still serving")
@@ -313,9 +326,9 @@ def run(cfg: ServeConfig) -> None:
             metrics = app.state.front.metrics
             config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level,
                                     timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN,
-                                    timeout_keep_alive=cfg.keep_alive_timeout, limit_concurrency=cfg.max_connections,
-                                    http=protocol_with_header_timeout(cfg.header_timeout,
-                                                                      lambda: metrics.count_closed("header_timeout")))
+                                    timeout_keep_alive=cfg.keep_alive_timeout,
+                                    http=protocol_with_header_timeout(cfg.header_timeout, metrics.count_closed,
+                                                                      cfg.max_connections))
             listen(sockets, cfg.host, config.backlog)
             log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
                      served_url(sockets[0]))

@@ -6,21 +6,25 @@ tenant folds into the root of every request's hash chain, as `cache_salt` does, 
 snapshot, SSD file or KV event of one tenant is ever found by another's prompt. `cache_salt` still
 divides a tenant further. `--shared-prefix-cache` opts out (every tenant finds every prefix).
 
-The keys file holds one `KEY TENANT` per line (`#` starts a comment). It is read again on SIGHUP and
-whenever its modification time or size changes (looked at, at most once a second, as requests
-arrive); a file that no longer parses keeps the keys in force and logs why.
+The keys file holds one `KEY TENANT` per line (`#` starts a comment), read as bytes: a comment in any
+encoding is fine, a key is printable ASCII (what an HTTP header carries), a tenant a short name. A
+watcher thread reads it again whenever its modification time or size changes (and on SIGHUP), never a
+request: a request only looks a key up in the table in force. A file that no longer parses, has grown
+past `MAX_KEYS_FILE_BYTES` or has gone keeps the keys in force, and says why once per change.
+
+`caller` is the one place that decides who a request is, from its headers: authentication, the tenant,
+the owner of a stored response and the metrics' tenant label all take its answer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import threading
-import time
+from collections.abc import Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,38 +34,51 @@ log = logging.getLogger(__name__)
 # The tenant of the request being handled, set by the key check before any route runs (None: no
 # keys file, so no tenants).
 CURRENT_TENANT: ContextVar[str | None] = ContextVar("v4serve_tenant", default=None)
+# Who the request being handled is (`caller`), set before any route runs.
+CURRENT_CALLER: ContextVar[Caller] = ContextVar("v4serve_caller")
 # The tenant of `--api-key` (and its metrics label when no keys file is given).
 DEFAULT_TENANT = "default"
-_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
-# Seconds between looks at the keys file's modification time.
+_TENANT_NAME = re.compile(rb"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+_KEY = re.compile(rb"[\x21-\x7e]{1,512}")  # visible ASCII: what a header value can carry unchanged
+# Seconds between the watcher's looks at the keys file's modification time and size.
 RECHECK_SECONDS = 1.0
+# A keys file larger than this is refused (keys in force kept): a million 16-byte keys fit in it.
+MAX_KEYS_FILE_BYTES = 32 << 20
 
 
 class KeysFileError(ValueError):
     pass
 
 
-def parse_keys(text: str, source: str = "keys file") -> dict[str, str]:
-    """{key: tenant} from a keys file's text; a clear error naming the line otherwise."""
-    keys: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+class CredentialsError(ValueError):
+    """A request's credentials that cannot be one caller: two keys that disagree, or one that is not a key."""
+
+
+def parse_keys(data: bytes | str, source: str = "keys file") -> dict[bytes, str]:
+    """{key: tenant} from a keys file's bytes; a clear error naming the line otherwise (never a key's
+    bytes: the message may reach a log that more people read than the file)."""
+    raw = data.encode() if isinstance(data, str) else data
+    keys: dict[bytes, str] = {}
+    for number, line in enumerate(raw.splitlines(), 1):
+        fields = line.split(b"#", 1)[0].split()
+        if not fields:
             continue
-        fields = line.split()
         if len(fields) != 2:
             raise KeysFileError(f"{source} line {number}: expected 'KEY TENANT', got {len(fields)} fields")
         key, tenant = fields
+        if not _KEY.fullmatch(key):
+            raise KeysFileError(f"{source} line {number}: a key must be 1-512 visible ASCII characters")
         if not _TENANT_NAME.fullmatch(tenant):
-            raise KeysFileError(f"{source} line {number}: tenant {tenant!r} must be 1-64 letters, digits or _.@- "
+            shown = tenant[:64].decode("ascii", "replace")
+            raise KeysFileError(f"{source} line {number}: tenant {shown!r} must be 1-64 letters, digits or _.@- "
                                 "(it labels metrics)")
         if key in keys:
             raise KeysFileError(f"{source} line {number}: this key is already given to tenant {keys[key]!r}")
-        keys[key] = tenant
+        keys[key] = tenant.decode()
     return keys
 
 
-def _digest(key: bytes) -> bytes:
+def digest(key: bytes) -> bytes:
     # Keys are looked up by digest: the dict lookup's timing then tells nothing about a key's bytes.
     return hashlib.sha256(key).digest()
 
@@ -69,7 +86,7 @@ def _digest(key: bytes) -> bytes:
 @dataclass(frozen=True)
 class _Table:
     by_digest: dict[bytes, str]
-    stamp: tuple[int, int] | None  # the file's (mtime_ns, size) when read
+    stamp: tuple[int, int] | str | None  # the file's (mtime_ns, size) when read
 
 
 class ApiKeys:
@@ -77,10 +94,12 @@ class ApiKeys:
 
     def __init__(self, api_key: str | None = None, keys_file: str | Path | None = None) -> None:
         self.keys_file = Path(keys_file) if keys_file else None
-        self._fixed = {_digest(api_key.encode()): DEFAULT_TENANT} if api_key else {}
+        self._fixed = {digest(api_key.encode()): DEFAULT_TENANT} if api_key else {}
         self._lock = threading.Lock()
-        self._next_look = 0.0
         self._table = _Table(dict(self._fixed), None)
+        self._refused: tuple[int, int] | str | None = None  # the stamp of a file found bad (said once), or MISSING
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         if self.keys_file is not None:
             self._table = self._read()  # a bad file at start is an error, not an empty table
 
@@ -95,20 +114,37 @@ class ApiKeys:
         return self.keys_file is not None
 
     def tenant_of(self, key: bytes) -> str | None:
-        """The tenant a presented key belongs to, or None if it is no key of this daemon."""
-        self._maybe_reload()
-        return self._table.by_digest.get(_digest(key))
+        """The tenant a presented key belongs to, or None if it is no key of this daemon (a lookup only:
+        the file is read by the watcher)."""
+        return self._table.by_digest.get(digest(key))
+
+    def watch(self) -> None:
+        """Start the thread that reads the keys file again when it changes (once serving)."""
+        if self.keys_file is None or self._watcher is not None:
+            return
+        self._watcher = threading.Thread(target=self._watch, name="v4serve-keys", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
 
     def reload(self) -> bool:
-        """Read the keys file again (SIGHUP); a file that does not parse keeps the keys in force."""
+        """Read the keys file again (SIGHUP, or a change); a file that does not parse keeps the keys in force."""
         if self.keys_file is None:
             return False
         try:
             table = self._read()
         except (OSError, KeysFileError) as exc:
-            log.error("keys file %s not reloaded, the %d keys read before stay in force: %s", self.keys_file,
-                      len(self._table.by_digest), exc)
+            stamp = _stamp(self.keys_file)
+            if stamp != self._refused:
+                self._refused = stamp
+                why = exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+                log.error("keys file %s not reloaded, the %d keys read before stay in force: %s", self.keys_file,
+                          len(self._table.by_digest), why)
             return False
+        self._refused = None
         with self._lock:
             before, self._table = self._table, table
         if before.by_digest != table.by_digest:
@@ -118,22 +154,81 @@ class ApiKeys:
 
     def _read(self) -> _Table:
         assert self.keys_file is not None
-        st = os.stat(self.keys_file)
-        keys = parse_keys(self.keys_file.read_text(encoding="utf-8"), str(self.keys_file))
+        with open(self.keys_file, "rb") as file:
+            st = os.fstat(file.fileno())
+            if st.st_size > MAX_KEYS_FILE_BYTES:
+                raise KeysFileError(f"{self.keys_file} is {st.st_size} bytes, more than a keys file may be "
+                                    f"({MAX_KEYS_FILE_BYTES})")
+            data = file.read(MAX_KEYS_FILE_BYTES + 1)
+        if len(data) > MAX_KEYS_FILE_BYTES:  # grew while read
+            raise KeysFileError(f"{self.keys_file} is more than a keys file may be ({MAX_KEYS_FILE_BYTES} bytes)")
+        keys = parse_keys(data, str(self.keys_file))
         if not keys:
             raise KeysFileError(f"{self.keys_file} holds no keys")
-        by_digest = {**self._fixed, **{_digest(k.encode()): t for k, t in keys.items()}}
+        by_digest = {**self._fixed, **{digest(k): t for k, t in keys.items()}}
         return _Table(by_digest, (st.st_mtime_ns, st.st_size))
 
-    def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if self.keys_file is None or now < self._next_look:
-            return
-        self._next_look = now + RECHECK_SECONDS
-        with contextlib.suppress(OSError):
-            st = os.stat(self.keys_file)
-            if (st.st_mtime_ns, st.st_size) != self._table.stamp:
+    def _watch(self) -> None:
+        assert self.keys_file is not None
+        while not self._stop.wait(RECHECK_SECONDS):
+            stamp = _stamp(self.keys_file)
+            if stamp != self._table.stamp and stamp != self._refused:
                 self.reload()
+
+
+MISSING = "missing"  # the stamp of a keys file that cannot be looked at (gone, or not ours to read)
+
+
+def _stamp(path: Path) -> tuple[int, int] | str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return MISSING
+    return st.st_mtime_ns, st.st_size
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a request is: the key it presented (None: none) and, when the daemon asks for keys, that
+    key's tenant (None: not a key of this daemon)."""
+
+    key: bytes | None
+    tenant: str | None = None
+
+    @property
+    def owner(self) -> str:
+        """Who owns what this caller stores (a stored response): a digest of its key."""
+        return hashlib.sha256(self.key or b"").hexdigest()
+
+
+def presented_key(headers: Iterable[tuple[bytes, bytes]], strict: bool = True) -> bytes | None:
+    """The one key a request presents, in `Authorization: Bearer KEY` (the scheme in any case, as RFC
+    7235 has it) or Anthropic's `x-api-key: KEY`, however many such headers it sends; None when it
+    sends none. Two that differ are a CredentialsError (which one counted would otherwise depend on
+    the reader), and so, when `strict`, is an Authorization that is not a bearer key (not `strict`: it
+    is no key)."""
+    keys: set[bytes] = set()
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization":
+            scheme, _, given = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and given.strip():
+                keys.add(given.strip())
+            elif strict:
+                raise CredentialsError("the Authorization header must be 'Bearer KEY'")
+        elif name == b"x-api-key":
+            keys.add(value.strip())
+    if len(keys) > 1:
+        raise CredentialsError("the request presents different API keys (Authorization and x-api-key, or "
+                               "repeated headers, must all carry the same key)")
+    return next(iter(keys), None)
+
+
+def caller(headers: Iterable[tuple[bytes, bytes]], keys: ApiKeys | None) -> Caller:
+    """Who the request is (raises CredentialsError for credentials that disagree). Without keys the
+    daemon authenticates nobody, but the key still names the owner of what the caller stores."""
+    key = presented_key(headers, strict=keys is not None)
+    return Caller(key, None if keys is None or key is None else keys.tenant_of(key))
 
 
 def scoped_salt(tenant: str | None, salt: str | None) -> str | None:

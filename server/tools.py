@@ -26,7 +26,7 @@ from typing import Any
 import jsonschema
 
 from v4serve.engine.request import GrammarSpec
-from v4serve.server.errors import ApiError
+from v4serve.server.errors import ApiError, echo
 from v4serve.server.text.tokenizer import DSML
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -74,7 +74,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     name = _named_choice(tool_choice)
     chosen = [t for t in checked if t.name == name]
     if not chosen:
-        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        raise ApiError(400, f"tool_choice names {echo(name)}, which is not among the tools", param="tool_choice")
     return ToolPlan(offered, parse_calls=True, forced=chosen, parallel=False, tools=tuple(checked))
 
 
@@ -111,6 +111,8 @@ def _check_schema(schema: Any, param: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ApiError(400, f"{param} is not a valid JSON schema: {exc.message}", param=param) from None
+    except RecursionError:  # the checker recurses per level: a schema nested past what it can walk
+        raise ApiError(400, f"{param} nests too deeply to check", param=param) from None
 
 
 # ---- grammars ------------------------------------------------------------------------------------------
@@ -254,5 +256,5 @@ def response_format_schema(response_format: Any) -> dict[str, Any] | None:
         schema = spec.get("schema", {})
         _check_schema(schema, "response_format.json_schema.schema")
         return schema
-    raise ApiError(400, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+    raise ApiError(400, f'response_format.type must be "text", "json_object" or "json_schema", got {echo(kind)}',
                    param="response_format.type")

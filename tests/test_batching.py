@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import engine_for, greedy, reference, rel_err, small_model, tokens
+from tests.helpers import engine_for, greedy, reference, rel_err, small_model, tiny_model, tokens
 from v4serve.engine.process.async_engine import AsyncEngine, _Choice
 from v4serve.engine.request import RequestError
 
@@ -155,3 +155,51 @@ def test_siblings_held_before_they_start_wait_until_resumed() -> None:
         for out in engine.step():
             loop._emit(out)
     assert made == {0: want, 1: want, 2: want}
+
+
+def test_a_grammar_compiles_off_the_engine_thread_while_other_requests_run() -> None:
+    """A schema of thousands of properties compiles for seconds; compiled on the engine thread it stopped
+    every running request's steps meanwhile. With the compile held (the injected fault: a compile that
+    does not end until released), another request runs to its end; released, the grammar's request runs
+    too; a request whose client leaves while its grammar compiles ends as aborted, never started."""
+    import threading
+
+    from tests.daemon import PATIENCE, wait_until
+    from v4serve.engine.request import GrammarSpec, Request, SamplingParams
+    from v4serve.server.text.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    engine = engine_for(tiny_model(), tokenizer_json=tokenizer.vocabulary_json())
+    release, compiling = threading.Event(), threading.Event()
+    real_check = engine.check_grammar
+
+    def slow_check(spec: GrammarSpec) -> None:
+        compiling.set()
+        assert release.wait(PATIENCE)
+        real_check(spec)
+
+    engine.check_grammar = slow_check  # type: ignore[method-assign]
+    loop = AsyncEngine(engine)
+    loop.start()
+    outputs: dict[str, list] = {"plain": [], "grammar": [], "gone": []}
+    try:
+        spec = GrammarSpec("json_schema", '{"type": "string"}', param="response_format")
+        schema_request = Request("grammar", [65, 66], SamplingParams(max_tokens=4, temperature=0.0, grammar=spec))
+        loop.enqueue([schema_request], outputs["grammar"].append)
+        other_spec = GrammarSpec("json_schema", '{"type": "integer"}', param="response_format")
+        gone = Request("gone", [65, 66], SamplingParams(max_tokens=4, temperature=0.0, grammar=other_spec))
+        loop.enqueue([gone], outputs["gone"].append)
+        assert compiling.wait(PATIENCE)
+        loop.enqueue([greedy("plain", tokens(20, 3))], outputs["plain"].append)
+        wait_until(lambda: outputs["plain"] and outputs["plain"][-1].finished, "the plain request to end")
+        assert not outputs["grammar"] and not release.is_set()  # it ended while the compile was held
+        loop.abort(["gone"])
+        release.set()
+        wait_until(lambda: outputs["grammar"] and outputs["grammar"][-1].finished, "the grammar's request to end")
+        wait_until(lambda: outputs["gone"], "the aborted request's end")
+    finally:
+        release.set()
+        loop.shutdown()
+    assert outputs["plain"][-1].finish_reason == "length"
+    assert outputs["grammar"][-1].finish_reason in ("stop", "length")
+    assert [(o.finished, o.finish_reason, o.token_ids) for o in outputs["gone"]] == [(True, "abort", ())]

@@ -21,6 +21,7 @@ import llguidance
 import pytest
 
 from tests.daemon import PATIENCE, Daemon, start_daemon, wait_until
+from tests.test_store_daemon import metric
 from v4serve.server.text.tokenizer import ByteTokenizer
 from v4serve.server.tools import _regex_body
 
@@ -337,26 +338,69 @@ def test_idle_and_slow_header_connections_are_closed_and_others_served(url: str,
     assert closed_connections(http) >= before + 30
 
 
-def test_connections_past_the_cap_get_503_and_are_served_once_others_go(url: str) -> None:
-    """--max-connections 40 here: with 40 other connections open, a new request is refused with 503
-    (retried with fresh connections, in case --header-timeout closed some first on a slow machine);
-    once they are gone, it is served."""
+def test_idle_connections_at_the_cap_never_shut_anyone_out(url: str, http: httpx.Client, greedy_text: str) -> None:
+    """--max-connections 40 here: with more idle connections open than that, a new connection closes the
+    one idle longest instead of being refused, so /health, /metrics and requests are all served (they
+    were all 503 until --header-timeout closed the idle ones)."""
+    before = metric(url, "v4serve_connections_closed_total", reason="idle_evicted")
+    idle = [open_connection(url) for _ in range(MAX_CONNECTIONS + 10)]
+    try:
+        assert httpx.get(url + "/health", timeout=PATIENCE).status_code == 200
+        assert httpx.get(url + "/metrics", headers=KEY, timeout=PATIENCE).status_code == 200
+        with httpx.Client(base_url=url, timeout=PATIENCE, headers=KEY) as fresh:
+            assert completion_text(fresh) == greedy_text
+        # Each new connection closes one idle for a second or more (each probe here opens one).
+        wait_until(lambda: httpx.get(url + "/health", timeout=PATIENCE).status_code == 200
+                   and metric(url, "v4serve_connections_closed_total", reason="idle_evicted") >= before + 10,
+                   "idle connections closed to make room")
+        assert sum(closed_by_server(sock) for sock in idle) >= 10
+    finally:
+        for sock in idle:
+            sock.close()
 
-    def status() -> int:
-        return httpx.post(url + "/v1/completions", json=GREEDY, headers=KEY, timeout=PATIENCE).status_code
 
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        others = [open_connection(url) for _ in range(MAX_CONNECTIONS)]
-        try:
-            code = status()
-        finally:
-            for sock in others:
-                sock.close()
-        if code == 503:
-            break
-        assert code == 200 and time.monotonic() < deadline, code
-    wait_until(lambda: status() == 200, "a request once the other connections are gone")
+def test_requests_past_the_cap_get_503_but_the_probes_are_answered() -> None:
+    """--max-connections 2: two streams running (held: their clients read nothing), a third request gets
+    503 with Retry-After while /health and /metrics still answer; once the streams go it is served."""
+    served = start_daemon("--max-connections", "2", "--max-unread-tokens", "3000", "--unread-timeout", str(PATIENCE))
+    try:
+        url = served.url
+        with httpx.Client(base_url=url, timeout=PATIENCE) as http:
+            streams = [never_reading(url, {**NEVER_READ, "n": 1}, CHAT) for _ in range(2)]
+            try:
+                wait_until(lambda: limited(http, "unread_held") == 2, "both streams to be held")
+                third = http.post("/v1/completions", json=GREEDY)
+                assert third.status_code == 503 and third.headers["retry-after"] == "1"
+                assert third.json()["error"]["code"] == "server_overloaded" and "--max-connections" in third.text
+                assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+            finally:
+                for sock in streams:
+                    sock.close()
+            wait_until(lambda: http.post("/v1/completions", json=GREEDY).status_code == 200,
+                       "a request once the streams are gone")
+            assert limited(http, "requests_at_once") >= 1
+    finally:
+        served.stop()
+
+
+def test_pipelined_requests_are_answered_in_order(url: str) -> None:
+    """HTTP/1.1 pipelining: three requests sent at once on one connection get three answers, in order."""
+    body = json.dumps(GREEDY).encode()
+    post = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-hostile\r\n"
+            b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-hostile\r\n\r\n"
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    markers = (b'"text_completion"', b'"object":"list"', b'{"status":"ok"}')
+    with open_connection(url) as sock:
+        sock.sendall(post + models + health)
+        received = b""
+        while not all(marker in received for marker in markers):
+            chunk = sock.recv(1 << 16)
+            assert chunk, received
+            received += chunk
+    assert received.count(b"HTTP/1.1 200 OK") == 3
+    order = [received.index(marker) for marker in markers]
+    assert order == sorted(order)
 
 
 # ---- signals ------------------------------------------------------------------------------------------------------
@@ -639,14 +683,16 @@ def test_refusals_and_ends_by_a_bound_are_counted_by_limit(url: str, http: httpx
 
     before = counts()
     assert set(before) == {"unread_held", "unread_output", "logprob_entries", "request_tokens", "media_type",
-                           "origin"}
+                           "origin", "requests_at_once", "preprocess_cpu", "body_containers"}
     httpx.post(url + "/v1/completions", content=b"{}", headers={**KEY, "Content-Type": "text/plain"}, timeout=PATIENCE)
     httpx.post(url + "/reset_prefix_cache", headers={**KEY, "Origin": "https://evil.example"}, timeout=PATIENCE)
     http.post("/v1/completions", json={**GREEDY, "prompt": [65] * 300, "echo": True, "logprobs": 20, "n": 4})
     http.post("/v1/completions", json={**GREEDY, "prompt": ["a"] * 4, "n": 16, "max_tokens": None})
     after = counts()
     assert {k: after[k] - before[k] for k in after} == {"unread_held": 0, "unread_output": 0, "logprob_entries": 1,
-                                                        "request_tokens": 1, "media_type": 1, "origin": 1}
+                                                        "request_tokens": 1, "media_type": 1, "origin": 1,
+                                                        "requests_at_once": 0, "preprocess_cpu": 0,
+                                                        "body_containers": 0}
 
 
 # ---- grammar compiles: one per grammar, none for a client that has gone -------------------------------------------
@@ -719,3 +765,326 @@ def test_a_grammar_compile_queued_for_a_client_that_has_gone_never_starts() -> N
     asyncio.run(run())
     front._compilers.shutdown(wait=True)  # whatever was queued has run (or was cancelled) by now
     assert sorted(engine.checked) == ["busy-0-0", "busy-1-0"]
+
+
+# ---- a third round: secrets, a frozen front end, credentials, byte bounds ------------------------------------------
+class Beside:
+    """An innocent greedy client and a /health poller, each on a thread, while a case runs: afterwards every
+    innocent request got 200 and the greedy text, every /health 200, and each ran at least once after the
+    case began."""
+
+    def __init__(self, url: str, greedy_text: str, headers: dict[str, str] | None = None) -> None:
+        self.url, self.greedy_text, self.headers = url, greedy_text, headers or KEY
+        self.stop = threading.Event()
+        self.innocent: list[tuple[int, str]] = []
+        self.health: list[tuple[float, float, int]] = []  # (sent, answered, status), time.monotonic()
+        self.threads = [threading.Thread(target=self._innocent), threading.Thread(target=self._health)]
+
+    def __enter__(self) -> Beside:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        rounds = len(self.innocent), len(self.health)
+        wait_until(lambda: len(self.innocent) > rounds[0] and len(self.health) > rounds[1], "the probes' next round")
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(PATIENCE)
+        if exc[0] is None:
+            assert self.innocent and all(r == (200, self.greedy_text) for r in self.innocent), self.innocent[:3]
+            assert all(status == 200 for _, _, status in self.health)
+
+    def _innocent(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=PATIENCE, headers=self.headers) as client:
+            while not self.stop.is_set():
+                response = client.post("/v1/completions", json=GREEDY)
+                self.innocent.append((response.status_code, response.json()["choices"][0]["text"]
+                                      if response.status_code == 200 else response.text))
+
+    def _health(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=PATIENCE) as client:
+            while not self.stop.is_set():
+                sent = time.monotonic()
+                status = client.get("/health").status_code
+                self.health.append((sent, time.monotonic(), status))
+                time.sleep(0.02)
+
+
+def no_key_in(text: str, keys: list[str]) -> None:
+    assert not any(key in text for key in keys), "a key reached a client"
+
+
+KEYS = [f"sk-{i}-{'0123456789abcdef' * 2}" for i in range(3)]
+
+
+def write_file(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def test_the_keys_file_fuzzed_during_requests_never_leaks_a_key_or_fails_a_request(tmp_path: Path) -> None:
+    """The keys file is rewritten with a Latin-1 comment (valid: comments are bytes), binary junk, 33 MB,
+    nothing, and then removed, while an innocent client and a /health poller run: no answer is a 500, no
+    answer holds a byte of any key, and the keys of the last good file stay in force (once a key with a
+    non-UTF-8 comment beside it made every request a 500 quoting the whole file)."""
+    keys = tmp_path / "keys"
+    keys.write_bytes(f"{KEYS[0]} acme\n".encode())
+    served = start_daemon("--api-keys-file", str(keys))
+    log = Path(served.log.name)
+    answers: list[httpx.Response] = []
+
+    def reads() -> int:
+        return len(re.findall(r"tenants: keys file \S+ (?:not )?reloaded", log.read_text(errors="replace")))
+
+    def looked_at(count: int) -> None:
+        wait_until(lambda: reads() >= count, "the keys file read again")
+
+    def ask(key: str | None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = httpx.post(served.url + "/v1/completions", json=GREEDY, headers=headers, timeout=PATIENCE)
+        answers.append(response)
+        return response.status_code
+
+    try:
+        headers = {"Authorization": f"Bearer {KEYS[0]}"}
+        with httpx.Client(base_url=served.url, timeout=PATIENCE, headers=headers) as client:
+            greedy_text = completion_text(client)
+        with Beside(served.url, greedy_text, headers=headers):
+            write_file(keys, f"# caf\xe9 team\n{KEYS[0]} acme\n{KEYS[1]} globex  # \xff\n".encode("latin-1"))
+            wait_until(lambda: ask(KEYS[1]) == 200, "the Latin-1 commented file's keys")
+            seen = reads()
+            for bad in (b"\x00\x01\x02\xff\xfe junk\n\x80\x81 \x82\n", b"# " + b"x" * (33 << 20) + b"\n", b""):
+                write_file(keys, bad)
+                seen += 1
+                looked_at(seen)
+                assert (ask(KEYS[0]), ask(KEYS[1]), ask(KEYS[2]), ask(None)) == (200, 200, 401, 401)
+            keys.unlink()
+            looked_at(seen + 1)
+            assert (ask(KEYS[1]), ask(None)) == (200, 401)
+    finally:
+        served.stop()
+    for response in answers:
+        assert response.status_code != 500
+        no_key_in(response.text, KEYS)
+    text = log.read_text(errors="replace")
+    assert "line 1: a key must be 1-512 visible ASCII characters" in text
+    assert "more than a keys file may be" in text and "holds no keys" in text and "No such file" in text
+    no_key_in(text, KEYS)  # the log names lines, never a key
+
+
+def test_an_unexpected_failure_is_a_500_with_an_id_and_no_text(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    from tests.daemon import in_process_server
+    from v4serve.server.generation import FrontEnd
+    from v4serve.server.serve import ServeConfig
+
+    def broken(self: object, name: str | None) -> str:
+        raise RuntimeError("secret-token-in-an-exception")
+
+    with in_process_server(ServeConfig(no_kv_store=True, preprocess_workers=0)) as (url, _):
+        monkeypatch.setattr(FrontEnd, "check_model", broken)
+        with caplog.at_level("ERROR"):
+            response = httpx.post(url + "/v1/completions", json=GREEDY, timeout=PATIENCE)
+    assert response.status_code == 500 and "secret" not in response.text
+    error = response.json()["error"]
+    assert error["code"] == "internal_error" and error["message"].startswith("internal error (err_")
+    error_id = error["message"].split("(", 1)[1].split(";", 1)[0]
+    assert any(error_id in r.getMessage() for r in caplog.records)
+
+
+# Each: a single request of at most 4 MiB that costs seconds to prepare (a tool schema of 10,000
+# properties), or that the front end must refuse without building a reply of tens of MB.
+BIG_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}
+                                               for i in range(10_000)}}
+BIG_TOOL = {"type": "function", "function": {"name": "big", "parameters": BIG_SCHEMA}}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "says"), [
+    ("/v1/chat/completions", chat(max_tokens=4, tools=[BIG_TOOL], tool_choice="none"), 200, None),
+    ("/v1/chat/completions", chat(max_tokens=4, tools=[BIG_TOOL],
+                                  tool_choice={"type": "function", "function": {"name": "nope"}}), 400,
+     "tool_choice names 'nope', which is not among the tools"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4,
+                       "tools": [{"type": "function", "name": "big", "parameters": BIG_SCHEMA}]}, 400,
+     "maximum context length"),
+    ("/v1/chat/completions/render", {"model": MODEL, "messages": [{"role": "user", "content": "a" * 3_900_000}]}, 400,
+     "maximum context length"),
+    ("/v1/messages/count_tokens", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}] * 150_000}]}, 400, "JSON objects and arrays"),
+], ids=["tools-none", "tool-missing", "responses-tools", "render-3.9MB", "count_tokens-150k-blocks"])
+def test_a_costly_request_is_answered_while_everyone_else_is_served(url: str, greedy_text: str, path: str,
+                                                                   body: dict[str, Any], status: int,
+                                                                   says: str | None) -> None:
+    """Rendering, tokenizing and checking tools run in preprocessing workers, so these leave the front end
+    free (bench/bench_load.py --heavy-only measures /health and the innocent client beside each); a render
+    obeys max-model-len (it once returned 35 MB), a body of 150,000 content blocks is refused before
+    pydantic spends half a second on it."""
+    with Beside(url, greedy_text):
+        response = httpx.post(url + path, json=body, headers=KEY, timeout=PATIENCE)
+    assert response.status_code == status, response.text[:500]
+    if says is not None:
+        assert says in response.text
+    assert len(response.content) < 10_000
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[Daemon]:
+    """A daemon with small bounds: 0.3 s of CPU to prepare a request, 250,000 bytes of stored responses."""
+    served = start_daemon("--max-preprocess-seconds", "0.3", "--responses-store-bytes", "250000")
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def test_preprocessing_past_its_cpu_bound_is_a_400_and_the_front_end_answers_meanwhile(bounded: Daemon) -> None:
+    """--max-preprocess-seconds 0.3: a tool of 16,000 properties (seconds of schema checks on this
+    machine) is refused after 0.3 s of a worker's CPU time. Meanwhile /health keeps answering: polls sent
+    during it come back before it ends (with the work on the event loop none could)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(16_000)}}
+    tool = {"type": "function", "function": {"name": "big", "parameters": schema}}
+    with httpx.Client(base_url=bounded.url, timeout=PATIENCE) as client:
+        greedy_text = completion_text(client)
+        with Beside(bounded.url, greedy_text, headers={}) as beside:
+            started = time.monotonic()
+            response = client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="none"))
+            ended = time.monotonic()
+        assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_costly"
+        assert "--max-preprocess-seconds" in response.json()["error"]["message"]
+        during = [p for p in beside.health if started + 0.05 < p[0] and p[1] < ended]
+        assert during, (started, ended, beside.health[:5])
+        assert metric(bounded.url, "v4serve_requests_limited_total", limit="preprocess_cpu") == 1
+        assert completion_text(client) == greedy_text  # its worker was replaced; serving goes on
+
+
+# ---- credentials mean one thing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("headers", [
+    [("Authorization", "Bearer bogus"), ("x-api-key", "sk-hostile")],
+    [("Authorization", "Bearer sk-hostile"), ("Authorization", "Bearer bogus")],
+    [("x-api-key", "sk-hostile"), ("x-api-key", "bogus")],
+], ids=["bearer-vs-x-api-key", "two-authorizations", "two-x-api-keys"])
+def test_credentials_that_disagree_are_a_401(url: str, headers: list[tuple[str, str]]) -> None:
+    """Once the key check took one header and the stored response's owner the other: a bogus bearer token
+    beside a valid x-api-key passed, and any tenant sending the same bogus token read the response."""
+    response = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2},
+                          headers=headers, timeout=PATIENCE)
+    assert response.status_code == 401 and "different API keys" in response.json()["error"]["message"]
+
+
+def test_one_key_in_both_headers_is_one_caller(url: str) -> None:
+    both = [("Authorization", "Bearer sk-hostile"), ("x-api-key", "sk-hostile")]
+    made = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2},
+                      headers=both, timeout=PATIENCE)
+    assert made.status_code == 200, made.text
+    found = httpx.get(url + f"/v1/responses/{made.json()['id']}", headers={"x-api-key": "sk-hostile"},
+                      timeout=PATIENCE)
+    assert found.status_code == 200 and found.json()["id"] == made.json()["id"]
+
+
+# ---- everything kept has a byte bound ------------------------------------------------------------------------------
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}],
+                         ids=["17-pairs", "65-char-key", "513-char-value"])
+def test_metadata_past_openais_limits_is_a_400(http: httpx.Client, metadata: dict[str, str]) -> None:
+    response = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2,
+                                                "metadata": metadata})
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith("metadata")
+
+
+def test_stored_responses_are_bounded_in_bytes(bounded: Daemon) -> None:
+    """--responses-store-bytes 250000: responses of ~100 KB each (input, ids, metadata) — the third pushes
+    out the first, least recently used; a follow-up of the first is then a 404, of the others a 200."""
+    with httpx.Client(base_url=bounded.url, timeout=PATIENCE) as client:
+        def made(i: int) -> str:
+            body = {"model": MODEL, "input": f"{i} " + "word " * 4000, "max_output_tokens": 2,
+                    "metadata": {f"k{j}": "v" * 512 for j in range(16)}}
+            response = client.post("/v1/responses", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["id"]
+
+        ids = [made(i) for i in range(3)]
+        status = [client.get(f"/v1/responses/{i}").status_code for i in ids]
+    assert status == [404, 200, 200]
+
+
+def test_stored_responses_count_every_kept_byte() -> None:
+    from array import array
+
+    from v4serve.server.responses import StoredResponse, StoredResponses
+
+    def response(size: int) -> StoredResponse:
+        return StoredResponse({"metadata": {"k": "v" * size}}, "owner", [{"role": "user", "content": "x" * size}],
+                              ("tools" * size,), array("i", [1] * size))
+
+    store = StoredResponses(max_bytes=10_000)
+    store.put("a", response(500))  # 500 + 500 + 2,500 + 2,000 = 5,500 bytes and a few per container
+    assert 5_500 < store.bytes < 5_600
+    store.put("b", response(500))
+    assert len(store) == 1 and store.get("b", "owner")  # a went, least recently used
+    store.put("huge", response(5_000))  # larger than the whole store: not kept
+    assert len(store) == 1 and store.bytes < 5_600
+
+
+# ---- small defects -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", True), ("n", "2"), ("max_tokens", 4.0)])
+def test_integer_fields_are_strict(http: httpx.Client, field: str, value: object) -> None:
+    response = http.post("/v1/completions", json={**GREEDY, field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_errors_quote_at_most_a_short_prefix_of_what_was_sent(http: httpx.Client) -> None:
+    long_id = "resp_" + "x" * 3_000_000
+    missing = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "previous_response_id": long_id})
+    assert missing.status_code == 404 and len(missing.content) < 2_000
+    unknown = http.post("/v1/completions", json={**GREEDY, "model": "m" * 1_000_000})
+    assert unknown.status_code == 404 and len(unknown.content) < 2_000
+
+
+def test_seeded_choices_are_independent_streams(http: httpx.Client) -> None:
+    """Choice j of seed s once drew from seed s + j, so seeds 5 and 6 shared three of four choices."""
+    def choices(seed: int) -> list[str]:
+        body = {**GREEDY, "max_tokens": 12, "temperature": 1.0, "seed": seed, "n": 4, "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200
+        return [c["text"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+    five, six = choices(5), choices(6)
+    assert five == choices(5)  # a seed still repeats
+    assert not any(five[j] == six[j - 1] for j in range(1, 4))
+    single = http.post("/v1/completions", json={**GREEDY, "max_tokens": 12, "temperature": 1.0, "seed": 5,
+                                                "ignore_eos": True}).json()["choices"][0]["text"]
+    assert single == five[0]  # choice 0 is the seed's own stream
+
+
+def test_logprobs_under_a_json_schema_are_finite(http: httpx.Client) -> None:
+    """The grammar masks tokens to -inf; listed as alternatives they once made the reply's JSON invalid (a
+    500, for every config). An alternative the grammar forbids is not listed."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    for stream in (False, True):
+        body = chat(max_tokens=20, logprobs=True, top_logprobs=2, stream=stream,
+                    response_format=json_schema(schema))
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        text = response.text
+        assert "Infinity" not in text and "NaN" not in text
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")] if stream \
+            else [response.json()]
+        entries = [e for c in chunks for choice in c["choices"]
+                   for e in (choice["logprobs"] or {}).get("content") or []]
+        assert entries and all(-1e9 < t["logprob"] <= 0 for e in entries for t in [e, *e["top_logprobs"]])
+
+
+def test_a_schema_nested_past_what_the_checker_can_walk_is_a_400() -> None:
+    """The schema checker recurses once per level (and more per `anyOf`): past Python's recursion limit
+    that was a RecursionError, a 500."""
+    from v4serve.server.errors import ApiError
+    from v4serve.server.tools import plan_tools
+
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(2000):
+        deep = {"anyOf": [deep, {"type": "null"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}}
+    with pytest.raises(ApiError) as refused:
+        plan_tools([tool], "auto", None)
+    assert refused.value.status == 400 and "nests too deeply" in refused.value.message

@@ -229,3 +229,101 @@ def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
             ZmqEventPublisher(KVEventLog(16), KVEventsConfig(endpoint=taken))
     finally:
         first.close()
+
+
+# ---- the replay socket under a flood --------------------------------------------------------------------------
+class FrozenClock:
+    """The rate limit's clock, moved only by the test: what is answered never depends on machine speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def publish_one(publisher, i: int) -> None:
+    """One event, sent as a batch of its own."""
+    publisher.log.stored("GPU", i.to_bytes(32, "big"), None, list(range(16)))
+    assert publisher.flush(PATIENCE)
+
+
+def live_subscriber(publisher) -> tuple[zmq.Context, zmq.Socket, list[int]]:
+    """A SUB socket whose subscription has reached the publisher, and the sequences it has had so far."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.connect(publisher.endpoint)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    for i in range(200):
+        publish_one(publisher, 10_000 + i)
+        if sock.poll(200):
+            return ctx, sock, [int.from_bytes(sock.recv_multipart()[1], "big")]
+    raise AssertionError("the subscription never reached the publisher")
+
+
+def drain_live(sock: zmq.Socket, seqs: list[int], until_seq: int) -> None:
+    while seqs[-1] < until_seq - 1:
+        assert sock.poll(int(PATIENCE * 1000)), "live events stopped arriving"
+        seqs.append(int.from_bytes(sock.recv_multipart()[1], "big"))
+
+
+def read_answers(sock: zmq.Socket, count: int) -> list[list[int]]:
+    """The sequences in each of `count` replay answers, in the order they came."""
+    answers: list[list[int]] = [[]]
+    while len(answers) <= count:
+        assert sock.poll(int(PATIENCE * 1000)), "a replay was not answered"
+        _, _, seq_bytes, _ = sock.recv_multipart()
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if seq == -1:
+            answers.append([])
+        else:
+            answers[-1].append(seq)
+    return answers[:-1]
+
+
+def test_a_replay_flood_is_answered_at_the_rate_limit_and_live_events_keep_flowing() -> None:
+    """60 replays from 0 sent at once from one client, events published among them: with the clock
+    still, exactly the burst (4) get batches, each cut at 5 batches from the sequence asked for; the
+    rest get the end marker alone. Every live batch arrives, during the flood and after; an up-to-date
+    subscriber's replay (nothing to send) is answered however spent the limit; a second of the clock
+    buys two more answers, which resume where the first ones stopped."""
+    from v4serve.cache.kv_events import KVEventLog, TokenBucket, ZmqEventPublisher
+
+    clock = FrozenClock()
+    publisher = ZmqEventPublisher(KVEventLog(16), EVENTS, replay_limit=TokenBucket(2.0, 4, clock),
+                                  max_replay_batches=5)
+    ctx, live, seqs = live_subscriber(publisher)
+    flooder = ctx.socket(zmq.DEALER)
+    flooder.connect(publisher.replay_endpoint)
+    try:
+        for i in range(12):
+            publish_one(publisher, i)
+        for i in range(60):
+            flooder.send_multipart([b"", (0).to_bytes(8, "big")])
+            if i % 10 == 0:
+                publish_one(publisher, 100 + i)  # publishing goes on among the replays
+        answers = read_answers(flooder, 60)
+        assert [a for a in answers if a] == [[0, 1, 2, 3, 4]] * 4
+        assert publisher.replays_answered == 4 and publisher.replays_limited == 56
+        drain_live(live, seqs, publisher.seq)  # every batch published during the flood arrived, in order
+        for i in range(3):
+            publish_one(publisher, 200 + i)
+        drain_live(live, seqs, publisher.seq)
+        assert seqs == list(range(seqs[0], publisher.seq))
+        flooder.send_multipart([b"", publisher.seq.to_bytes(8, "big")])  # up to date: nothing to send
+        flooder.send_multipart([b"", b"\xff" * 8])  # sequences past any buffer, unsigned or longer
+        flooder.send_multipart([b"", b"\x7f" * 100])
+        assert read_answers(flooder, 3) == [[], [], []] and publisher.replays_limited == 56
+        clock.now += 1.0  # two more tokens
+        for since in (5, 10, 0):
+            flooder.send_multipart([b"", since.to_bytes(8, "big")])
+        assert read_answers(flooder, 3) == [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], []]
+        publisher.max_replay_bytes = 1  # the byte bound: one batch a reply, never none
+        clock.now += 1.0
+        flooder.send_multipart([b"", (7).to_bytes(8, "big")])
+        assert read_answers(flooder, 1) == [[7]]
+    finally:
+        flooder.close(linger=0)
+        live.close(linger=0)
+        ctx.term()
+        publisher.close()

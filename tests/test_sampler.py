@@ -230,3 +230,139 @@ def test_a_spent_thinking_budget_forces_the_end_of_thinking_and_nothing_else() -
     early = {7: 100.0, plain[0]: -100.0}  # the thinking ends at once
     assert run(SamplingParams(**{**vars(budgeted), "logit_bias": early}))[0] == \
         run(SamplingParams(**{**vars(free), "logit_bias": early}))[0]
+
+
+# ---- logprobs under masks ---------------------------------------------------------------------------------------
+def run_collecting_samples(engine, requests: list[Request]) -> dict[str, list]:
+    """Step `requests` to completion → each one's samples (what the front end turns into logprobs)."""
+    samples: dict[str, list] = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            samples[out.request_id].extend(out.samples)
+    return samples
+
+
+def allowed_tokens(bitmask) -> set[int]:
+    import numpy as np
+
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_logprobs_under_a_json_schema_grammar_are_finite_and_only_of_allowed_tokens():
+    """A grammar bars most of the vocabulary (−inf): the alternatives it bars are not listed (fewer than
+    asked may come back), the chosen token's logprob is finite, and what is listed is what the grammar
+    allows at that step, greedy and drawn alike. The unmasked run still lists as many as asked."""
+    import json
+
+    from v4serve.engine.request import GrammarSpec
+    from v4serve.server.text.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema), "response_format")
+    engine = engine_for(small_model(), tokenizer_json=tokenizer.vocabulary_json())
+    prompt = tokens(12, 3)
+    requests = [Request("greedy", list(prompt), SamplingParams(max_tokens=40, logprobs=2, grammar=spec)),
+                Request("drawn", list(prompt), SamplingParams(max_tokens=40, logprobs=5, temperature=1.0, seed=4,
+                                                              grammar=spec)),
+                Request("free", list(prompt), SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))]
+    samples = run_collecting_samples(engine, requests)
+    for r in requests[:2]:
+        assert r.finish_reason == "stop"
+        json.loads(tokenizer.decode(r.output_token_ids))  # the grammar held (and ended the request)
+        check = engine.grammar_matcher(spec)
+        assert len(samples[r.request_id]) == len(r.output_token_ids)
+        fewer = 0
+        for s in samples[r.request_id]:
+            allowed = allowed_tokens(check.allowed_bitmask())
+            assert s.token in allowed and math.isfinite(s.logprob)
+            assert all(math.isfinite(lp) for _, lp in s.top), s.top
+            assert {t for t, _ in s.top} <= allowed, (s.top, allowed)
+            assert len(s.top) == min(r.sampling.logprobs, len(allowed))
+            fewer += len(s.top) < r.sampling.logprobs
+            check.accept(s.token)
+        assert fewer > 0  # some steps allowed fewer tokens than were asked for
+    assert all(len(s.top) == 3 and all(math.isfinite(lp) for _, lp in s.top) for s in samples["free"])
+
+
+def test_a_row_with_every_token_barred_fails_alone_without_non_finite_logprobs():
+    """logit_bias −inf on the one token a spent thinking budget allows: nothing can be drawn, so that
+    request fails (no NaN logprob is made up for it) and the others in the batch go on."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    barred = req(logprobs=2, thinking_budget=0, thinking_end_token=7, logit_bias={7: float("-inf")})
+    fine = req(logprobs=2, logit_bias={3: float("-inf")})
+    bad, good = Sampler().sample_rows([barred, fine], logits)
+    assert isinstance(bad, ValueError) and "barred" in str(bad)
+    assert math.isfinite(good.logprob) and len(good.top) == 2 and all(math.isfinite(lp) for _, lp in good.top)
+    single = Sampler().sample(req(logprobs=VOCAB, logit_bias={3: float("-inf"), 9: float("-inf")}), logits[0])
+    assert len(single.top) == VOCAB - 2 and {3, 9}.isdisjoint(t for t, _ in single.top)
+
+
+def test_prompt_logprobs_list_no_non_finite_alternative_and_refuse_a_non_finite_one():
+    """Prompt logprobs come from the raw logits: a −inf there (a broken model) is not listed as an
+    alternative, and a prompt token whose own logprob is not finite fails the request, not the reply."""
+    import pytest
+
+    from v4serve.engine.sampler import NonFiniteLogits
+
+    engine = engine_for(small_model())
+    rows = torch.zeros(2, VOCAB)
+    rows[:, 5:] = float("-inf")  # five tokens left; prompt token 3 among them
+    r = Request("p", [1, 3, 9], SamplingParams(prompt_logprobs=8))
+    engine._record_prompt_logprobs(r, 0, rows[:1])
+    entry = r.prompt_logprobs[1]
+    assert entry.token == 3 and math.isclose(entry.logprob, -math.log(5), rel_tol=1e-6)
+    assert sorted(t for t, _ in entry.top) == [0, 1, 2, 3, 4]
+    with pytest.raises(NonFiniteLogits):  # prompt token 9 is −inf
+        engine._record_prompt_logprobs(r, 1, rows[1:])
+
+
+# ---- seeded choices ------------------------------------------------------------------------------------------------
+def seeded_choices(seeds: range, n: int, max_tokens: int = 8) -> dict[tuple[int, int], list[int]]:
+    """Each (seed, choice index)'s tokens, as the front end asks for n choices: the client's seed on
+    every choice, its index beside it; drawn at temperature 1 on one engine."""
+    prompt = tokens(10, 4)
+    requests = {(s, j): Request(f"s{s}-c{j}", list(prompt), SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, seed=s, choice_index=j, ignore_eos=True))
+        for s in seeds for j in range(n)}
+    engine_for(small_model(), max_num_seqs=16).generate(list(requests.values()))
+    return {key: r.output_token_ids for key, r in requests.items()}
+
+
+def test_seeded_choices_draw_independent_streams_and_choice_zero_is_the_seed_alone():
+    """n = 16 over seeds 5..8: the 64 outputs differ (with seed + index, seed s's choice j was seed
+    s + 1's choice j − 1); choice 0 is the n = 1 request with that seed; the same seeds again give the
+    same outputs."""
+    got = seeded_choices(range(5, 9), 16)
+    assert len({tuple(t) for t in got.values()}) == len(got) == 64
+    for s in range(5, 8):
+        for j in range(1, 16):
+            assert got[s, j] != got[s + 1, j - 1], (s, j)
+    alone = Request("alone", tokens(10, 4), SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True))
+    assert engine_for(small_model()).generate([alone])["alone"] == got[6, 0]
+    assert seeded_choices(range(5, 9), 16) == got
+
+
+def test_choice_seeds_are_checked_and_choice_zero_keeps_the_seed():
+    import pytest
+
+    from v4serve.engine.request import MAX_SEED, RequestError, choice_seed
+
+    assert choice_seed(MAX_SEED, 0) == MAX_SEED and choice_seed(5, 0) == 5
+    derived = {choice_seed(s, j) for s in range(50) for j in range(1, 17)}
+    assert len(derived) == 50 * 16 and all(0 <= d <= MAX_SEED for d in derived)
+    assert derived.isdisjoint(range(100))  # never another small client seed
+    engine = engine_for(small_model())
+    engine.add_request(Request("top", [1, 2], SamplingParams(seed=MAX_SEED, choice_index=15, temperature=1.0)))
+    for bad, param in (({"seed": MAX_SEED + 1}, "seed"), ({"seed": -1}, "seed"), ({"choice_index": -1}, "n")):
+        with pytest.raises(RequestError) as err:
+            engine.add_request(Request("bad", [1, 2], SamplingParams(**bad)))
+        assert err.value.param == param
+        if param == "seed":  # the seed is checked as the client sent it: no index is added to it any more
+            assert "choice index" not in str(err.value)

@@ -42,11 +42,15 @@ def text(resp: httpx.Response) -> str:
 
 def test_keys_files_parse_with_clear_errors() -> None:
     assert parse_keys("# tenants\nk1 acme\n\n  k2 acme  # second key\nk3 globex\n") == \
-        {"k1": "acme", "k2": "acme", "k3": "globex"}
+        {b"k1": "acme", b"k2": "acme", b"k3": "globex"}
+    # Read as bytes: a comment in another encoding is a comment.
+    assert parse_keys(b"# caf\xe9 team\nk1 acme # \xff\xfe\n") == {b"k1": "acme"}
     for bad, says in (("k1\n", "line 1: expected 'KEY TENANT', got 1 fields"),
                       ("k1 a\nk2 b c\n", "line 2: expected 'KEY TENANT', got 3 fields"),
                       ("k1 a\nk1 b\n", "line 2: this key is already given to tenant 'a'"),
-                      ("k1 {evil}\n", "line 1: tenant '{evil}' must be")):
+                      ("k1 {evil}\n", "line 1: tenant '{evil}' must be"),
+                      (b"k\xe9y acme\n", "line 1: a key must be 1-512 visible ASCII characters"),
+                      (b"k1 acme\n\x00\x01\x02 \xff\n", "line 2: a key must be")):
         with pytest.raises(KeysFileError, match=says.replace("(", r"\(").replace("{", r"\{")):
             parse_keys(bad)
     # A tenant's scope can never be spelled by a raw salt of another scope: the scoped form is JSON of three.

@@ -20,14 +20,28 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from v4serve.engine.engine import LLMEngine, RequestOutput
+from v4serve.engine.engine import EngineUnhealthy, LLMEngine, RequestOutput
 from v4serve.engine.process.client import EngineDead, EngineOverloaded, TokenOutput, check_requests
-from v4serve.engine.request import Request, RequestError
+from v4serve.engine.request import GrammarSpec, Request, RequestError
 from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
+
+
+# Threads that compile grammars before their requests join the engine (each compile holds one).
+GRAMMAR_COMPILERS = 2
+
+
+def public_reason(exc: BaseException) -> str:
+    """What clients (and the unauthenticated /health) may read of an engine failure: the message of
+    the engine's own errors, only the kind of anything else (its text stays in the log: it can hold
+    anything)."""
+    if isinstance(exc, (EngineDead, EngineOverloaded, EngineUnhealthy, RequestError)):
+        return str(exc)
+    return f"{type(exc).__name__} (the engine's log has the detail)"
 
 __all__ = ["AsyncEngine", "EngineDead", "EngineOverloaded", "TokenOutput"]
 
@@ -54,6 +68,10 @@ class AsyncEngine:
         self._choices: dict[str, _Choice] = {}
         self._deferred: dict[str, list[_Choice]] = {}  # parent id → siblings waiting for its prefill
         self._held_back: dict[str, _Choice] = {}  # siblings whose turn came while held: they start when resumed
+        # Grammars compile off the engine thread before their requests join it (`_compile_then_add`).
+        self._compilers = ThreadPoolExecutor(GRAMMAR_COMPILERS, thread_name_prefix="v4serve-engine-grammar")
+        self._compiling: set[str] = set()  # first choices' ids whose grammar is compiling
+        self._gone: set[str] = set()  # of those, the ones aborted meanwhile
         self._lock = threading.Lock()
         self._pending = 0  # choices submitted that the loop has not yet counted in a snapshot
         self.accepted = 0  # choices the loop has taken so far, counted in the snapshots from then on
@@ -76,6 +94,7 @@ class AsyncEngine:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._compilers.shutdown(wait=False, cancel_futures=True)
         self._commands.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -95,7 +114,7 @@ class AsyncEngine:
         if self._closing:
             return "the server is shutting down"
         if self.error is not None:
-            return f"the engine loop has stopped: {self.error}"
+            return f"the engine loop has stopped: {public_reason(self.error)}"
         return None if self.alive else "the engine loop is not running"
 
     def begin_shutdown(self, timeout: float) -> None:
@@ -133,17 +152,55 @@ class AsyncEngine:
         choices = [_Choice(r, i, sink) for i, r in enumerate(requests)]
 
         def not_started(exc: BaseException) -> None:
+            why = f"engine stopped: {public_reason(exc)}"
             for c in choices:
-                c.sink(TokenOutput(c.index, finished=True, finish_reason="error", error=f"engine stopped: {exc}"))
+                c.sink(TokenOutput(c.index, finished=True, finish_reason="error", error=why))
 
         with self._lock:
             self._pending += len(choices)
+        grammar = requests[0].sampling.grammar
         try:
-            self._submit(lambda: self._add(choices), not_started)
-        except EngineDead:
+            if grammar is not None and not self.engine.grammar_compiled(grammar):
+                self._reserve_compile(requests[0].request_id)
+                self._compilers.submit(self._compile_then_add, grammar, choices, not_started)
+            else:
+                self._submit(lambda: self._add(choices), not_started)
+        except (EngineDead, RuntimeError):  # RuntimeError: the compilers are shut down
             with self._lock:
                 self._pending -= len(choices)
-            raise
+            raise EngineDead(self.unavailable_reason() or "the engine loop is not running") from None
+
+    def _reserve_compile(self, request_id: str) -> None:
+        with self._lock:
+            self._compiling.add(request_id)
+
+    def _compile_then_add(self, grammar: GrammarSpec, choices: list[_Choice],
+                          not_started: Callable[[BaseException], None]) -> None:
+        """On a compiler thread: a grammar can take seconds to compile (a schema of thousands of
+        properties), and compiled on the engine thread it would stop every running request's steps
+        meanwhile. So it compiles here first; the choices then join the engine (or fail, or, if their
+        client went meanwhile, end as aborted)."""
+        error: Exception | None = None
+        try:
+            self.engine.check_grammar(grammar)
+        except Exception as exc:  # noqa: BLE001 - reported as the request's error on the engine thread
+            error = exc
+        first = choices[0].request.request_id
+
+        def join() -> None:
+            with self._lock:
+                self._compiling.discard(first)
+                gone = first in self._gone
+                self._gone.discard(first)
+            if gone or error is not None:
+                self._refuse(choices, "abort" if gone else "error", None if gone else error)
+            else:
+                self._add(choices)
+
+        try:
+            self._submit(join, not_started)
+        except EngineDead as exc:
+            not_started(exc)
 
     def check(self, requests: list[Request]) -> None:
         """Raise now (before any response bytes are sent) if these requests cannot be served:
@@ -195,7 +252,7 @@ class AsyncEngine:
             else:
                 done(result, None)
 
-        self._submit(run, lambda exc: done(None, EngineDead(f"the engine loop has stopped: {exc}")))
+        self._submit(run, lambda exc: done(None, EngineDead(f"the engine loop has stopped: {public_reason(exc)}")))
 
     def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
         """Run fn(engine) on the engine thread between steps (e.g. reset the prefix cache)."""
@@ -248,13 +305,13 @@ class AsyncEngine:
         except BaseException as exc:  # the loop is dead: fail every open stream, report via /health
             log.exception("engine loop died")
             self.error = exc
-            self._end(exc, f"engine failure: {exc}")
+            self._end(exc, f"engine failure: {public_reason(exc)}")
         else:
             self._end(EngineDead("the server is shutting down"), "the server is shutting down")
         self._last_publish()
         if self.error is not None:
             for callback in self._death_callbacks:
-                callback(f"the engine loop has stopped: {self.error}")
+                callback(f"the engine loop has stopped: {public_reason(self.error)}")
 
     def _last_publish(self) -> None:
         """Hand out what the end produced (every open choice's error output) with a last snapshot."""
@@ -309,6 +366,13 @@ class AsyncEngine:
         if self._on_publish is not None:
             self._on_publish(stats)
 
+    def _refuse(self, choices: list[_Choice], reason: str, error: Exception | None) -> None:
+        param = error.param if isinstance(error, RequestError) else None
+        for c in choices:
+            c.sink(TokenOutput(c.index, finished=True, finish_reason=reason,
+                               error=None if error is None else public_reason(error), error_param=param))
+        self._publish(added=len(choices))
+
     def _add(self, choices: list[_Choice]) -> None:
         first, rest = choices[0], choices[1:]
         self.accepted += len(choices)
@@ -327,12 +391,14 @@ class AsyncEngine:
         except Exception as exc:  # this request cannot start; the others are untouched
             if not isinstance(exc, RequestError):
                 log.exception("request %s could not be added", choice.request.request_id)
-            choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error", error=str(exc)))
+            choice.sink(TokenOutput(choice.index, finished=True, finish_reason="error", error=public_reason(exc)))
             return False
         self._choices[choice.request.request_id] = choice
         return True
 
     def _abort(self, request_ids: list[str]) -> None:
+        with self._lock:  # still compiling their grammar: they end once it is compiled
+            self._gone.update(rid for rid in request_ids if rid in self._compiling)
         for rid in request_ids:
             for choice in (self._choices.pop(rid, None), self._held_back.pop(rid, None), *self._deferred.pop(rid, [])):
                 if choice is None:

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from v4serve.engine.engine import LLMEngine
-from v4serve.engine.process.async_engine import AsyncEngine, TokenOutput
+from v4serve.engine.process.async_engine import AsyncEngine, TokenOutput, public_reason
 from v4serve.engine.process.client import EngineDead
 from v4serve.engine.process.ipc import (
     PROCESS_NAME,
@@ -199,7 +199,9 @@ class EngineCore:
 
     def _command(self, command: Command) -> None:
         def done(value: object, error: BaseException | None) -> None:
-            text = None if error is None else (str(error) if isinstance(error, EngineDead) else repr(error))
+            text = None if error is None else public_reason(error)
+            if error is not None and not isinstance(error, EngineDead):
+                log.error("engine command %s failed", command.name, exc_info=error)
             self._results.append(CommandResult(command.id, None if error else value, text))
 
         fn = COMMANDS.get(command.name)

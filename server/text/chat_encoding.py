@@ -121,7 +121,7 @@ def encode_messages(
     """
     if reasoning_effort not in _REASONING_EFFORTS:
         allowed = ", ".join(str(e) for e in _REASONING_EFFORTS[1:])
-        raise ValueError(f"reasoning_effort must be one of {allowed}; got {reasoning_effort!r}")
+        raise ValueError(f"reasoning_effort must be one of {allowed}; got {repr(reasoning_effort)[:64]}")
     turns = _merge_user_turns([_parse_message(i, m) for i, m in enumerate(messages)])
     if not turns and not tools:
         raise ValueError("messages must not be empty")
@@ -288,7 +288,7 @@ def _text_part(part: Any, where: str) -> str:
     if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-    raise ValueError(f"{where}: unsupported content part {kind!r}; only text parts are supported")
+    raise ValueError(f"{where}: unsupported content part {repr(kind)[:64]}; only text parts are supported")
 
 
 def _optional_str(value: Any, where: str) -> str | None:
