@@ -19,7 +19,15 @@ ARGS ?=
 # then 756 s against 761 s with two: within this machine's noise, so not worth the extra contention.)
 TEST_WORKERS ?= auto
 
-.PHONY: install gpu serve test lint bench clean prometheus
+# The agent CLIs tests/test_agent_clis.py runs against a daemon, pinned (a new release changes what
+# they send): Claude Code, Codex and opencode from npm (each ships a native binary), aider from PyPI in
+# its own environment (it pins its own openai and litellm). About 1.9 GB, in .agents/.
+AGENTS := .agents
+AGENT_NPM ?= @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33
+AIDER_SPEC ?= aider-chat==0.86.2
+AGENTS_STAMP := $(AGENTS)/.installed-$(shell printf '%s' '$(AGENT_NPM) $(AIDER_SPEC)' | cksum | cut -d' ' -f1)
+
+.PHONY: install gpu serve test lint bench clean prometheus agents
 
 $(TORCH_STAMP):
 	@test -x $(PY) || { echo "==> creating $(VENV) (a virtual environment for everything below)"; $(PYTHON) -m venv $(VENV); }
@@ -65,13 +73,28 @@ prometheus:
 	    || echo "could not install prometheus: tests/test_prometheus.py will skip"; \
 	  else echo "prometheus is not installed and apt-get cannot run as root here: tests/test_prometheus.py will skip"; fi; }
 
+# Without npm (Node.js) the npm CLIs are not installed and their tests skip, naming why; a failed
+# install stops here.
+$(AGENTS_STAMP):
+	@rm -f $(AGENTS)/.installed-*
+	@if command -v npm >/dev/null 2>&1; then \
+	  echo "==> installing the agent CLIs for tests/test_agent_clis.py: $(AGENT_NPM) ..."; \
+	  npm install --prefix $(AGENTS)/npm --no-audit --no-fund --loglevel=error $(AGENT_NPM) >/dev/null || exit 1; \
+	else echo "npm (Node.js) is not installed: the Claude Code, Codex and opencode tests will skip"; fi
+	@echo "==> installing $(AIDER_SPEC) in $(AGENTS)/aider (its own environment) ..."
+	@test -x $(AGENTS)/aider/bin/python || $(PYTHON) -m venv $(AGENTS)/aider
+	@$(AGENTS)/aider/bin/python -m pip install -qq --disable-pip-version-check $(AIDER_SPEC)
+	@touch $@
+
+agents: $(AGENTS_STAMP)
+
 serve: $(STAMP)
 	$(VENV)/bin/v4serve serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint prometheus
+test: $(STAMP) lint prometheus agents
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 bench: $(STAMP)
@@ -88,4 +111,4 @@ bench: $(STAMP)
 	$(PY) bench/bench_weights.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AGENTS) *.egg-info .pytest_cache .ruff_cache

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -16,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.process.client import EngineClient
 from v4serve.server import chat, completions, jobs, responses
-from v4serve.server.body import BodyLimit, body_schema, install_openapi, parse_body
+from v4serve.server.body import BodyLimit, IgnoredFieldsHeader, body_schema, install_openapi, parse_body
 from v4serve.server.connections import RequestCap
 from v4serve.server.errors import ApiError, echo, error_json, error_responses, install_error_handlers
 from v4serve.server.generation import FrontEnd, ServerConfig
@@ -96,6 +97,17 @@ class BrowserGuard:
         return "*" in self.allowed or origin in self.allowed or (bool(host) and urlsplit(origin).netloc == host)
 
 
+def speaks_anthropic(raw: Request) -> bool:
+    """Anthropic's clients send `anthropic-version` (the SDKs) or their key as `x-api-key`."""
+    return "anthropic-version" in raw.headers or "x-api-key" in raw.headers
+
+
+def anthropic_card(name: str, created: int) -> dict[str, Any]:
+    """A model as Anthropic's `/v1/models` lists it."""
+    stamp = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+
+
 def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics,
               prep: Preprocessor | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -119,6 +131,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
                           MessagesRequest, CountTokensRequest, ResponsesRequest])
     # Added last, so it runs first: a refused key costs nothing, an oversized body is never read.
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(Authenticate, keys=config.keys, protect_metrics=config.protect_metrics)
     app.add_middleware(BrowserGuard, allowed_origins=config.allowed_origins, metrics=metrics)
@@ -178,12 +191,17 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         return {"id": response_id, "object": "response", "deleted": True}
 
     @api_route(app, "GET", "/models", responses=error_responses(401))
-    async def models() -> dict[str, Any]:
+    async def models(raw: Request) -> dict[str, Any]:
+        """OpenAI's list, or Anthropic's when the caller speaks Anthropic (`anthropic-version` or `x-api-key`)."""
+        if speaks_anthropic(raw):
+            listed = [anthropic_card(name, config.created) for name in cards]
+            return {"data": listed, "has_more": False, "first_id": listed[0]["id"], "last_id": listed[-1]["id"]}
         return {"object": "list", "data": list(cards.values())}
 
     @api_route(app, "GET", "/models/{model_id:path}", responses=error_responses(401, 404))
-    async def model(model_id: str) -> dict[str, Any]:
-        return cards[front.check_model(model_id)]
+    async def model(model_id: str, raw: Request) -> dict[str, Any]:
+        name = front.check_model(model_id)
+        return anthropic_card(name, config.created) if speaks_anthropic(raw) else cards[name]
 
     @app.get("/health", responses=error_responses(503))
     async def health() -> Response:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -18,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, BodyTooLarge, ClientGone, validation_message
+from v4serve.server.protocol import validation_context
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -111,9 +114,9 @@ MAX_JSON_CONTAINERS = 16384
 _SCAN_FROM_BYTES = MAX_JSON_CONTAINERS * 2
 
 
-def _validate(model: type[M], data: bytes) -> M:
+def _validate(model: type[M], data: bytes, context: dict[str, Any]) -> M:
     # Strict, as OpenAI's API: `"max_tokens": true` or `"n": "2"` is a 400, not 1 and 2.
-    return model.model_validate_json(data, strict=True)
+    return model.model_validate_json(data, strict=True, context=context)
 
 
 async def _check_containers(raw: Request, data: bytes) -> None:
@@ -143,11 +146,66 @@ async def parse_body(raw: Request, model: type[M]) -> M:
         raise ApiError(415, f"request bodies must be sent as Content-Type: application/json, got "
                             f"{media_type or 'no content type'}", code="unsupported_media_type")
     await _check_containers(raw, data)
+    context = validation_context(raw.app.state.front.config.unknown_fields)
     try:
-        return await asyncio.to_thread(_validate, model, data)
+        body = await asyncio.to_thread(_validate, model, data, context)
     except ValidationError as exc:
         message, param = validation_message(exc)
+        unread = context["ignored"] or _unknown_top_level(model, data)
+        if unread:  # `{"text": ...}` for `prompt`, a misspelt field: say which of the sent fields went unread
+            message += f" (unknown fields were ignored: {', '.join(unread[:8])[:200]})"
+            param = param or unread[0]
         raise ApiError(400, message, param=param) from None
+    if context["ignored"]:
+        raw.state.ignored_fields = context["ignored"]
+    return body
+
+
+def _unknown_top_level(model: type[BaseModel], data: bytes) -> list[str]:
+    """The body's top-level names the model does not define (only a refused body gets here: a model's
+    own check names them in the context once its fields are valid)."""
+    try:
+        sent = json.loads(data)
+    except ValueError:
+        return []
+    known = {name for n, f in model.model_fields.items() for name in (n, f.alias) if name}
+    return [ascii(k)[1:-1][:64] for k in sent if k not in known][:16] if isinstance(sent, dict) else []
+
+
+IGNORED_FIELDS_HEADER = b"x-v4serve-ignored-fields"
+
+
+class IgnoredFieldsHeader:
+    """Plain ASGI middleware: a reply to a request whose unknown fields were dropped names them in the
+    `x-v4serve-ignored-fields` header (the body was parsed before the reply starts, streamed or not)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Any) -> None:
+            ignored = scope.get("state", {}).get("ignored_fields")
+            if message["type"] == "http.response.start" and ignored:
+                value = header_value(ignored)
+                message = {**message, "headers": [*message.get("headers", []), (IGNORED_FIELDS_HEADER, value)]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+def header_value(names: list[str]) -> bytes:
+    """The names as one header value, at most 1 KiB: a name is anything a client sent, so one that is
+    not plain (empty, spaces, control or non-ASCII characters: a CR would end the reply before it
+    starts) is written as an ASCII JSON string."""
+    shown = (n if _PLAIN_NAME.fullmatch(n) else json.dumps(n) for n in names)
+    return ", ".join(shown).encode("ascii")[:1024].rstrip(b", ")
+
+
+_PLAIN_NAME = re.compile(r"[\w.\[\]-]+", re.ASCII)
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from v4serve.server import jobs
-from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, sse, stream_chunker, usage
+from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, paced, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
@@ -44,7 +44,9 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     if body.stream:
         chunk = stream_chunker(rid, "chat.completion.chunk", created, model,
                                body.stream_options, lambda: [generation.usage()])
-        return sse(_stream(front, chunk, generation, body.logprobs, body.include_reasoning))
+        events = _stream(front, chunk, generation, body.logprobs, body.include_reasoning)
+        return sse(paced(events, front.config.stream_keepalive,
+                         lambda: chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}])))
     per_choice = await front.collect(generation, raw)
     reasoning = thinking and body.include_reasoning  # the model reasons either way; the reply may leave it out
     choices = Lazy(_choice(front, i, deltas, reasoning, body.logprobs) for i, deltas in enumerate(per_choice))

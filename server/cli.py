@@ -115,6 +115,12 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                                   "a costly request cannot stall the front end (default 2; 0: a thread of it)"),
     ("--max-preprocess-seconds", float, "CPU seconds one request's preprocessing may take in a worker before it "
                                         "is refused with a 400 (default 10)"),
+    ("--unknown-fields", str, "accept (default) or refuse: a request field no API defines is dropped, logged once "
+                              "and named in the reply's x-v4serve-ignored-fields header, or refused with a 400 "
+                              "(fields v4serve knows are honoured, listed as ignored, or refused by value)"),
+    ("--stream-keepalive", float, "seconds a stream may go without an event while its request waits or prefills "
+                                  "before the API's own keep-alive is sent (Messages ping, Responses in_progress, "
+                                  "an empty chat/completions chunk) (default 10)"),
     ("--allowed-origins", str, "comma-separated web origins (https://app.example.com) whose pages may call the "
                                "API, or '*' (CORS); other pages' POSTs get 403"),
     ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, failure_message
-from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, sse, stream_chunker, usage
+from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, paced, sse, stream_chunker, usage
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import CompletionRequest
 from v4serve.server.text.output import Delta
@@ -47,7 +47,8 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     if body.stream:
         chunk = stream_chunker(rid, "text_completion", created, model, body.stream_options,
                                lambda: [g.usage() for g in generations])
-        return sse(_stream(front, chunk, generations, body))
+        return sse(paced(_stream(front, chunk, generations, body), front.config.stream_keepalive,
+                         lambda: chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}])))
     results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
     choices = Lazy(_choice(front, p * body.n + j, generation, j, deltas, body)
                    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True))

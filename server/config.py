@@ -93,6 +93,8 @@ class ServeConfig:
     responses_store_bytes: int = 256 << 20  # stored Responses API responses, all counted (metadata, tools, ...)
     preprocess_workers: int = 2  # processes that render, tokenize and check tools (0: a thread of the front end)
     max_preprocess_seconds: float = 10.0  # CPU seconds one request's preprocessing may take, in a worker
+    unknown_fields: str = "accept"  # a field no API defines: accept (dropped, logged, named in a header) or refuse
+    stream_keepalive: float = 10.0  # seconds a stream may go without an event before a keep-alive is sent
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
     max_connections: int = 2048
@@ -168,9 +170,11 @@ class ServeConfig:
         self.kv_events  # noqa: B018 - and this
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes", "responses_store_bytes",
-                     "max_preprocess_seconds"):
+                     "max_preprocess_seconds", "stream_keepalive"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.unknown_fields not in ("accept", "refuse"):
+            raise ValueError(f"--unknown-fields must be accept or refuse, got {self.unknown_fields!r}")
         if self.preprocess_workers < 0:
             raise ValueError(f"--preprocess-workers must be 0 or more, got {self.preprocess_workers}")
         if self.max_request_tokens is not None and self.max_request_tokens <= 0:

@@ -97,6 +97,8 @@ def validation_message(exc: RequestValidationError | ValidationError) -> tuple[s
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "unknown_field":  # raised by the model holding it: its name is in the context
+        loc.append(str((first.get("ctx") or {}).get("field", "")))
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":  # also invalid UTF-8 and lone surrogates

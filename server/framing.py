@@ -3,6 +3,7 @@ event, the final `[DONE]`, and the usage block; and whole JSON replies written p
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -36,9 +37,39 @@ def error_event(message: str, param: str | None = None) -> str:
     return event(error_json(message, "server_error", code="generation_failed"))
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(_guarded(events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(_guarded(events), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[], str]) -> AsyncIterator[str]:
+    """`events`, and `keepalive()` whenever `every` seconds pass without one: a request that waits or
+    prefills for minutes sends nothing else, and agent clients abort a stream idle for a few minutes
+    (Claude Code's watchdog, Codex's idle timeout, which SSE comments do not reset: hence each API's own
+    event). Closing this (the client went away) closes `events`, which aborts the work."""
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield keepalive()
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -64,6 +64,8 @@ class ServerConfig:
     max_requests: int = 2048  # requests running at once (--max-connections); the probes are always answered
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long
+    unknown_fields: str = "accept"  # a field no request model defines: accept (dropped, named) or refuse
+    stream_keepalive: float = 10.0  # seconds a stream goes without an event before a keep-alive is sent
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
     version_info: dict[str, str | bool | int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when the daemon started

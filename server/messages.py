@@ -16,18 +16,27 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from v4serve.server import jobs
 from v4serve.server.body import parse_body
 from v4serve.server.errors import ApiError, as_api_error, failure_message, validation_message
-from v4serve.server.framing import PromptUsage, typed_event
+from v4serve.server.framing import SSE_HEADERS, PromptUsage, paced, typed_event
 from v4serve.server.generation import FrontEnd, Generation
-from v4serve.server.protocol import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS, SamplingFields, ignored
+from v4serve.server.protocol import (
+    MAX_MESSAGES,
+    MAX_STOPS,
+    MAX_TOOLS,
+    Fields,
+    SamplingFields,
+    ignored,
+    note_once,
+    validation_context,
+)
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
 
@@ -35,18 +44,16 @@ CACHE_CONTROL = ("prompt caching is automatic: every prefix is cached without ma
                  "a marked request's prefix is treated as hot from its first request)")
 
 
-class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextBlock(Fields):
+    where: ClassVar[str] = "content[]."
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
     citations: list[Any] | None = ignored("a reply field, sent back with earlier assistant turns")
 
 
-class ToolUseBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolUseBlock(Fields):
+    where: ClassVar[str] = "content[]."
     type: Literal["tool_use"]
     id: str
     name: str
@@ -54,9 +61,8 @@ class ToolUseBlock(BaseModel):
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
 
 
-class ToolResultBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolResultBlock(Fields):
+    where: ClassVar[str] = "content[]."
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
@@ -64,9 +70,8 @@ class ToolResultBlock(BaseModel):
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
 
 
-class ThinkingBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ThinkingBlock(Fields):
+    where: ClassVar[str] = "content[]."
     type: Literal["thinking"]
     thinking: str
     signature: str | None = ignored("v4serve's thinking is plain text; nothing to verify")
@@ -75,57 +80,105 @@ class ThinkingBlock(BaseModel):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
-
-
-class AnthropicTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class AnthropicTool(Fields):
+    where: ClassVar[str] = "tools[]."
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
     type: Literal["custom"] | None = None
+    # A deferred tool is not shown to the model until the client loads it (its tool search): honoured by
+    # leaving it out of the prompt.
+    defer_loading: bool = False
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
 
 
-class AnthropicToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ServerTool(BaseModel):
+    """A tool of one of Anthropic's own types (`web_search_20250305`, `bash_20250124`, ...): run by
+    Anthropic's servers or defined by its schemas, never by this model. Dropped from the prompt, with a
+    log line; its settings are not read."""
 
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+
+
+def _tool_kind(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return "custom" if kind in (None, "custom") else "server"
+
+
+Tool = Annotated[Annotated[AnthropicTool, Tag("custom")] | Annotated[ServerTool, Tag("server")],
+                 Discriminator(_tool_kind)]
+
+
+class AnthropicToolChoice(Fields):
+    where: ClassVar[str] = "tool_choice."
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class ThinkingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ThinkingConfig(Fields):
+    where: ClassVar[str] = "thinking."
     type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(None, ge=1)
     display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks come back empty
 
 
-class OutputFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class OutputFormat(Fields):
+    where: ClassVar[str] = "output_config.format."
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(..., alias="schema")
 
 
-class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class OutputConfig(Fields):
+    where: ClassVar[str] = "output_config."
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
 
-class MessagesRequest(BaseModel):
-    """Anthropic's request; anything else is a 400 (nothing silently dropped)."""
+class AnthropicMessage(Fields):
+    where: ClassVar[str] = "messages[]."
+    # A system turn inside the conversation is rendered as V4 renders a system prompt, at that place.
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+    # A turn's own settings (Claude Code's per-turn control): its effort holds from that turn on.
+    output_config: OutputConfig | None = None
 
-    model_config = ConfigDict(extra="forbid")
+
+class ClearThinking(Fields):
+    """`context_management` edit `clear_thinking_20251015`: the thinking of earlier assistant turns is
+    dropped from the prompt, all but the last `keep` turns' (`"all"`: nothing dropped)."""
+
+    where: ClassVar[str] = "context_management.edits[]."
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | dict[str, Any] | None = None
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v: Any) -> Any:
+        value = v.get("value") if isinstance(v, dict) else None
+        if isinstance(v, dict) and (v.get("type") != "thinking_turns" or isinstance(value, bool)
+                                    or not isinstance(value, int) or value < 1):
+            raise ValueError('keep must be "all" or {"type": "thinking_turns", "value": N} with N >= 1')
+        return v
+
+    def turns_kept(self) -> int | None:
+        """Assistant turns whose thinking stays (None: all of them); Anthropic's default is one."""
+        if self.keep == "all":
+            return None
+        return 1 if self.keep is None else int(self.keep["value"])
+
+
+class ContextManagement(Fields):
+    where: ClassVar[str] = "context_management."
+    edits: list[ClearThinking] = Field(default_factory=list, max_length=8)
+
+
+class MessagesRequest(Fields):
+    """Anthropic's request: every field honoured, listed as ignored, or refused (see `Fields` for
+    unknown ones)."""
 
     model: str
     max_tokens: int = Field(..., ge=1)
@@ -136,10 +189,11 @@ class MessagesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     metadata: dict[str, Any] | None = ignored("an end-user id for the provider's abuse monitoring")
     service_tier: str | None = ignored("v4serve has one service tier")
     speed: str | None = ignored("v4serve has one speed")
@@ -148,15 +202,15 @@ class MessagesRequest(BaseModel):
     swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
 
 
-class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CountTokensRequest(Fields):
     model: str
     messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
-    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None  # its effort can add V4's maximum-effort instruction
+    context_management: ContextManagement | None = None
 
 
 # ---- errors in Anthropic's shape --------------------------------------------------------------------------
@@ -180,13 +234,20 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicMessage],
+                 context: ContextManagement | None = None) -> list[dict[str, Any]]:
     """Anthropic's turns as the chat endpoint's messages (DeepSeek-V4's prompt is written from those)."""
     out: list[dict[str, Any]] = [{"role": "system", "content": _text(system)}] if system else []
     for message in messages:
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         if message.role == "assistant":
             out.append(_assistant(blocks))
+            continue
+        if message.role == "system":
+            if any(not isinstance(b, TextBlock) for b in blocks):
+                raise ApiError(400, "a system turn holds only text blocks", param="messages")
+            if any(b.text for b in blocks):
+                out.append({"role": "system", "content": _text(blocks)})
             continue
         text: list[str] = []
         for block in blocks:
@@ -200,7 +261,27 @@ def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicM
                 raise ApiError(400, f"a user turn cannot hold a {block.type} block", param="messages")
         if text:
             out.append({"role": "user", "content": "".join(text)})
+    for edit in context.edits if context else []:
+        _clear_thinking(out, edit.turns_kept())
     return out
+
+
+def _clear_thinking(turns: list[dict[str, Any]], kept: int | None) -> None:
+    """Drop the thinking of all but the last `kept` assistant turns that have some."""
+    thinking = [t for t in turns if t["role"] == "assistant" and t.get("reasoning_content")]
+    for turn in thinking[:len(thinking) - kept] if kept is not None else []:
+        del turn["reasoning_content"]
+
+
+def effort(body: MessagesRequest | CountTokensRequest) -> str | None:
+    """V4's effort: `max` (and `xhigh`) prepend its maximum-effort instruction; the latest turn that sets
+    an effort wins over the request's."""
+    if any(m.output_config and m.output_config.format for m in body.messages):
+        raise ApiError(400, "an output format is set for the whole request (output_config.format), not per turn",
+                       param="messages")
+    efforts = [m.output_config.effort for m in body.messages if m.output_config and m.output_config.effort]
+    requested = efforts[-1] if efforts else (body.output_config.effort if body.output_config else None)
+    return "max" if requested in ("xhigh", "max") else None
 
 
 def _assistant(blocks: list[Any]) -> dict[str, Any]:
@@ -221,9 +302,16 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
     return turn
 
 
-def tool_plan(tools: list[AnthropicTool] | None, choice: AnthropicToolChoice | None) -> Any:
+def tool_plan(tools: list[AnthropicTool | ServerTool] | None, choice: AnthropicToolChoice | None) -> Any:
+    """The tools the model is shown and may call: custom tools not deferred (Anthropic's own tool types
+    are dropped with a log line: the model cannot run them)."""
+    for tool in tools or []:
+        if isinstance(tool, ServerTool):
+            note_once(f"messages-tool-{tool.type[:64]}", "dropped a Messages tool of type %r from the prompt: the "
+                      "model can call only custom tools", tool.type[:64])
+    shown = [t for t in tools or [] if isinstance(t, AnthropicTool) and not t.defer_loading]
     functions = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                   "parameters": t.input_schema}} for t in tools or []]
+                                                   "parameters": t.input_schema}} for t in shown]
     kind = choice.type if choice else ("auto" if functions else "none")
     if kind == "tool" and not (choice and choice.name):
         raise ApiError(400, 'tool_choice of type "tool" needs a "name"', param="tool_choice")
@@ -257,22 +345,24 @@ class CountTokensHead(BaseModel):
     model: str
 
 
-def counted(tokenizer: Any, data: bytes) -> int:
+def counted(tokenizer: Any, data: bytes, unknown_fields: str) -> int:
     """count_tokens: the tokens of the conversation's prompt."""
     try:
-        body = CountTokensRequest.model_validate_json(data, strict=True)
+        body = CountTokensRequest.model_validate_json(data, strict=True, context=validation_context(unknown_fields))
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ApiError(400, message, param=param) from None
     tools = tool_plan(body.tools, body.tool_choice)
     thinking, _ = thinking_mode(body.thinking, None)
-    return len(jobs.encode_chat(tokenizer, conversation(body.system, body.messages), sys.maxsize, thinking=thinking,
-                                tools=tools.offered))
+    turns = conversation(body.system, body.messages, body.context_management)
+    return len(jobs.encode_chat(tokenizer, turns, sys.maxsize, thinking=thinking, tools=tools.offered,
+                                reasoning_effort=effort(body)))
 
 
-def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int) -> tuple[jobs.Prepared, bool]:
+def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int,
+             unknown_fields: str) -> tuple[jobs.Prepared, bool]:
     """(the prompt, its tools and output grammar; whether a block carries a `cache_control` mark)."""
-    body = MessagesRequest.model_validate_json(data, strict=True)
+    body = MessagesRequest.model_validate_json(data, strict=True, context=validation_context(unknown_fields))
     thinking, _ = thinking_mode(body.thinking, body.max_tokens)
     think_end = think_end_id if thinking else None
     tools = tool_plan(body.tools, body.tool_choice)
@@ -280,9 +370,9 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
     response_format = output.format and {"type": "json_schema",
                                          "json_schema": {"name": "output", "schema": output.format.schema_}}
     grammar = answer_grammar(tools, response_format, think_end)
-    effort = "max" if output.effort in ("xhigh", "max") else None
-    prompt = jobs.encode_chat(tokenizer, conversation(body.system, body.messages), max_len, thinking=thinking,
-                              tools=tools.offered, reasoning_effort=effort)
+    turns = conversation(body.system, body.messages, body.context_management)
+    prompt = jobs.encode_chat(tokenizer, turns, max_len, thinking=thinking, tools=tools.offered,
+                              reasoning_effort=effort(body))
     return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar), _marked(body)
 
 
@@ -297,7 +387,7 @@ async def count_tokens(front: FrontEnd, raw: Request) -> Response:
     try:
         head = await parse_body(raw, CountTokensHead)
         front.check_model(head.model)
-        count = await front.prep.run(counted, await raw.body())
+        count = await front.prep.run(counted, await raw.body(), front.config.unknown_fields)
     except Exception as exc:
         return error_response(exc)
     return JSONResponse({"input_tokens": count})
@@ -312,8 +402,9 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
         return error_response(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return StreamingResponse(_stream(generation, message_id, model, shown(body)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(paced(_stream(generation, message_id, model, shown(body)),
+                                       front.config.stream_keepalive, lambda: typed_event("ping", {})),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         (deltas,) = await front.collect(generation, raw)
     except Exception as exc:
@@ -326,7 +417,8 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
 async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request, data: bytes) -> Generation:
     thinking, budget = thinking_mode(body.thinking, body.max_tokens)
     think_end = front.think_end_id if thinking else None
-    ready, marked = await front.prep.run(prepared, data, front.think_end_id, front.config.max_model_len)
+    ready, marked = await front.prep.run(prepared, data, front.think_end_id, front.config.max_model_len,
+                                         front.config.unknown_fields)
     # A `cache_control` mark says the client will send this prefix again: under `auto` the request then
     # snapshots as `periodic` from its first time, instead of waiting for a hit to make its prefix hot.
     mode = body.swa_cache_mode or ("periodic" if marked and front.config.swa_cache_mode == "auto" else None)
@@ -453,15 +545,20 @@ class _Blocks:
 
 
 async def _stream(generation: Generation, message_id: str, model: str, show_thinking: bool) -> AsyncIterator[str]:
-    usage = generation.usage()
-    yield typed_event("message_start", {"message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": {**_usage(usage), "output_tokens": 0}}})
-    yield typed_event("ping", {})
-    blocks, started = _Blocks(), time.monotonic()
+    """Anthropic's events. `message_start` waits for the engine's first output, which says how much of the
+    prompt the cache held: its usage is then what a non-streamed reply says (pings keep the stream alive
+    until then: `paced`)."""
+    blocks, started, opened = _Blocks(), time.monotonic(), False
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
+                if not opened:
+                    opened = True
+                    yield typed_event("message_start", {"message": {
+                        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                        "stop_reason": None, "stop_sequence": None,
+                        "usage": {**_usage(generation.usage()), "output_tokens": 0}}})
+                    yield typed_event("ping", {})
                 if delta.error:
                     yield typed_event("error", {"error": anthropic_error(400 if delta.error_param else 500,
                                                                    delta.error)["error"]})
@@ -472,7 +569,7 @@ async def _stream(generation: Generation, message_id: str, model: str, show_thin
                     for piece in blocks.close():
                         yield piece
                     yield typed_event("message_delta", {"delta": _stop(generation, delta),
-                                                  "usage": {"output_tokens": generation.usage().completion_tokens}})
+                                                        "usage": _usage(generation.usage())})
                     yield typed_event("message_stop", {})
     except Exception as exc:  # after the first byte an error can only be an event
         why = failure_message(exc, "a stream failed")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 CHAT_TEMPLATE_KWARGS = frozenset({"thinking", "enable_thinking"})
 MAX_STOPS = 16
@@ -22,6 +25,68 @@ MAX_MESSAGES = 4096
 
 
 IGNORED = "x-v4serve-ignored"  # schema marker of fields accepted for compatibility and ignored
+UNKNOWN_FIELD = "unknown_field"  # the pydantic error type of a field no model defines (--unknown-fields refuse)
+# Distinct unknown field names logged per process (each once): a client cannot fill the log.
+MAX_LOGGED_UNKNOWN = 256
+
+log = logging.getLogger(__name__)
+_logged_unknown: set[str] = set()
+
+
+class Fields(BaseModel):
+    """Every request model's base. A field no model defines is, by `--unknown-fields`: dropped (the
+    default: named in the validation context's `ignored` list, for the reply's header, and logged once
+    per name), or refused as a 400 naming it. Clients ship new fields monthly and nearly all of them are
+    metadata; the fields whose meaning v4serve knows are honoured, listed as ignored, or refused by value.
+    Validated without a context (internal use), an unknown field is refused."""
+
+    model_config = ConfigDict(extra="allow")
+    where: ClassVar[str] = ""  # the model's place in a body, as a prefix of its fields' names
+
+    @model_validator(mode="after")
+    def _unknown(self, info: ValidationInfo) -> Any:
+        for name in _ignored_fields(type(self)) & self.model_fields_set:
+            note_once(f"ignored-{self.where}{name}", "accepted and ignored the request field %r: %s", self.where + name,
+                      _ignored_reason(type(self), name), level=logging.DEBUG)
+        extra = self.__pydantic_extra__
+        if not extra:
+            return self
+        context = info.context if isinstance(info.context, dict) else {}
+        name = next(iter(extra))
+        if context.get("unknown_fields") != "accept":
+            raise PydanticCustomError(UNKNOWN_FIELD, "Extra inputs are not permitted (unknown field)",
+                                      {"field": name[:64]})
+        ignored_names = context.setdefault("ignored", [])
+        for field in extra:
+            noted = self.where + field[:64]
+            if noted not in ignored_names and len(ignored_names) < 16:
+                ignored_names.append(noted)
+            note_once(f"unknown-{noted}", "ignored the unknown request field %r (%s; --unknown-fields refuse makes "
+                      "it a 400)", noted, type(self).__name__, level=logging.WARNING)
+        extra.clear()
+        return self
+
+
+@functools.cache
+def _ignored_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(n for n, f in model.model_fields.items() if IGNORED in (f.json_schema_extra or {}))
+
+
+def _ignored_reason(model: type[BaseModel], name: str) -> str:
+    extra = model.model_fields[name].json_schema_extra
+    return str(extra[IGNORED]) if isinstance(extra, dict) else ""
+
+
+def note_once(key: str, message: str, *args: Any, level: int = logging.INFO) -> None:
+    """Log `message` the first time `key` is seen in this process (bounded: a client cannot fill the log)."""
+    if key not in _logged_unknown and len(_logged_unknown) < MAX_LOGGED_UNKNOWN:
+        _logged_unknown.add(key)
+        log.log(level, message, *args)
+
+
+def validation_context(unknown_fields: str) -> dict[str, Any]:
+    """The context a body is validated in: the policy, and where the names of dropped fields go."""
+    return {"unknown_fields": unknown_fields, "ignored": []}
 
 
 def ignored(reason: str, default: Any = None) -> Any:
@@ -48,26 +113,20 @@ def only_at(cls: type, value: bool, info: ValidationInfo) -> bool:
     return value
 
 
-class ThinkingSwitch(BaseModel):
+class ThinkingSwitch(Fields):
     """DeepSeek's API shape of the thinking switch: `{"type": "enabled" | "disabled"}`."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["enabled", "disabled"]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StreamOptions(Fields):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Fields):
     """Fields shared by both endpoints. Nothing is silently dropped: a field is honoured, listed as
     accepted-and-ignored (with the reason, also in the README), or a 400."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -132,9 +191,8 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(Fields):
+    where: ClassVar[str] = "messages[]."
     role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
@@ -237,8 +295,8 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+class TokenizeRequest(Fields):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"prompt": "Hello, world"},
         {"messages": [{"role": "user", "content": "Hello"}]},
         {"prompt": "no BOS", "add_special_tokens": False}]})
@@ -255,8 +313,8 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"tokens": [72, 101, 108, 108, 111]}]})
+class DetokenizeRequest(Fields):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{"tokens": [72, 101, 108, 108, 111]}]})
 
     model: str | None = None
     tokens: list[int]

@@ -22,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,9 +30,17 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, echo, failure_message
-from v4serve.server.framing import PromptUsage, typed_event
+from v4serve.server.framing import SSE_HEADERS, PromptUsage, paced, typed_event
 from v4serve.server.generation import FrontEnd, Generation
-from v4serve.server.protocol import MAX_MESSAGES, MAX_TOOLS, SamplingFields, ignored
+from v4serve.server.protocol import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    Fields,
+    SamplingFields,
+    ignored,
+    note_once,
+    validation_context,
+)
 from v4serve.server.tenants import CURRENT_CALLER
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
@@ -49,19 +57,17 @@ log = logging.getLogger(__name__)
 
 
 # ---- the request ---------------------------------------------------------------------------------------------
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ContentPart(Fields):
+    where: ClassVar[str] = "content[]."
     type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
     text: str
     annotations: list[Any] | None = ignored("a reply field, sent back with earlier output items")
     logprobs: list[Any] | None = ignored("a reply field, sent back with earlier output items")
 
 
-class _Item(BaseModel):
+class _Item(Fields):
+    where: ClassVar[str] = "input[]."
     """An input item; earlier output items come back with their id and status, which change nothing."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: str | None = ignored("an earlier output item's id; the item itself is what counts")
     status: str | None = ignored("an earlier output item's status")
@@ -104,9 +110,8 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_kind)]
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionTool(Fields):
+    where: ClassVar[str] = "tools[]."
     type: Literal["function"]
     name: str
     parameters: dict[str, Any] | None = None
@@ -115,9 +120,27 @@ class FunctionTool(BaseModel):
                                   "says; under auto calls are parsed, not constrained")
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class HostedTool(BaseModel):
+    """A tool of another type (`web_search`, `file_search`, `namespace`, `mcp`, `custom`, ...): run by
+    OpenAI's servers or by a client protocol this model cannot call into. Dropped from the prompt, with a
+    log line; its settings are not read (returned as sent)."""
 
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+def _tool_kind(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return "function" if kind == "function" else "hosted"
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[HostedTool, Tag("hosted")],
+                 Discriminator(_tool_kind)]
+
+
+class TextFormat(Fields):
+    where: ClassVar[str] = "text.format."
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -125,30 +148,26 @@ class TextFormat(BaseModel):
     strict: bool | None = ignored("the format is always enforced (a grammar), whatever it says")
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextConfig(Fields):
+    where: ClassVar[str] = "text."
     format: TextFormat | None = None
     verbosity: str | None = ignored("V4 has no verbosity setting")
 
 
-class ReasoningConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ReasoningConfig(Fields):
+    where: ClassVar[str] = "reasoning."
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: str | None = ignored("the reasoning comes back whole, as `content`, never summarised")
     generate_summary: str | None = ignored("the reasoning comes back whole, as `content`, never summarised")
 
 
-class ResponsesRequest(BaseModel):
-    """OpenAI's request; anything else is a 400 (nothing silently dropped)."""
-
-    model_config = ConfigDict(extra="forbid")
+class ResponsesRequest(Fields):
+    """OpenAI's request: every field honoured, listed as ignored, or refused (see `Fields` for unknown ones)."""
 
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -161,6 +180,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)  # returned with the response
     truncation: Literal["disabled"] | None = None  # "auto" (dropping the conversation's middle) is a 400
+    # `true` queues the response for polling; answered at once instead, a client would poll for nothing: a 400.
+    background: Literal[False] | None = None
     # v4serve's: how this request writes window-state snapshots for later hits (see --swa-cache-mode).
     swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
     include: list[str] | None = ignored("reasoning items always carry their text; nothing is encrypted or "
@@ -169,6 +190,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = ignored("an end-user id for the provider's abuse monitoring")
     prompt_cache_key: str | None = ignored("a cache-routing hint; the prefix cache needs none")
     service_tier: str | None = ignored("v4serve has one service tier")
+    client_metadata: dict[str, Any] | None = ignored("the client's own ids for its logs (Codex sends its session "
+                                                     "and turn ids); nothing in the output depends on them")
     stream_options: dict[str, Any] | None = ignored("stream obfuscation pads events against a network "
                                                     "observer; v4serve adds none")
 
@@ -333,8 +356,11 @@ class _Plan:
 async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> Response:
     plan = await _plan(front, stored, body, raw)
     if body.stream:
-        return StreamingResponse(_stream(front, stored, body, plan, owner_of(raw)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        events, opening = _Events(), _response(body, plan, [], None, None)
+        stream = _stream(front, stored, body, plan, owner_of(raw), events, opening)
+        return StreamingResponse(paced(stream, front.config.stream_keepalive,
+                                       lambda: events("response.in_progress", response=opening)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     (deltas,) = await front.collect(plan.generation, raw)
     response = _response(body, plan, _output(deltas, plan.thinking), deltas[-1], plan.generation.usage())
     _keep(stored, body, plan, response, deltas, owner_of(raw), front.tokenizer.eos_token_id)
@@ -349,7 +375,8 @@ async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest
         found = stored.get(body.previous_response_id, owner_of(raw))
         earlier = (found.messages, found.settings, found.tokens)
     ready, messages, settings = await front.prep.run(prepared, await raw.body(), front.think_end_id,
-                                                     front.config.max_model_len, earlier)
+                                                     front.config.max_model_len, earlier,
+                                                     front.config.unknown_fields)
     prompt = ready.prompt.tolist()
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode)
     max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
@@ -369,17 +396,21 @@ def _thinking(body: ResponsesRequest) -> bool:
 Earlier = tuple[list[dict[str, Any]], tuple[Any, ...], array]  # a stored response's conversation, settings, ids
 
 
-def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int, earlier: Earlier | None
-             ) -> tuple[jobs.Prepared, list[dict[str, Any]], tuple[Any, ...]]:
+def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int, earlier: Earlier | None,
+             unknown_fields: str) -> tuple[jobs.Prepared, list[dict[str, Any]], tuple[Any, ...]]:
     """(the prompt with its tools and grammar, the conversation to store, the settings that shaped it):
     a follow-up of a stored response with the same settings continues its tokens; anything else is
     rendered whole."""
-    body = ResponsesRequest.model_validate_json(data, strict=True)
+    body = ResponsesRequest.model_validate_json(data, strict=True, context=validation_context(unknown_fields))
     thinking = _thinking(body)
     effort = "max" if thinking and body.reasoning and body.reasoning.effort in ("xhigh", "max") else None
+    for tool in body.tools or []:
+        if isinstance(tool, HostedTool):
+            note_once(f"responses-tool-{tool.type[:64]}", "dropped a Responses tool of type %r from the prompt: the "
+                      "model can call only function tools", tool.type[:64])
     functions = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                    "parameters": t.parameters or {"type": "object", "properties": {}}}}
-                 for t in body.tools or []]
+                 for t in body.tools or [] if isinstance(t, FunctionTool)]
     choice = body.tool_choice
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         choice = {"type": "function", "function": {"name": choice["name"]}}
@@ -469,7 +500,7 @@ def _response(body: ResponsesRequest, plan: _Plan, output: list[dict[str, Any]],
         "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
         "previous_response_id": plan.previous, "reasoning": body.reasoning.model_dump() if body.reasoning else None,
         "text": body.text.model_dump(by_alias=True) if body.text else {"format": {"type": "text"}},
-        "truncation": "disabled", "store": body.store, "metadata": body.metadata or {},
+        "truncation": "disabled", "background": False, "store": body.store, "metadata": body.metadata or {},
         "usage": _usage(usage) if usage is not None else None,
     }
 
@@ -559,9 +590,7 @@ def _pieces(events: _Events, delta: Delta) -> list[str]:
 
 
 async def _stream(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, plan: _Plan,
-                  owner: str) -> AsyncIterator[str]:
-    events = _Events()
-    opening = _response(body, plan, [], None, None)
+                  owner: str, events: _Events, opening: dict[str, Any]) -> AsyncIterator[str]:
     yield events("response.created", response=opening)
     yield events("response.in_progress", response=opening)
     deltas: list[Delta] = []

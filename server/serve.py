@@ -116,7 +116,8 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
                               or REQUEST_TOKENS_PER_CONTEXT * info["max_model_len"],
                               responses_store_bytes=cfg.responses_store_bytes, max_requests=cfg.max_connections,
                               allowed_origins=cfg.origins,
-                              stall_timeout=cfg.stall_timeout,
+                              stall_timeout=cfg.stall_timeout, unknown_fields=cfg.unknown_fields,
+                              stream_keepalive=cfg.stream_keepalive,
                               version_info=info["version_info"])
         return build_app(engine, tokenizer, server, metrics, prep), engine
     except BaseException:

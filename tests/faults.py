@@ -5,6 +5,7 @@ the hook crosses into the engine process by name)."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 from v4serve.engine.engine import LLMEngine
@@ -20,6 +21,23 @@ def _fail_forwards(engine: LLMEngine, fail_calls: Callable[[int], bool]) -> None
         calls["n"] += 1
         if fail_calls(calls["n"]):
             raise RuntimeError("injected device fault")
+        return real_forward(*args, **kwargs)
+
+    model.forward = forward
+
+
+# Open: forwards run. Closed by a test, every forward waits (an engine in this process: engine_in_process).
+FORWARD_GATE = threading.Event()
+FORWARD_GATE.set()
+
+
+def gated_forwards(engine: LLMEngine) -> None:
+    """A stalled device, for as long as a test holds FORWARD_GATE closed (a long prefill, held exactly)."""
+    model = engine.model
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the model's own signature
+        FORWARD_GATE.wait()
         return real_forward(*args, **kwargs)
 
     model.forward = forward

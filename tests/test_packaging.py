@@ -64,7 +64,7 @@ def test_installed_names_outside_the_source_tree(tmp_path: Path) -> None:
 def test_no_code_imports_a_folder_by_its_bare_name() -> None:
     offenders = []
     for path in ROOT.rglob("*.py"):
-        if ".venv" in path.parts:
+        if any(part.startswith(".") for part in path.relative_to(ROOT).parts):  # .venv, .agents (installed code)
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []

@@ -1,6 +1,5 @@
 """Nothing silently ignored: every field of every request model is either used by the server's code
-or marked accepted-and-ignored and listed, with its reason, in the README; unknown fields are a 400
-(checked in test_structured.py)."""
+or marked accepted-and-ignored and listed, with its reason, in the README (unknown fields: test_field_policy.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,8 @@ from v4serve.server.messages import (
     AnthropicMessage,
     AnthropicTool,
     AnthropicToolChoice,
+    ClearThinking,
+    ContextManagement,
     CountTokensRequest,
     MessagesRequest,
     OutputConfig,
@@ -51,7 +52,7 @@ MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, ChatM
                                  TokenizeRequest, DetokenizeRequest,
                                  MessagesRequest, CountTokensRequest, AnthropicMessage, AnthropicTool,
                                  AnthropicToolChoice, ThinkingConfig, OutputConfig, OutputFormat, TextBlock,
-                                 ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                                 ToolUseBlock, ToolResultBlock, ThinkingBlock, ClearThinking, ContextManagement,
                                  ResponsesRequest, ContentPart, MessageItem, FunctionCallItem, FunctionCallOutputItem,
                                  ReasoningItem, FunctionTool, TextFormat, TextConfig, ReasoningConfig]
 SOURCE = "\n".join(p.read_text() for folder in ("server", "engine") for p in (ROOT / folder).rglob("*.py")

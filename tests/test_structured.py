@@ -185,7 +185,6 @@ BAD = {
         "name": "o", "schema": {"type": "object", "not": {"required": ["a"]}}}}}, "response_format"),
     "a bad response_format beside a forced call": ({"tools": [GOOD], "tool_choice": "required",
                                                     "response_format": {"type": "yaml"}}, "response_format.type"),
-    "an unknown field": ({"frobnicate": True}, "frobnicate"),
     "an unknown chat_template_kwargs key": ({"chat_template_kwargs": {"add_generation_prompt": False}},
                                             "chat_template_kwargs"),
 }

@@ -13,7 +13,7 @@ from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Sample
 from v4serve.server.text.detokenizer import IncrementalDetokenizer
 from v4serve.server.text.tokenizer import Tokenizer
-from v4serve.server.text.tool_calls import ToolCallDelta, ToolCallParser
+from v4serve.server.text.tool_calls import MarkupFilter, ToolCallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class ChoiceText:
         self.content = detok(options.stop)
         self.reasoning = detok(()) if options.reasoning_end_token is not None else None
         self.tools = ToolCallParser(options.parallel_tool_calls) if options.tool_calls else None
+        # No markup reaches a client's text: not from content, reasoning, or what the call parser leaves.
+        self.content_markup, self.reasoning_markup = MarkupFilter(), MarkupFilter()
         self.num_tokens = 0  # tokens of this choice's completion (up to a stop string, if one matched)
         self.num_reasoning_tokens = 0  # of those, the thinking (its closing `</think>` included)
         self.num_cached_tokens = 0
@@ -84,28 +86,28 @@ class ChoiceText:
     def _route(self, token: int, delta: Delta) -> None:
         self.num_reasoning_tokens += self.reasoning is not None
         if self.reasoning is not None and token == self.options.reasoning_end_token:
-            delta.reasoning += self.reasoning.flush()
+            delta.reasoning += self.reasoning_markup.push(self.reasoning.flush(), final=True)
             self.reasoning = None  # from here on, content
             return
         if self.reasoning is not None:
-            delta.reasoning += self.reasoning.push(token)
+            delta.reasoning += self.reasoning_markup.push(self.reasoning.push(token))
         else:
             self._content(delta, self.content.push(token))
 
     def _content(self, delta: Delta, text: str, final: bool = False, cut_off: bool = False) -> None:
         if self.tools is None:
-            delta.text += text
+            delta.text += self.content_markup.push(text, final)
             return
         content, calls = self.tools.push(text)
         if final:
             more, last = self.tools.finish(cut_off)
             content, calls = content + more, calls + last
-        delta.text += content
+        delta.text += self.content_markup.push(content, final)
         delta.tool_calls += calls
 
     def _flush(self, delta: Delta, cut_off: bool) -> None:
         if self.reasoning is not None:
-            delta.reasoning += self.reasoning.flush()
+            delta.reasoning += self.reasoning_markup.push(self.reasoning.flush(), final=True)
         text = "" if self.content.stopped else self.content.flush()
         if cut_off and self.tools is not None:  # a character the limit cut in two is nothing in a call
             text = text.rstrip("\ufffd")

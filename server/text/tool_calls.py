@@ -180,3 +180,42 @@ def _held(text: str, marker: str) -> int:
 def _may_start(text: str, tags: tuple[str, ...]) -> bool:
     """Whether `text` may still turn into one of `tags` and what follows it: wait for more."""
     return not text or any(tag.startswith(text) or text.startswith(tag) for tag in tags)
+
+
+# A stray DSML tag (or the lone `｜DSML｜` token, which a weak model can emit anywhere) outside a tool-call
+# block; a tag longer than this is not waited for.
+_STRAY = re.compile(rf"</?{DSML}[^>\n]*>|{DSML}")
+_LONGEST_TAG = 256
+
+
+class MarkupFilter:
+    """Keeps DSML markup out of text that is not parsed for calls (content without tools, reasoning,
+    and what the call parser leaves as content): tags and lone `｜DSML｜` tokens are dropped, on any
+    tokenizer (one that spells the marker over several tokens included). A possible start of one at the
+    end of a piece is held back until the next piece decides it."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def push(self, text: str, final: bool = False) -> str:
+        text, self._held = self._held + text, ""
+        if not final:  # an unclosed tag at the end waits whole; then part of a lone marker does
+            keep = _open_tag(text)
+            text, self._held = text[:len(text) - keep], text[len(text) - keep:]
+        if DSML[0] in text:
+            text = _STRAY.sub("", text)
+        if not final and not self._held:
+            keep = _held(text, DSML)
+            text, self._held = text[:len(text) - keep], text[len(text) - keep:]
+        return text
+
+
+def _open_tag(text: str) -> int:
+    """Length of the end of `text` that may still become a DSML tag (it has not closed yet)."""
+    start = text.rfind("<", max(0, len(text) - _LONGEST_TAG))
+    if start < 0:
+        return 0
+    tail = text[start:]
+    if tail.startswith(("<" + DSML, "</" + DSML)) and ">" not in tail and "\n" not in tail:
+        return len(tail)
+    return len(tail) if ("<" + DSML).startswith(tail) or ("</" + DSML).startswith(tail) else 0
