@@ -199,6 +199,8 @@ class KVCacheManager:
 
     def grow(self, kv: RequestKV, num_tokens: int) -> bool:
         """Extend the block table to cover num_tokens; False (nothing taken) if blocks are short."""
+        if num_tokens <= len(kv.block_table) * self.config.block_size:
+            return True  # most decode steps: the last block has room
         need = self.config.blocks_needed(num_tokens, len(kv.block_table))
         if need > self.pool.num_free:
             return False
@@ -215,6 +217,8 @@ class KVCacheManager:
         call (and queue it for the SSD store), save the states `captured` at points inside the step's
         chunk (`capture_points`), and the slot state if `num_computed` is a snapshot point."""
         b = self.config.block_size
+        if num_computed % b and num_computed // b <= kv.num_sealed and not captured:
+            return  # inside a block (every decode step but one in 128): nothing sealed, no snapshot point
         full = min(num_computed // b, len(kv.block_hashes))
         for i in range(kv.num_sealed, full):
             parent = kv.block_hashes[i - 1] if i else None

@@ -324,7 +324,8 @@ class LLMEngine:
             ids.extend(c.drafts)
             if c.drafts:  # put back if a draft is rejected
                 self._kept_slots[r.request_id] = self.device_kv.copy_slot(kv.slot)
-        meta = AttentionMetadata.build(seqs, [self.logit_rows(c) for c in chunks])
+        rows = [self.logit_rows(c) for c in chunks]
+        meta = AttentionMetadata.build(seqs, rows)
         self._step_capture = self._state_capture(chunks, seqs)
         threads = step_threads(len(ids), self._cpu_threads)
         # Rows without drafts are kept whatever is sampled: the MTP layer takes them right after the
@@ -335,8 +336,7 @@ class LLMEngine:
             assert isinstance(self.device_kv, MirroredDeviceKV)
             self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads, kept_rows))
         meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
-        if (self.graphs is not None and self.graphs.fits(seqs)
-                and all(len(self.logit_rows(c)) == 1 for c in chunks)):
+        if self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows):
             return self.graphs.run(ids, seqs)  # a decode-only step: replayed
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
         if self.device_kv.device.type == "cpu":

@@ -139,7 +139,10 @@ class _Rows:
     @classmethod
     def build(cls, preps: list[_RowPrep], device: torch.device) -> _Rows:
         def pairs(name: str) -> tuple[list[int], list[int]]:
-            rows, toks = [], []
+            rows: list[int] = []
+            toks: list[int] = []
+            if not any(getattr(p, name) for p in preps):  # plain rows: the common case
+                return rows, toks
             for i, p in enumerate(preps):
                 items = getattr(p, name)
                 rows += [i] * len(items)

@@ -127,6 +127,8 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> tuple[int, tuple[int, ...]]:
         """(tokens of the request's next chunk, the snapshot points inside it whose states it captures)."""
+        if not drafts and request.num_tokens - start == 1 and budget > 0:
+            return 1, ()  # a decode step: one token, nothing strictly inside it to capture (the common case)
         n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
         # A drafted pass may be undone, so no state inside it is captured: it ends on snapshot points.
         n = self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens, capture=not drafts)

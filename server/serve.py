@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from v4serve.engine.process.client import EngineClient
 from v4serve.engine.process.core_client import EngineCoreClient
+from v4serve.engine.process.lifecycle import freeze_startup_objects
 from v4serve.server.app import build_app
 from v4serve.server.config import (
     DEFAULT_STORE_BYTES,
@@ -334,6 +335,7 @@ def run(cfg: ServeConfig) -> None:
             log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
                      served_url(sockets[0]))
             warn_if_open(cfg, sockets)
+            freeze_startup_objects()
             server = GracefulServer(config, engine, cfg.shutdown_timeout, cfg.watchdog_timeout,
                                     abandon_engine=engine.abandon if isinstance(engine, EngineCoreClient) else None)
             server.run(sockets=sockets)

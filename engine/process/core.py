@@ -42,7 +42,7 @@ from v4serve.engine.process.ipc import (
     Submit,
     ToCore,
 )
-from v4serve.engine.process.lifecycle import setup_subordinate
+from v4serve.engine.process.lifecycle import freeze_startup_objects, setup_subordinate
 from v4serve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def run_engine_core(build: Builder, addresses: CoreAddresses, parent_pid: int) -
         built = _build(build, to_front, parent_pid)
         if built is None:
             return 1
+        freeze_startup_objects()
         core = EngineCore(built[0], to_front)
         core.ready(built[1])
         code = core.serve(from_front, parent_pid)

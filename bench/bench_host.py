@@ -1,0 +1,168 @@
+"""Host work per decode step: the real engine-core loop (drain commands, `engine.step()` — schedule,
+metadata, sampling, update —, emit outputs, publish the step over ZeroMQ) with the forward pass
+replaced by a stand-in that returns fixed logits, so what is measured is the host's part of a step
+alone: the CPU time of the engine thread per step, per sequence, and the worst step against the median.
+
+Batches of greedy requests (~1K-token prompts, `ignore_eos`) decode on the tiny model's engine; each
+batch size is measured over `--steps` decode steps once every request is decoding. Prefix caching is on
+(its bookkeeping is part of every step); `--store` adds the SSD store in a temporary folder.
+
+    python bench/bench_host.py [--batches 1 32 64 128 256] [--steps 200] [--context 1024] [--store] [--gc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, write_results  # noqa: E402
+from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.process.core import EngineCore  # noqa: E402
+from v4serve.engine.process.lifecycle import freeze_startup_objects  # noqa: E402
+from v4serve.engine.request import Request, SamplingParams  # noqa: E402
+
+# Output tokens a request may make: past the steps measured, whatever the batch's prefill took.
+LONGEST = 4096
+
+
+class StandInForward:
+    """The model's forward, minus the model: the step's metadata is built as for a real pass (the
+    engine's `AttentionMetadata`, the forward's `RaggedBatch`), the slot states at snapshot points inside
+    a prefill chunk are handed over unchanged, and the logits of its rows are fixed (token 65 wins
+    everywhere; greedy requests never stop on their own)."""
+
+    def __init__(self, vocab: int, rows: int) -> None:
+        self.logits = torch.zeros(rows, vocab)
+        self.logits[:, 65] = 1.0
+
+    def __call__(self, input_ids: torch.Tensor, meta: Any, kv: Any, batch: Any = None) -> torch.Tensor:
+        if batch is None:
+            meta.ragged(input_ids.device)
+        if meta.capture is not None:
+            for layer in kv.layers:
+                for seq in meta.capture.seqs:
+                    points = len(seq.points)
+                    seq.states[id(layer)] = [ring[seq.slot].unsqueeze(0).repeat(points, *[1] * (ring.dim() - 1))
+                                             for ring in layer.slot_tensors()]
+        return self.logits[:len(meta.logits_rows)]
+
+
+class MeasuredCore(EngineCore):
+    """The engine core, timing the engine thread's CPU between consecutive published steps."""
+
+    def __init__(self, engine: LLMEngine, to_front: zmq.Socket, batch: int) -> None:
+        super().__init__(engine, to_front)
+        self.batch = batch
+        self.cpu: list[float] = []  # seconds of engine-thread CPU per decode step of the full batch
+        self._last: float | None = None
+        self.done = threading.Event()
+        self.wanted = 0
+
+    def _flush(self, stats: Any) -> None:
+        super()._flush(stats)
+        now = time.thread_time()
+        running = self.engine.scheduler.running
+        decoding = len(running) == self.batch and all(r.output_token_ids for r in running)
+        if decoding and self._last is not None and len(self.cpu) < self.wanted:
+            self.cpu.append(now - self._last)
+            if len(self.cpu) == self.wanted:
+                self.done.set()
+        self._last = now if decoding else None
+
+
+def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bool = True) -> dict[str, float]:
+    model = build_tiny(seed=0)
+    config = EngineConfig(max_model_len=context + LONGEST, max_num_seqs=batch, max_num_batched_tokens=8192,
+                          max_prefill_chunk=8192, kv_store_dir=str(store) if store else None)
+    engine = LLMEngine(model, config)
+    model.forward = StandInForward(model.cfg.vocab_size, max(batch, 8192))  # type: ignore[method-assign]
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://bench-host")
+    push.connect("inproc://bench-host")
+    stop = threading.Event()
+
+    def drain() -> None:  # the front end's side: every step's message is received and dropped
+        while not stop.is_set():
+            if pull.poll(50):
+                while True:
+                    try:
+                        pull.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    if frozen:
+        freeze_startup_objects()  # as the engine process does once built
+    else:
+        gc.unfreeze()  # Python's default: every full collection scans every object
+    core = MeasuredCore(engine, push, batch)
+    core.wanted = steps
+    core.loop.start()
+    gen = torch.Generator().manual_seed(batch)
+    requests = [Request(f"r{i}", torch.randint(70, model.cfg.vocab_size, (context,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=LONGEST, ignore_eos=True)) for i in range(batch)]
+    core.loop.enqueue(requests, lambda out: core._outputs.append(("r", out)))  # noqa: SLF001 - as EngineCore does
+    finished = core.done.wait(600)
+    core.loop.abort([r.request_id for r in requests])
+    core.loop.shutdown()
+    stop.set()
+    reader.join()
+    pull.close(linger=0)
+    push.close(linger=0)
+    ctx.term()
+    assert finished, f"batch {batch}: fewer than {steps} decode steps measured"
+    per_step = sorted(core.cpu)
+    median = statistics.median(per_step)
+    return {"batch": batch, "median_step_ms": median * 1e3, "per_seq_us": median / batch * 1e6,
+            "p99_step_ms": per_step[int(0.99 * (len(per_step) - 1))] * 1e3, "worst_step_ms": per_step[-1] * 1e3,
+            "worst_over_median": per_step[-1] / median}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128, 256])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--store", action="store_true", help="the SSD store on, in a temporary folder")
+    parser.add_argument("--gc", action="store_true", help="each batch again with the start-up objects not "
+                                                           "frozen (the collector's full passes scan them all)")
+    parser.add_argument("--results", help="the results file's name in bench/results (default host, host-store)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for batch in args.batches:
+            store = Path(folder) / f"store-{batch}" if args.store else None
+            row = measure(batch, args.steps, args.context, store)
+            if args.gc:  # the same batch with the start-up objects left to the collector, right after
+                unfrozen = measure(batch, args.steps, args.context, store and store.with_name(store.name + "-gc"),
+                                   frozen=False)
+                row["unfrozen_worst_over_median"] = unfrozen["worst_over_median"]
+            rows.append(row)
+    header = ["batch", "median step ms", "per sequence us", "p99 step ms", "worst step ms", "worst / median"]
+    header += ["worst / median, objects not frozen"] if args.gc else []
+    print_table(f"host CPU per decode step (stand-in forward; {args.context}-token prompts"
+                f"{', SSD store on' if args.store else ''})", header,
+                [[r["batch"], r["median_step_ms"], r["per_seq_us"], r["p99_step_ms"], r["worst_step_ms"],
+                  r["worst_over_median"], *([r["unfrozen_worst_over_median"]] if args.gc else [])] for r in rows])
+    write_results(args.results or ("host-store" if args.store else "host"),
+                  {"context": args.context, "steps": args.steps, "store": args.store, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
