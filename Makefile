@@ -110,6 +110,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_launches.py
 	$(PY) bench/bench_kv_fp8.py
 	$(PY) bench/bench_weights.py
+	$(PY) bench/bench_host.py --gc
 
 clean:
 	rm -rf $(VENV) $(AGENTS) *.egg-info .pytest_cache .ruff_cache

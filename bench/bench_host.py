@@ -8,6 +8,7 @@ batch size is measured over `--steps` decode steps once every request is decodin
 (its bookkeeping is part of every step); `--store` adds the SSD store in a temporary folder.
 
     python bench/bench_host.py [--batches 1 32 64 128 256] [--steps 200] [--context 1024] [--store] [--gc]
+                               [--penalties] [--results NAME]
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from v4serve.engine.process.core import EngineCore  # noqa: E402
 from v4serve.engine.process.lifecycle import freeze_startup_objects  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 
+# `--penalties`: every request penalised (their counts are kept on the device between steps).
+PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1}
 # Output tokens a request may make: past the steps measured, whatever the batch's prefill took.
 LONGEST = 4096
 
@@ -83,7 +86,8 @@ class MeasuredCore(EngineCore):
         self._last = now if decoding else None
 
 
-def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bool = True) -> dict[str, float]:
+def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bool = True,
+            penalties: bool = False) -> dict[str, float]:
     model = build_tiny(seed=0)
     config = EngineConfig(max_model_len=context + LONGEST, max_num_seqs=batch, max_num_batched_tokens=8192,
                           max_prefill_chunk=8192, kv_store_dir=str(store) if store else None)
@@ -115,7 +119,8 @@ def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bo
     core.loop.start()
     gen = torch.Generator().manual_seed(batch)
     requests = [Request(f"r{i}", torch.randint(70, model.cfg.vocab_size, (context,), generator=gen).tolist(),
-                        SamplingParams(max_tokens=LONGEST, ignore_eos=True)) for i in range(batch)]
+                        SamplingParams(max_tokens=LONGEST, ignore_eos=True, **PENALTIES if penalties else {}))
+                for i in range(batch)]
     core.loop.enqueue(requests, lambda out: core._outputs.append(("r", out)))  # noqa: SLF001 - as EngineCore does
     finished = core.done.wait(600)
     core.loop.abort([r.request_id for r in requests])
@@ -141,6 +146,8 @@ def main() -> None:
     parser.add_argument("--store", action="store_true", help="the SSD store on, in a temporary folder")
     parser.add_argument("--gc", action="store_true", help="each batch again with the start-up objects not "
                                                            "frozen (the collector's full passes scan them all)")
+    parser.add_argument("--penalties", action="store_true", help="every request with repetition, frequency "
+                                                                 "and presence penalties")
     parser.add_argument("--results", help="the results file's name in bench/results (default host, host-store)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -148,7 +155,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for batch in args.batches:
             store = Path(folder) / f"store-{batch}" if args.store else None
-            row = measure(batch, args.steps, args.context, store)
+            row = measure(batch, args.steps, args.context, store, penalties=args.penalties)
             if args.gc:  # the same batch with the start-up objects left to the collector, right after
                 unfrozen = measure(batch, args.steps, args.context, store and store.with_name(store.name + "-gc"),
                                    frozen=False)
@@ -157,11 +164,12 @@ def main() -> None:
     header = ["batch", "median step ms", "per sequence us", "p99 step ms", "worst step ms", "worst / median"]
     header += ["worst / median, objects not frozen"] if args.gc else []
     print_table(f"host CPU per decode step (stand-in forward; {args.context}-token prompts"
-                f"{', SSD store on' if args.store else ''})", header,
+                f"{', SSD store on' if args.store else ''}{', penalties' if args.penalties else ''})", header,
                 [[r["batch"], r["median_step_ms"], r["per_seq_us"], r["p99_step_ms"], r["worst_step_ms"],
                   r["worst_over_median"], *([r["unfrozen_worst_over_median"]] if args.gc else [])] for r in rows])
     write_results(args.results or ("host-store" if args.store else "host"),
-                  {"context": args.context, "steps": args.steps, "store": args.store, "rows": rows})
+                  {"context": args.context, "steps": args.steps, "store": args.store, "penalties": args.penalties,
+                   "rows": rows})
 
 
 if __name__ == "__main__":

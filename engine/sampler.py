@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from v4serve.engine.penalties import PenaltyCounts
 from v4serve.engine.request import Request, RequestError, Sample, SamplingParams
 from v4serve.kernels.attention import upload
 
@@ -51,7 +52,8 @@ def finite_top(pairs: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
     """One row, in place (the batched path, `_penalise`, computes the same)."""
-    rows = _Rows.build([_RowPrep.of(None, params, prompt, output, eos=None, bitmask=None)], logits.device)
+    rows = _Rows.build([_RowPrep.of(None, params, prompt, output, eos=None, bitmask=None)], logits.device,
+                       PenaltyCounts(logits.shape[-1], logits.device))
     _penalise(logits[None], rows)
 
 
@@ -92,29 +94,36 @@ class _RowPrep:
     generator_key: str | None
     bias: list[tuple[int, float]]
     ends: list[int]  # tokens barred before min_tokens
-    seen: list[int]  # prompt and output tokens, for the repetition penalty
-    output: list[int]  # for the presence and frequency penalties
     bitmask: np.ndarray | None  # the grammar's allowed tokens, 32 a word
+    # Penalised rows: the request's counts (`PenaltyCounts`, by this key) hold its prompt and committed
+    # output; tokens drafted before this row (speculative decoding) count for this row alone.
+    penalty_key: str | None = None
+    prompt: Sequence[int] = ()
+    committed: Sequence[int] = ()
+    drafted: Sequence[int] = ()
 
     @classmethod
     def of(cls, request: Request | None, params: SamplingParams, prompt: list[int], output: list[int],
-           eos: int | None, bitmask: np.ndarray | None) -> _RowPrep:
+           eos: int | None, bitmask: np.ndarray | None, drafted: Sequence[int] = ()) -> _RowPrep:
+        """`output`: the committed output tokens; `drafted`: the drafts this row follows."""
         ends = []
-        if bitmask is None and len(output) < params.min_tokens:  # too early to stop
+        if bitmask is None and len(output) + len(drafted) < params.min_tokens:  # too early to stop
             ends = [*params.stop_token_ids, *([eos] if eos is not None else [])]
-        seen = sorted(set(prompt) | set(output)) if params.repetition_penalty != 1.0 else []
-        penalised = output if params.presence_penalty or params.frequency_penalty else []
         key = None if request is None or params.seed is None else request.request_id
-        if _thinking_spent(params, output):
+        if _thinking_spent(params, output, drafted):
             bitmask = _only(params.thinking_end_token)
-        return cls(params, key, list(params.logit_bias.items()), ends, seen, penalised, bitmask)
+        prep = cls(params, key, list(params.logit_bias.items()), ends, bitmask)
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            prep.penalty_key = request.request_id if request is not None else ""
+            prep.prompt, prep.committed, prep.drafted = prompt, output, drafted
+        return prep
 
 
-def _thinking_spent(params: SamplingParams, output: list[int]) -> bool:
+def _thinking_spent(params: SamplingParams, output: list[int], drafted: Sequence[int] = ()) -> bool:
     """The thinking budget is used up and the thinking has not ended: the next token must end it."""
     end = params.thinking_end_token
-    return (params.thinking_budget is not None and end is not None and len(output) == params.thinking_budget
-            and end not in output)
+    return (params.thinking_budget is not None and end is not None
+            and len(output) + len(drafted) == params.thinking_budget and end not in output and end not in drafted)
 
 
 def _only(token: int) -> np.ndarray:
@@ -132,12 +141,12 @@ class _Rows:
     params: list[SamplingParams]
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, values
     ends: tuple[torch.Tensor, torch.Tensor] | None
-    seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, repetition penalty
-    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, freq, pres
+    # rows [P]; seen [P, V]; counts [P, V]; repetition, frequency, presence [P]
+    penalised: tuple[torch.Tensor, ...] | None
     grammar: tuple[torch.Tensor, torch.Tensor] | None  # rows, bitmask words [G, W]
 
     @classmethod
-    def build(cls, preps: list[_RowPrep], device: torch.device) -> _Rows:
+    def build(cls, preps: list[_RowPrep], device: torch.device, penalties: PenaltyCounts) -> _Rows:
         def pairs(name: str) -> tuple[list[int], list[int]]:
             rows: list[int] = []
             toks: list[int] = []
@@ -152,7 +161,7 @@ class _Rows:
         def ints(*lists: list[int]) -> list[torch.Tensor]:
             return list(upload([x for lst in lists for x in lst], device).split([len(lst) for lst in lists]))
 
-        bias = seen = ends = counted = grammar = None
+        bias = ends = grammar = None
         rows, toks = pairs("bias")
         if rows:
             vals = [v for p in preps for _, v in p.bias]
@@ -160,22 +169,35 @@ class _Rows:
         rows, toks = pairs("ends")
         if rows:
             ends = tuple(ints(rows, toks))
-        rows, toks = pairs("seen")
-        if rows:
-            r, t = ints(rows, toks)
-            seen = (r, t, upload([p.params.repetition_penalty for p in preps], device, torch.float32)[r])
-        rows, toks = pairs("output")
-        if rows:
-            r, t = ints(rows, toks)
-            f = upload([[p.params.frequency_penalty, p.params.presence_penalty] for p in preps], device, torch.float32)
-            counted = (r, t, *f.view(len(preps), 2).unbind(1))
+        penalised = _penalty_rows(preps, device, penalties)
         masked = [i for i, p in enumerate(preps) if p.bitmask is not None]
         if masked:
             width = max(len(preps[i].bitmask) for i in masked)  # a short mask bars the tokens past it
             words = np.stack([np.pad(preps[i].bitmask, (0, width - len(preps[i].bitmask))) for i in masked])
             host = torch.from_numpy(words).pin_memory() if device.type == "cuda" else torch.from_numpy(words)
             grammar = (upload(masked, device), host.to(device, non_blocking=device.type != "cpu"))
-        return cls(len(preps), [p.params for p in preps], bias, ends, seen, counted, grammar)
+        return cls(len(preps), [p.params for p in preps], bias, ends, penalised, grammar)
+
+
+def _penalty_rows(preps: list[_RowPrep], device: torch.device, penalties: PenaltyCounts
+                  ) -> tuple[torch.Tensor, ...] | None:
+    """The penalised rows' counts, brought up to date (one upload of the tokens new since their last
+    step) and gathered, with the drafts each row follows added to its own copy."""
+    rows = [i for i, p in enumerate(preps) if p.penalty_key is not None]
+    if not rows:
+        return None
+    keyed = [(preps[i].penalty_key or f"row {i}", preps[i].prompt, preps[i].committed) for i in rows]
+    index = upload(penalties.rows(keyed), device)
+    seen, counts = penalties.seen[index], penalties.counts[index]  # copies: drafts below stay in them
+    drafted = [(j, t) for j, i in enumerate(rows) for t in preps[i].drafted]
+    if drafted:
+        r, t = upload([j for j, _ in drafted] + [t for _, t in drafted], device).split(len(drafted))
+        seen.index_put_((r, t), torch.ones((), dtype=torch.bool, device=device))
+        counts.index_put_((r, t), torch.ones((), device=device), accumulate=True)
+    params = [preps[i].params for i in rows]
+    values = upload([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], device,
+                    torch.float32).view(len(rows), 3)
+    return (upload(rows, device), seen, counts, *values.unbind(1))
 
 
 def _mask_grammar(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> None:
@@ -188,14 +210,16 @@ def _mask_grammar(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor)
 
 
 def _penalise(logits: torch.Tensor, rows: _Rows) -> None:
-    if rows.seen is not None:
-        r, t, penalty = rows.seen
-        vals = logits[r, t]
-        logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    if rows.counted is not None:
-        r, t, frequency, presence = rows.counted
-        counts = torch.zeros_like(logits).index_put_((r, t), torch.ones_like(t, dtype=logits.dtype), accumulate=True)
-        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
+    """Repetition (seen tokens' logits divided by it when positive, multiplied when not), then frequency
+    and presence (minus count × frequency, minus presence once seen in the output). A penalty of 1.0 or
+    0.0 changes no value, so the rows are penalised together whatever each one asked for."""
+    if rows.penalised is None:
+        return
+    r, seen, counts, repetition, frequency, presence = rows.penalised
+    vals = logits[r]
+    rep = repetition[:, None]
+    vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
+    logits[r] = vals - (frequency[:, None] * counts + presence[:, None] * (counts > 0).to(vals.dtype))
 
 
 def _to_host(result: torch.Tensor) -> torch.Tensor:
@@ -217,9 +241,12 @@ class Sampler:
         self._seed = seed
         self._default: dict[torch.device, torch.Generator] = {}
         self._per_request: dict[str, torch.Generator] = {}
+        self._penalties: PenaltyCounts | None = None  # made when a penalised row is first sampled
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
+        if self._penalties is not None:
+            self._penalties.forget(request_id)
 
     def _generator(self, key: str | None, params: SamplingParams | None, device: torch.device) -> torch.Generator:
         if key is None:
@@ -264,8 +291,8 @@ class Sampler:
         (drafts the grammar allows: the scheduler cut them to those)."""
         grammar = request.grammar
         bitmask = grammar.allowed_after(list(drafted)) if grammar is not None and grammar.active else None
-        output = request.output_token_ids + list(drafted) if drafted else request.output_token_ids
-        return _RowPrep.of(request, request.sampling, request.prompt_token_ids, output, self.eos_token_id, bitmask)
+        return _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
+                           self.eos_token_id, bitmask, drafted)
 
     def _sample(self, preps: list[_RowPrep], logits: torch.Tensor) -> list[Sample | Exception]:
         result = self.on_device(preps, logits)
@@ -278,7 +305,7 @@ class Sampler:
         float64: token, flag (`_flags`), its logprob, then w top ids and w top logprobs (w: the most
         any row asked for). Token ids are exact in float64 (< 2^53), fp32 values widen exactly."""
         device = logits.device
-        rows = _Rows.build(preps, device)
+        rows = _Rows.build(preps, device, self._penalty_counts(logits))
         logits = logits.float().clone()  # [R, V]
         if rows.bias is not None:
             r, t, v = rows.bias
@@ -319,6 +346,11 @@ class Sampler:
         # clamp: an Exp(1) draw of exactly 0 would turn a barred token's 0 into 0/0
         picked = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
         return tokens.index_put((index,), picked)
+
+    def _penalty_counts(self, logits: torch.Tensor) -> PenaltyCounts:
+        if self._penalties is None or self._penalties.device != logits.device:
+            self._penalties = PenaltyCounts(logits.shape[1], logits.device)
+        return self._penalties
 
     @staticmethod
     def _unpack(row: list[float], k: int, width: int) -> Sample | Exception:

@@ -996,7 +996,8 @@ def test_stored_responses_are_bounded_in_bytes(bounded: Daemon) -> None:
     out the first, least recently used; a follow-up of the first is then a 404, of the others a 200."""
     with httpx.Client(base_url=bounded.url, timeout=PATIENCE) as client:
         def made(i: int) -> str:
-            body = {"model": MODEL, "input": f"{i} " + "word " * 4000, "max_output_tokens": 2,
+            # Distinct at the end: the second and third hit the first's prefix, so only it is prefilled.
+            body = {"model": MODEL, "input": "word " * 4000 + str(i), "max_output_tokens": 2,
                     "metadata": {f"k{j}": "v" * 512 for j in range(16)}}
             response = client.post("/v1/responses", json=body)
             assert response.status_code == 200, response.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.helpers import engine_for, greedy, small_model, tokens
@@ -366,3 +367,60 @@ def test_choice_seeds_are_checked_and_choice_zero_keeps_the_seed():
         assert err.value.param == param
         if param == "seed":  # the seed is checked as the client sent it: no index is added to it any more
             assert "choice index" not in str(err.value)
+
+
+# ---- penalty counts kept on the device ----------------------------------------------------------------------
+def test_penalty_counts_are_filled_once_then_take_only_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from v4serve.engine import penalties
+    from v4serve.engine.penalties import PenaltyCounts
+
+    table = PenaltyCounts(VOCAB, torch.device("cpu"))
+    prompt, output = [3, 3, 9], [4]
+    (row,) = table.rows([("a", prompt, output)])
+    assert table.seen[row].nonzero().flatten().tolist() == [3, 4, 9]
+    assert table.counts[row].nonzero().flatten().tolist() == [4]
+    output += [4, 5]
+    uploads = []
+    real = penalties.upload
+    monkeypatch.setattr(penalties, "upload", lambda values, *a: uploads.append(len(values)) or real(values, *a))
+    assert table.rows([("a", prompt, output)]) == [row]
+    assert uploads == [4, 4]  # rows and tokens of the two new tokens, for each tensor: not the prompt again
+    assert table.counts[row][[4, 5]].tolist() == [2.0, 1.0] and table.seen[row].sum() == 4
+    table.forget("a")
+    (again,) = table.rows([("b", [7], [])])  # the freed row, cleared
+    assert again == row and table.seen[row].nonzero().flatten().tolist() == [7] and table.counts[row].sum() == 0
+
+
+def test_penalty_counts_grow_and_a_repeated_key_takes_one_row() -> None:
+    from v4serve.engine.penalties import PenaltyCounts
+
+    table = PenaltyCounts(VOCAB, torch.device("cpu"))
+    rows = table.rows([(f"r{i}", [i], [i + 1]) for i in range(9)] + [("r0", [0], [1])])
+    assert sorted(set(rows[:9])) == list(range(9)) and rows[9] == rows[0]
+    assert table.seen.shape[0] >= 9 and all(table.seen[rows[i]].nonzero().flatten().tolist() == [i, i + 1]
+                                            for i in range(9))
+
+
+def test_penalised_rows_over_many_steps_equal_counts_made_from_scratch_each_step() -> None:
+    """A sampler keeps its penalty counts between steps (only new tokens go up); a fresh sampler at each
+    step counts the whole context: the same tokens and logprobs, bitwise, with drafts before rows and a
+    finished request's row taken by a new one on the way."""
+    gen = torch.Generator().manual_seed(8)
+    kinds = [SamplingParams(repetition_penalty=1.3, logprobs=2), SamplingParams(frequency_penalty=0.4),
+             SamplingParams(presence_penalty=0.7, repetition_penalty=0.8), SamplingParams(),
+             SamplingParams(frequency_penalty=0.2, presence_penalty=0.1, logprobs=1)]
+    requests = [Request(f"r{i}", torch.randint(0, VOCAB, (30,), generator=gen).tolist(), p)
+                for i, p in enumerate(kinds)]
+    kept, penalised = Sampler(eos_token_id=1), 0
+    for step in range(40):
+        logits = torch.randn(len(requests), VOCAB, generator=gen) * 2
+        drafted = [torch.randint(0, VOCAB, (step % 3,), generator=gen).tolist() for _ in requests]
+        got = kept.sample_rows(requests, logits, drafted)
+        assert got == Sampler(eos_token_id=1).sample_rows(requests, logits, drafted), step
+        for request, sample, row in zip(requests, got, logits, strict=True):
+            request.output_token_ids.append(sample.token)
+            penalised += sample.token != int(row.argmax())
+        if step == 20:  # one finishes; a new one takes its row
+            kept.forget(requests[1].request_id)
+            requests[1] = Request("new", torch.randint(0, VOCAB, (50,), generator=gen).tolist(), kinds[1])
+    assert penalised > 10  # the penalties changed what was picked
