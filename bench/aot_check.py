@@ -2,12 +2,13 @@
 for sm_80 (A100), sm_90 (H100/H200) and sm_100 (B200), without a GPU: the model runs on the meta
 device under a launch recorder (engine/model/aot.py), and Triton's compiler and ptxas build each
 launch for each target (kernels/aot.py). Scenarios: both models, bf16 and FP8 KV, TP 1, TP 8 and
-TP 8 with expert parallelism, packed FP8/FP4 weights; decode at batch 1, 8 and 32 and contexts
-300 to 64K, prefill chunks and a mixed step.
+TP 8 with expert parallelism, packed FP8/FP4 weights; decode at batch 1 to 256 and contexts
+300 to 64K (and a captured step's tables padded to 64K), prefill chunks and a mixed step.
 
 Prints, per kernel and target, the worst registers, spills and shared memory over its
-specializations, then every problem (a compile error, shared memory over the target's limit, a
-spill in a kernel a decode step runs, any other spill without a reason in ALLOWED_SPILLS), and
+specializations, then every problem (a compile error, shared memory over the target's limit,
+registers x threads over an SM's register file, a spill in a kernel a decode step runs, any other
+spill without a reason in ALLOWED_SPILLS), and
 writes bench/results/aot.json. Exits 1 when there is a problem.
 
     python bench/aot_check.py [--jobs N] [--representatives] [--markdown]

@@ -65,18 +65,31 @@ class Compiled:
         return self.spill_stores > 0 or self.spill_loads > 0
 
     def problems(self) -> list[str]:
-        """What would fail or slow down on that GPU: a compile error, shared memory over its limit,
-        spilled registers."""
+        """What would fail or slow down on that GPU: a compile error, shared memory over its limit, a
+        block whose registers do not fit in an SM, spilled registers."""
         if self.error is not None:
             return [f"{self.kernel} on {self.target}: does not compile: {self.error}"]
         found = []
         if self.shared > self.shared_limit:
             found.append(f"{self.kernel} on {self.target}: {self.shared} B of shared memory, over the "
                          f"{self.shared_limit} B a block may use")
+        if registers_per_block(self.registers, self.num_warps) > REGISTERS_PER_SM:
+            found.append(f"{self.kernel} on {self.target}: {self.registers} registers × {self.num_warps * 32} threads "
+                         f"is over the {REGISTERS_PER_SM} registers of an SM: the block cannot launch")
         if self.spills:
             found.append(f"{self.kernel} on {self.target}: spills {self.spill_stores} B stored / "
                          f"{self.spill_loads} B loaded per thread at {self.registers} registers")
         return found
+
+
+# 32-bit registers in one SM's register file (sm_80, sm_90 and sm_100 alike); a block's threads must fit
+# in it, each warp's registers allocated in units of 256 (8 per thread).
+REGISTERS_PER_SM = 65_536
+
+
+def registers_per_block(registers: int, num_warps: int) -> int:
+    """What a block of `num_warps` warps takes of the register file at `registers` per thread."""
+    return -(-registers // 8) * 8 * num_warps * 32
 
 
 # Spills accepted outside the decode path, each with its reason (a decode step's kernels may never spill).

@@ -59,3 +59,18 @@ def test_the_check_catches_what_a_gpu_would_refuse() -> None:
     assert [p.split(":")[0] for p in found] == ["holds_too_much on sm_80", "loop_changes_a_shape on sm_80",
                                                 "too_much_shared_memory on sm_80"]
     assert ALLOWED_SPILLS == {}  # nothing in v4serve is excused from the no-spill rule
+
+
+def test_a_block_whose_registers_do_not_fit_an_sm_is_a_problem() -> None:
+    """ptxas reports registers per thread; a block of `num_warps` warps must fit in the SM's 65,536
+    (allocated 8 per thread at a time): 255 registers at 8 warps just fit, 129 at 16 do not."""
+    from v4serve.kernels.aot import Compiled, registers_per_block
+
+    assert registers_per_block(255, 8) == 65_536 and registers_per_block(129, 16) == 69_632
+
+    def compiled(registers: int, num_warps: int) -> Compiled:
+        return Compiled("k", "sm_90", registers, shared_limit=1, num_warps=num_warps)
+
+    assert compiled(255, 8).problems() == []
+    (problem,) = compiled(129, 16).problems()
+    assert problem.startswith("k on sm_90: 129 registers × 512 threads") and "cannot launch" in problem

@@ -47,6 +47,7 @@ class Step:
     name: str
     decodes: tuple[int, ...] = ()
     chunks: tuple[tuple[int, int], ...] = ()
+    table_width: int | None = None  # block tables padded to this many blocks, as a captured decode step's are
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ DECODE_STEPS = (
     Step("decode b8 @8K", decodes=(8192,) * 8),
     Step("decode b32 @300", decodes=(300,) * 32),
     Step("decode b1 @64K", decodes=(65536,)),
+    Step("decode b64 @8K", decodes=(8192,) * 64),
+    Step("decode b256 @1K", decodes=(1024,) * 256),
+    # A captured step's tables are as wide as --max-model-len allows (64K tokens: 512 blocks).
+    Step("decode b128 @4K, tables padded to 64K", decodes=(4096,) * 128, table_width=512),
 )
 PREFILL_STEPS = (
     Step("chunk 32 @0", chunks=((0, 32),)),
@@ -158,7 +163,7 @@ def record(scenario: Scenario, steps: Sequence[Step]) -> dict[Launch, int]:
                   device="meta")
     with LaunchRecorder() as recorder, _shape_only_collectives(scenario.tensor_parallel_size):
         for step in steps:
-            run_step(model, kv, step)
+            run_step(model, kv, step, step.table_width)
     return recorder.launches
 
 
