@@ -25,7 +25,8 @@ class _Row:
 
 class PenaltyCounts:
     """Rows of `seen` [rows, V] (bool) and `counts` [rows, V] (fp32), one per penalised request, grown
-    by doubling as requests come; a finished request's row is reused."""
+    by doubling as requests come; a finished request's row is reused, and both are released when no
+    request is penalised (5 bytes per token of the vocabulary per row: 165 MB for 256 rows at V4's)."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.vocab = vocab
@@ -39,6 +40,9 @@ class PenaltyCounts:
         row = self._rows.pop(key, None)
         if row is not None:
             self._free.append(row.index)
+        if not self._rows and self.seen.shape[0]:  # nobody penalised now: give the memory back
+            self.seen, self.counts = self.seen.new_zeros(0, self.vocab), self.counts.new_zeros(0, self.vocab)
+            self._free = []
 
     def rows(self, requests: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[int]:
         """The row of each (key, prompt, output), brought up to date with all of `output` in one upload."""

@@ -116,7 +116,15 @@ _SCAN_FROM_BYTES = MAX_JSON_CONTAINERS * 2
 
 def _validate(model: type[M], data: bytes, context: dict[str, Any]) -> M:
     # Strict, as OpenAI's API: `"max_tokens": true` or `"n": "2"` is a 400, not 1 and 2.
-    return model.model_validate_json(data, strict=True, context=context)
+    try:
+        return model.model_validate_json(data, strict=True, context=context)
+    except ValidationError as exc:
+        # A required field missing while unknown ones were sent (`{"text": ...}` for `prompt`, a misspelling):
+        # name them. Here, on the worker thread, as the validation itself.
+        if (not context["ignored"] and context["unknown_fields"] == "accept"
+                and any(e["type"] == "missing" and len(e["loc"]) == 1 for e in exc.errors())):
+            context["unread"] = _unknown_top_level(model, data)
+        raise
 
 
 async def _check_containers(raw: Request, data: bytes) -> None:
@@ -151,7 +159,7 @@ async def parse_body(raw: Request, model: type[M]) -> M:
         body = await asyncio.to_thread(_validate, model, data, context)
     except ValidationError as exc:
         message, param = validation_message(exc)
-        unread = context["ignored"] or _unknown_top_level(model, data)
+        unread = context["ignored"] or context.get("unread")
         if unread:  # `{"text": ...}` for `prompt`, a misspelt field: say which of the sent fields went unread
             message += f" (unknown fields were ignored: {', '.join(unread[:8])[:200]})"
             param = param or unread[0]
@@ -166,7 +174,7 @@ def _unknown_top_level(model: type[BaseModel], data: bytes) -> list[str]:
     own check names them in the context once its fields are valid)."""
     try:
         sent = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     known = {name for n, f in model.model_fields.items() for name in (n, f.alias) if name}
     return [ascii(k)[1:-1][:64] for k in sent if k not in known][:16] if isinstance(sent, dict) else []

@@ -269,7 +269,7 @@ def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicM
 def _clear_thinking(turns: list[dict[str, Any]], kept: int | None) -> None:
     """Drop the thinking of all but the last `kept` assistant turns that have some."""
     thinking = [t for t in turns if t["role"] == "assistant" and t.get("reasoning_content")]
-    for turn in thinking[:len(thinking) - kept] if kept is not None else []:
+    for turn in thinking[:max(0, len(thinking) - kept)] if kept is not None else []:
         del turn["reasoning_content"]
 
 

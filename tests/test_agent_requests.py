@@ -233,6 +233,9 @@ def test_unknown_fields_are_served_and_named_in_a_header(gated: str) -> None:
     missing = httpx.post(gated + "/v1/chat/completions", timeout=PATIENCE, json={
         "model": MODEL, "mesages": [{"role": "user", "content": "Hi"}]})  # a misspelt field is named
     assert missing.status_code == 400 and "unknown fields were ignored: mesages" in missing.json()["error"]["message"]
+    deep = httpx.post(gated + "/v1/chat/completions", timeout=PATIENCE, headers={"content-type": "application/json"},
+                      content=b'{"model": "m", "a": ' + b"[" * 3000 + b"]" * 3000 + b"}")
+    assert deep.status_code == 400, deep.text  # nested past what a parser walks: a 400, never a 500
     known = httpx.post(gated + "/v1/chat/completions", timeout=PATIENCE, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert "x-v4serve-ignored-fields" not in known.headers

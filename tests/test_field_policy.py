@@ -96,6 +96,8 @@ def test_clear_thinking_keeps_the_last_turns_thinking() -> None:
     assert thinking({"type": "clear_thinking_20251015"}) == ["", "", "T2"]  # Anthropic's default: the last one
     assert thinking({"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 2}}) == \
         ["", "T1", "T2"]
+    assert thinking({"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 5}}) == \
+        ["T0", "T1", "T2"]  # more than there are: all kept
     with pytest.raises(ValidationError):
         messages_request(history, context_management={"edits": [{"type": "clear_thinking_20251015",
                                                                   "keep": {"type": "thinking_turns", "value": 0}}]})

@@ -399,6 +399,10 @@ def test_penalty_counts_grow_and_a_repeated_key_takes_one_row() -> None:
     assert sorted(set(rows[:9])) == list(range(9)) and rows[9] == rows[0]
     assert table.seen.shape[0] >= 9 and all(table.seen[rows[i]].nonzero().flatten().tolist() == [i, i + 1]
                                             for i in range(9))
+    for i in range(9):
+        table.forget(f"r{i}")
+    assert table.seen.shape == table.counts.shape == (0, VOCAB)  # nobody penalised: the memory goes back
+    assert table.rows([("s", [2], [])]) == [0]
 
 
 def test_penalised_rows_over_many_steps_equal_counts_made_from_scratch_each_step() -> None:
