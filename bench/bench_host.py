@@ -9,6 +9,14 @@ batch size is measured over `--steps` decode steps once every request is decodin
 
     python bench/bench_host.py [--batches 1 32 64 128 256] [--steps 200] [--context 1024] [--store] [--gc]
                                [--penalties] [--results NAME]
+
+`--device-ms 5 10 20` runs the engine against a simulated device instead: each forward queues that
+much device time behind the steps already queued and returns at once (as a launch on a CUDA stream
+does), and the copy of a step's samples to the host waits until that step has run. It reports decode
+tokens/s as a fraction of the device-bound ideal (batch / device step), with steps in series and
+launched ahead (`--async-scheduling`), side by side.
+
+    python bench/bench_host.py --device-ms 5 10 20 [--batches 1 32 64 128 256] [--steps 100]
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from v4serve.engine.model.tiny import build_tiny  # noqa: E402
 from v4serve.engine.process.core import EngineCore  # noqa: E402
 from v4serve.engine.process.lifecycle import freeze_startup_objects  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
+from v4serve.engine.sampler import HostCopy  # noqa: E402
 
 # `--penalties`: every request penalised (their counts are kept on the device between steps).
 PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1}
@@ -63,6 +72,45 @@ class StandInForward:
         return self.logits[:len(meta.logits_rows)]
 
 
+class SimulatedDevice:
+    """A stand-in for a GPU's stream, as a timeline: each step queued runs `step_s` after the later of
+    now and the end of the steps queued before it; the host returns from a launch at once and waits only
+    when it reads a step's results."""
+
+    current: SimulatedDevice | None = None  # the one the sampler's copies wait for (`simulate`)
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.free_at = 0.0  # when the steps queued so far have all run
+
+    def queue_step(self) -> None:
+        self.free_at = max(time.perf_counter(), self.free_at) + self.step_s
+
+    @staticmethod
+    def wait_until(when: float) -> None:
+        while (left := when - time.perf_counter()) > 0:
+            time.sleep(left)
+
+
+def simulate() -> None:
+    """The sampler's copies to the host wait for the step they follow (the one queued last on
+    `SimulatedDevice.current`)."""
+    start = HostCopy.start.__func__  # type: ignore[attr-defined]
+
+    def queued_start(cls: type[HostCopy], result: torch.Tensor) -> HostCopy:
+        copy = start(cls, result)
+        assert SimulatedDevice.current is not None
+        copy.ready_at = SimulatedDevice.current.free_at  # type: ignore[attr-defined]
+        return copy
+
+    def wait(copy: HostCopy) -> torch.Tensor:
+        SimulatedDevice.wait_until(copy.ready_at)  # type: ignore[attr-defined]
+        return copy.host
+
+    HostCopy.start = classmethod(queued_start)  # type: ignore[method-assign, assignment]
+    HostCopy.wait = wait  # type: ignore[method-assign]
+
+
 class MeasuredCore(EngineCore):
     """The engine core, timing the engine thread's CPU between consecutive published steps."""
 
@@ -70,29 +118,44 @@ class MeasuredCore(EngineCore):
         super().__init__(engine, to_front)
         self.batch = batch
         self.cpu: list[float] = []  # seconds of engine-thread CPU per decode step of the full batch
+        self.wall: list[float] = []  # and of wall time
         self._last: float | None = None
+        self._last_wall = 0.0
         self.done = threading.Event()
         self.wanted = 0
 
     def _flush(self, stats: Any) -> None:
         super()._flush(stats)
-        now = time.thread_time()
+        now, wall = time.thread_time(), time.perf_counter()
         running = self.engine.scheduler.running
         decoding = len(running) == self.batch and all(r.output_token_ids for r in running)
         if decoding and self._last is not None and len(self.cpu) < self.wanted:
             self.cpu.append(now - self._last)
+            self.wall.append(wall - self._last_wall)
             if len(self.cpu) == self.wanted:
                 self.done.set()
-        self._last = now if decoding else None
+        self._last, self._last_wall = (now if decoding else None), wall
 
 
 def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bool = True,
-            penalties: bool = False) -> dict[str, float]:
+            penalties: bool = False, device: SimulatedDevice | None = None, ahead: bool = False) -> dict[str, float]:
     model = build_tiny(seed=0)
     config = EngineConfig(max_model_len=context + LONGEST, max_num_seqs=batch, max_num_batched_tokens=8192,
-                          max_prefill_chunk=8192, kv_store_dir=str(store) if store else None)
+                          max_prefill_chunk=8192, kv_store_dir=str(store) if store else None,
+                          async_scheduling="on" if ahead else "off")
     engine = LLMEngine(model, config)
-    model.forward = StandInForward(model.cfg.vocab_size, max(batch, 8192))  # type: ignore[method-assign]
+    forward = StandInForward(model.cfg.vocab_size, max(batch, 8192))
+    if device is not None:
+        SimulatedDevice.current = device
+
+        def launch(*args: Any, **kwargs: Any) -> torch.Tensor:
+            logits = forward(*args, **kwargs)
+            device.queue_step()
+            return logits
+
+        model.forward = launch  # type: ignore[method-assign]
+    else:
+        model.forward = forward  # type: ignore[method-assign]
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind("inproc://bench-host")
@@ -133,9 +196,29 @@ def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bo
     assert finished, f"batch {batch}: fewer than {steps} decode steps measured"
     per_step = sorted(core.cpu)
     median = statistics.median(per_step)
+    if device is not None:  # decode tokens/s over the device-bound ideal (batch tokens per device step)
+        return {"batch": batch, "device_ms": device.step_s * 1e3, "ahead": ahead,
+                "of_ideal": device.step_s * len(core.wall) / sum(core.wall), "host_ms": median * 1e3}
     return {"batch": batch, "median_step_ms": median * 1e3, "per_seq_us": median / batch * 1e6,
             "p99_step_ms": per_step[int(0.99 * (len(per_step) - 1))] * 1e3, "worst_step_ms": per_step[-1] * 1e3,
             "worst_over_median": per_step[-1] / median}
+
+
+def overlap(batches: list[int], device_ms: list[float], steps: int, context: int) -> None:
+    rows = []
+    for ms in device_ms:
+        for batch in batches:
+            series, ahead = (measure(batch, steps, context, None, device=SimulatedDevice(ms / 1e3), ahead=a)
+                             for a in (False, True))
+            rows.append({"batch": batch, "device_ms": ms, "in_series": series["of_ideal"],
+                         "ahead": ahead["of_ideal"], "host_ms_in_series": series["host_ms"],
+                         "host_ms_ahead": ahead["host_ms"]})
+    print_table(f"decode tokens/s over the device-bound ideal (simulated device; {context}-token prompts)",
+                ["batch", "device step ms", "in series", "launched ahead", "host ms/step in series",
+                 "host ms/step ahead"],
+                [[r["batch"], r["device_ms"], r["in_series"], r["ahead"], r["host_ms_in_series"],
+                  r["host_ms_ahead"]] for r in rows])
+    write_results("host-overlap", {"context": context, "steps": steps, "rows": rows})
 
 
 def main() -> None:
@@ -148,9 +231,15 @@ def main() -> None:
                                                            "frozen (the collector's full passes scan them all)")
     parser.add_argument("--penalties", action="store_true", help="every request with repetition, frequency "
                                                                  "and presence penalties")
+    parser.add_argument("--device-ms", type=float, nargs="+", help="a simulated device taking this long per "
+                                                                    "step: tokens/s in series and launched ahead")
     parser.add_argument("--results", help="the results file's name in bench/results (default host, host-store)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.device_ms:
+        simulate()
+        overlap(args.batches, args.device_ms, args.steps, args.context)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for batch in args.batches:

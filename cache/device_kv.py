@@ -4,6 +4,7 @@ tensors indexed by slot, Block Cache tensors by block id. The model reads and wr
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,9 +99,11 @@ class DeviceKV:
         slots = [(tuple(t.shape[1:]), str(t.dtype)) for t in self._slot_parts()]
         return repr((self.layout.block_size, blocks, slots)).encode()
 
-    def block_payload(self, block_id: int) -> list[memoryview]:
-        """Host bytes of one block across all layers (copied now: the block may be reused later)."""
-        return [_as_bytes(t[block_id].clone()) for t in self._block_parts()]
+    def block_payload(self, block_id: int) -> CopyingPayload:
+        """Host bytes of one block across all layers, copied now (the block may be reused later) but
+        read later: on a GPU the copy is queued behind the step that wrote the block, and whoever
+        reads the bytes (the SSD store's writer thread) waits for it, not the engine."""
+        return CopyingPayload.of([t[block_id] for t in self._block_parts()])
 
     def stack_block_payloads(self, payloads: list[memoryview]) -> list[torch.Tensor]:
         """Host tensors [n, ...] per storage tensor from n block payloads: one byte copy per block
@@ -137,6 +140,44 @@ class DeviceKV:
             out.append(raw.view(t.dtype).view(t.shape[1:]).clone())
             offset += n
         return out
+
+
+class CopyingPayload(Sequence[memoryview]):
+    """Host bytes on their way from the device: reading them first waits for their copy alone."""
+
+    def __init__(self, parts: list[torch.Tensor], done: torch.cuda.Event | None) -> None:
+        self._parts, self._done = parts, done
+        self._views: list[memoryview] | None = None
+
+    @classmethod
+    def of(cls, sources: list[torch.Tensor]) -> CopyingPayload:
+        cuda = bool(sources) and sources[0].device.type == "cuda"
+        parts = []
+        for t in sources:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+            host.copy_(t, non_blocking=cuda)  # pinned memory: queued on the stream, the host goes on
+            parts.append(host)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(parts, done)
+
+    def _ready(self) -> list[memoryview]:
+        if self._views is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._views = [memoryview(p.view(-1).view(torch.uint8).numpy()) for p in self._parts]
+        return self._views
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        return self._ready()[i]
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self._ready())
 
 
 def _row_bytes(t: torch.Tensor) -> int:

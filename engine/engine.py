@@ -27,6 +27,7 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
 from v4serve.engine.mtp import MTPLayer, MTPRows, MTPSeed, mtp_drafts, mtp_ready
+from v4serve.engine.overlap import InFlight, async_scheduling, runs_ahead
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
 from v4serve.engine.sampler import NonFiniteLogits, Sampler, finite_top
 from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
@@ -76,6 +77,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
     speculative: SpeculativeConfig | None = None  # draft tokens checked by each decode step (off: None)
     kv_events: KVEventsConfig | None = None  # blocks stored and removed, published for routers (off: None)
+    async_scheduling: str = "auto"  # step N+1 launched before step N's tokens are read (engine/overlap.py)
 
 
 @dataclass
@@ -160,6 +162,9 @@ class LLMEngine:
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
         self.cuda_graphs = _cuda_graphs(device, config, model, ranks)
+        self.async_scheduling = async_scheduling(config.async_scheduling, device, ranks is not None,
+                                                 config.speculative is not None)
+        self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
         scratch = int(self.cuda_graphs == "on")  # a slot and a block past the pools for a graph's padding rows
         kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
         self.device_kv = kv_class(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
@@ -214,7 +219,7 @@ class LLMEngine:
             self.graphs = DecodeGraphs(model, self.device_kv, decode_buckets(config.max_num_seqs),
                                        -(-config.max_model_len // block), scratch_slot=config.max_num_seqs,
                                        scratch_block=num_blocks, capture=True)
-        log.info("CUDA graphs: %s", self.cuda_graphs)
+        log.info("CUDA graphs: %s; async scheduling: %s", self.cuda_graphs, self.async_scheduling)
 
     @staticmethod
     def _drafter(spec: SpeculativeConfig | None) -> Drafter | None:
@@ -267,14 +272,15 @@ class LLMEngine:
             request.paused = paused
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling == "on":
+            return self._step_ahead()
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.scheduler.loading:  # only store reads in flight: wait for one, don't spin
-                futures.wait(self.scheduler.pending_loads(), timeout=0.01, return_when=futures.FIRST_COMPLETED)
+            self._wait_for_loads()
             return []
         try:
             logits = self.execute(chunks)
@@ -282,6 +288,94 @@ class LLMEngine:
             return self._forward_failed(chunks, exc)
         self._forward_failures = 0
         return self.update(chunks, logits)
+
+    def _wait_for_loads(self) -> None:
+        if self.scheduler.loading:  # only store reads in flight: wait for one, don't spin
+            futures.wait(self.scheduler.pending_loads(), timeout=0.01, return_when=futures.FIRST_COMPLETED)
+
+    # ---- one step, launched ahead (async scheduling: engine/overlap.py) -----------------------------
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Schedule and launch this step, then read the previous step's samples while the device runs
+        this one, then account this step's chunks (their tokens are all known by then)."""
+        ahead, self._in_flight = self._in_flight, None
+        if ahead is not None and not all(runs_ahead(c.request) for c in ahead.sampled):
+            return self._land(ahead)  # a request's next sampling needs its token: this step runs in series
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if ahead is None:
+                self._wait_for_loads()
+            return self._land(ahead) if ahead is not None else []
+        failed: list[tuple[Request, Exception]] = []
+        try:
+            logits = self.execute(chunks, ahead)
+            plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
+            self._in_flight = self._sample_ahead(plan, logits, failed)
+        except Exception as exc:
+            self._step_capture = None
+            outputs = self._land(ahead) if ahead is not None else []
+            return outputs + self._forward_failed([c for c in chunks if c.request.request_id in self.requests], exc)
+        self._forward_failures = 0
+        ending: list[tuple[Request, str]] = []  # requests to end once this step's chunks are accounted
+        outputs = [self._failed_after_forward(r, exc, ending) for r, exc in failed]
+        if ahead is not None:
+            outputs += self._land(ahead, ending)
+        self.scheduler.advance(chunks, self._captured_states())
+        i, ended = 0, {id(r) for r, _ in ending}
+        for chunk, n, start, _ in plan:
+            i += n
+            if chunk.request.sampling.prompt_logprobs is not None and n and id(chunk.request) not in ended:
+                try:  # reads this step's logits back: a step with prompt logprobs waits for the device
+                    self._record_prompt_logprobs(chunk.request, start, logits[i - n:i])
+                except Exception as exc:
+                    outputs.append(self._failed_after_forward(chunk.request, exc, ending))
+        for request, reason in ending:  # stopped by a token read above, or failed: its chunk is accounted now
+            self.finish(request, reason)
+        return outputs
+
+    def _sample_ahead(self, plan: list[tuple[ScheduledChunk, int, int, bool]], logits: torch.Tensor,
+                      failed: list[tuple[Request, Exception]]) -> InFlight | None:
+        """Launch the sampling of every chunk that completes; its requests now have a token in flight.
+        A request whose row cannot be prepared (its grammar failed) goes into `failed` with the reason."""
+        sampled, rows, preps, i = [], [], [], 0
+        for chunk, n, _, completes in plan:
+            i += n
+            if not completes:
+                continue
+            try:
+                preps.append(self.sampler.prepare(chunk.request))
+            except Exception as exc:
+                failed.append((chunk.request, exc))
+                continue
+            sampled.append(chunk)
+            rows.append(i - 1)
+        if not sampled:
+            return None
+        picked = logits if len(rows) == len(logits) else logits.index_select(0, upload(rows, logits.device))
+        launched = InFlight(sampled, self.sampler.sample_ahead(preps, picked))
+        for c in sampled:
+            c.request.pending_tokens += 1
+        return launched
+
+    def _land(self, ahead: InFlight, ending: list[tuple[Request, str]] | None = None
+              ) -> list[RequestOutput]:
+        """Read a launched step's samples: accept each token, stop or go on. A request launched again
+        since (`pending_tokens` left) ends once that step is accounted (into `ending`), not now."""
+        try:
+            samples: list[Sample | Exception] = ahead.rows.samples()
+        except Exception as exc:  # the read back failed: its requests end, no other
+            samples = [exc] * len(ahead.sampled)
+        outputs = []
+        for chunk, sample in zip(ahead.sampled, samples, strict=True):
+            request = chunk.request
+            request.pending_tokens -= 1
+            if request.status is not RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
+                continue  # aborted meanwhile: its token is dropped
+            later = ending if request.pending_tokens else None
+            try:
+                outputs.append(self._accept(request, _sample_or_raise(sample), later))
+            except Exception as exc:
+                outputs.append(self._failed_after_forward(request, exc, later))
+        return outputs
 
     def _forward_failed(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
         """Fail the requests of this step (their KV may be half written; it is private to them and
@@ -312,8 +406,9 @@ class LLMEngine:
             return range(chunk.num_new)
         return range(chunk.num_new - 1, chunk.num_new) if chunk.completes else range(0)
 
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One forward over every scheduled chunk → the logits of `logit_rows` of each chunk."""
+    def execute(self, chunks: list[ScheduledChunk], ahead: InFlight | None = None) -> torch.Tensor:
+        """One forward over every scheduled chunk → the logits of `logit_rows` of each chunk. `ahead`: the
+        step before, whose tokens (still on the device) are the inputs of requests that have one in flight."""
         seqs, ids = [], []
         for c in chunks:
             r, kv = c.request, c.request.kv
@@ -321,6 +416,8 @@ class LLMEngine:
             seqs.append(SeqChunk(slot=kv.slot, block_table=kv.block_table, start=r.num_computed_tokens,
                                  num_new=c.num_new, frozen_until=kv.frozen_until, window_from=kv.window_from))
             ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new - len(c.drafts)))
+            if r.pending_tokens:  # its token in flight: a place the device fills (`_fill_inputs`)
+                ids.append(0)
             ids.extend(c.drafts)
             if c.drafts:  # put back if a draft is rejected
                 self._kept_slots[r.request_id] = self.device_kv.copy_slot(kv.slot)
@@ -336,9 +433,11 @@ class LLMEngine:
             assert isinstance(self.device_kv, MirroredDeviceKV)
             self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads, kept_rows))
         meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
+        fill = ahead.input_fill(chunks) if ahead is not None else None
         if self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows):
-            return self.graphs.run(ids, seqs)  # a decode-only step: replayed
+            return self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill))  # replayed
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
+        self._fill_inputs(input_ids, ahead, fill)
         if self.device_kv.device.type == "cpu":
             torch.set_num_threads(threads)
         if self.mtp is None:
@@ -348,6 +447,16 @@ class LLMEngine:
         self._pass = (states, input_ids, offsets)
         self.mtp.commit(kept_rows, states, input_ids)
         return logits
+
+    @staticmethod
+    def _fill_inputs(input_ids: torch.Tensor, ahead: InFlight | None, fill: tuple[list[int], list[int]] | None
+                     ) -> None:
+        """The tokens still in flight into their places, device to device."""
+        if ahead is None or fill is None or not fill[0]:
+            return
+        places, rows = fill
+        device = input_ids.device
+        input_ids.index_copy_(0, upload(places, device), ahead.rows.tokens.index_select(0, upload(rows, device)))
 
     def _state_capture(self, chunks: list[ScheduledChunk], seqs: list[SeqChunk]) -> StateCapture | None:
         """Where the step keeps the slot states at the snapshot points inside its chunks (None: no
@@ -475,12 +584,14 @@ class LLMEngine:
         return RequestOutput(request.request_id, [*drafts[:kept], *last.new_token_ids],
                              [*samples[:kept], *last.samples], last.finished, last.finish_reason)  # type: ignore[list-item]
 
-    def _failed_after_forward(self, request: Request, exc: Exception) -> RequestOutput:
+    def _failed_after_forward(self, request: Request, exc: Exception,
+                              ending: list[tuple[Request, str]] | None = None) -> RequestOutput:
         if isinstance(exc, RequestError):  # the request's own doing (a grammar that cannot go on): a 400
             log.info("request %s ended: %s", request.request_id, exc)
-            return self.fail(request, str(exc), param=exc.param or "request")
+            return self.fail(request, str(exc), param=exc.param or "request", ending=ending)
         log.error("request %s failed after the forward pass", request.request_id, exc_info=exc)
-        return self.fail(request, f"sampling failed ({type(exc).__name__}; the engine's log has the detail)")
+        return self.fail(request, f"sampling failed ({type(exc).__name__}; the engine's log has the detail)",
+                         ending=ending)
 
     def _record_prompt_logprobs(self, request: Request, start: int, rows: torch.Tensor) -> None:
         """Row p predicts prompt token p+1; the first prompt token has no logprob."""
@@ -499,14 +610,19 @@ class LLMEngine:
                 raise NonFiniteLogits(f"the logits of prompt position {p} are not finite")
             request.prompt_logprobs.append(Sample(token=tok, logprob=logprob, top=top))
 
-    def _accept(self, request: Request, sample: Sample) -> RequestOutput:
+    def _accept(self, request: Request, sample: Sample,
+                ending: list[tuple[Request, str]] | None = None) -> RequestOutput:
+        """`ending`: where a request that stops goes instead of ending now (it has a step in flight)."""
         if request.grammar is not None:
             request.grammar.accept(sample.token)
         self.scheduler.append_token(request, sample.token)
         out = RequestOutput(request.request_id, [sample.token], [sample])
         reason = self._stop_reason(request, sample.token)
         if reason is not None:
-            self.finish(request, reason)
+            if ending is None:
+                self.finish(request, reason)
+            else:
+                ending.append((request, reason))
             out.finished, out.finish_reason = True, reason
         return out
 
@@ -529,8 +645,12 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         self.sampler.forget(request.request_id)
 
-    def fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
-        self.finish(request, "error")
+    def fail(self, request: Request, message: str, param: str | None = None,
+             ending: list[tuple[Request, str]] | None = None) -> RequestOutput:
+        if ending is None:
+            self.finish(request, "error")
+        else:
+            ending.append((request, "error"))
         return RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=message,
                              error_param=param)
 

@@ -159,6 +159,9 @@ class Request:
     # `mtp_drafts_at` tokens.
     mtp_drafts: list[int] = field(default_factory=list)
     mtp_drafts_at: int = -1
+    # Async scheduling: tokens sampled on the device that the host has not read yet (0 or 1). Its next
+    # step takes them as input on the device; `output_token_ids` gets them one step later.
+    pending_tokens: int = 0
     # One entry per prompt token from the second on (the first has none), when asked for.
     prompt_logprobs: list = field(default_factory=lambda: [None])
     grammar: TokenGrammar | None = None  # its matcher, when sampling.grammar is set

@@ -104,10 +104,12 @@ class _RowPrep:
 
     @classmethod
     def of(cls, request: Request | None, params: SamplingParams, prompt: list[int], output: list[int],
-           eos: int | None, bitmask: np.ndarray | None, drafted: Sequence[int] = ()) -> _RowPrep:
-        """`output`: the committed output tokens; `drafted`: the drafts this row follows."""
+           eos: int | None, bitmask: np.ndarray | None, drafted: Sequence[int] = (), pending: int = 0) -> _RowPrep:
+        """`output`: the committed output tokens; `drafted`: the drafts this row follows; `pending`: output
+        tokens sampled before this row that the host does not know yet (async scheduling: only their
+        number may matter to this row, see `runs_ahead`)."""
         ends = []
-        if bitmask is None and len(output) + len(drafted) < params.min_tokens:  # too early to stop
+        if bitmask is None and len(output) + len(drafted) + pending < params.min_tokens:  # too early to stop
             ends = [*params.stop_token_ids, *([eos] if eos is not None else [])]
         key = None if request is None or params.seed is None else request.request_id
         if _thinking_spent(params, output, drafted):
@@ -222,17 +224,43 @@ def _penalise(logits: torch.Tensor, rows: _Rows) -> None:
     logits[r] = vals - (frequency[:, None] * counts + presence[:, None] * (counts > 0).to(vals.dtype))
 
 
-def _to_host(result: torch.Tensor) -> torch.Tensor:
-    """The step's one copy back: into pinned memory without blocking, then a wait on that copy
-    alone (the engine needs the tokens before it schedules again)."""
-    if result.device.type != "cuda":
-        return result.cpu()
-    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-    host.copy_(result, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host
+class HostCopy:
+    """A device tensor on its way to the host: the copy is queued behind the work that makes it, and
+    `wait` waits for that copy alone (not for work queued after it, such as the next step)."""
+
+    def __init__(self, source: torch.Tensor, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        self.source = source  # held until the copy is done: the allocator must not reuse its memory earlier
+        self.host, self.done = host, done
+
+    @classmethod
+    def start(cls, result: torch.Tensor) -> HostCopy:
+        if result.device.type != "cuda":
+            return cls(result, result.cpu(), None)
+        host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(result, host, done)
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+@dataclass
+class SampledRows:
+    """A step's samples, launched and not yet read (async scheduling)."""
+
+    tokens: torch.Tensor  # [R] long, on the device: the next step's inputs
+    copy: HostCopy  # the sampler's rows [R, 3 + 2w], on their way to the host
+    logprobs: list[int]  # top logprobs asked for, per row
+
+    def samples(self) -> list[Sample | Exception]:
+        """Wait for the rows' copy (only), and read them."""
+        host = self.copy.wait()
+        width = (host.shape[1] - 3) // 2
+        return [Sampler.unpack(row, k, width) for row, k in zip(host.tolist(), self.logprobs, strict=True)]
 
 
 class Sampler:
@@ -288,17 +316,23 @@ class Sampler:
 
     def prepare(self, request: Request, drafted: Sequence[int] = ()) -> _RowPrep:
         """The host's part of one row: its bias, penalty indices and grammar bitmask, after `drafted`
-        (drafts the grammar allows: the scheduler cut them to those)."""
+        (drafts the grammar allows: the scheduler cut them to those) and the request's tokens in flight."""
         grammar = request.grammar
         bitmask = grammar.allowed_after(list(drafted)) if grammar is not None and grammar.active else None
         return _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
-                           self.eos_token_id, bitmask, drafted)
+                           self.eos_token_id, bitmask, drafted, request.pending_tokens)
+
+    def sample_ahead(self, preps: list[_RowPrep], logits: torch.Tensor) -> SampledRows:
+        """Every row's sampling launched on the device, its copy to the host started, nothing waited
+        for: the next step can take the tokens as input before the host reads them."""
+        result = self.on_device(preps, logits)
+        return SampledRows(result[:, 0].long(), HostCopy.start(result), [p.params.logprobs or 0 for p in preps])
 
     def _sample(self, preps: list[_RowPrep], logits: torch.Tensor) -> list[Sample | Exception]:
         result = self.on_device(preps, logits)
         width = (result.shape[1] - 3) // 2
-        return [self._unpack(row, p.params.logprobs or 0, width)
-                for row, p in zip(_to_host(result).tolist(), preps, strict=True)]
+        return [self.unpack(row, p.params.logprobs or 0, width)
+                for row, p in zip(HostCopy.start(result).wait().tolist(), preps, strict=True)]
 
     def on_device(self, preps: list[_RowPrep], logits: torch.Tensor) -> torch.Tensor:
         """Every row's sampling, on the logits' device, without reading anything back → [R, 3 + 2w]
@@ -353,7 +387,7 @@ class Sampler:
         return self._penalties
 
     @staticmethod
-    def _unpack(row: list[float], k: int, width: int) -> Sample | Exception:
+    def unpack(row: list[float], k: int, width: int) -> Sample | Exception:
         if row[1] == _FLAG_ALL_BARRED:
             return AllTokensBarred("every token is barred (by the grammar, logit_bias, min_tokens or the thinking "
                                    "budget together): nothing can be sampled")

@@ -47,7 +47,8 @@ class ScheduledChunk:
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the request's last known token (so a token is sampled)."""
-        return self.request.num_computed_tokens + self.num_new - len(self.drafts) == self.request.num_tokens
+        r = self.request
+        return r.num_computed_tokens + self.num_new - len(self.drafts) == r.num_tokens + r.pending_tokens
 
 
 @dataclass
@@ -112,6 +113,8 @@ class Scheduler:
         for request in self._running_decodes_first():
             if request.status is not RequestStatus.RUNNING or request.paused or budget <= 0:
                 continue
+            if request.pending_tokens and self._ends_on_pending(request):
+                continue  # its token in flight is its last (by length): nothing more to compute
             drafts = self._drafts(request, budget)
             n, points = self._chunk_size(request, request.num_computed_tokens, budget, len(drafts))
             drafts = drafts[:max(0, n - (request.num_tokens - request.num_computed_tokens))]
@@ -122,12 +125,17 @@ class Scheduler:
         self._admit(chunks, budget)
         return chunks
 
+    def _ends_on_pending(self, request: Request) -> bool:
+        ahead = request.num_tokens + request.pending_tokens
+        return (len(request.output_token_ids) + request.pending_tokens >= request.sampling.max_tokens
+                or ahead >= self.config.max_model_len)
+
     def _running_decodes_first(self) -> list[Request]:
         return sorted(self.running, key=lambda r: r.is_prefill)
 
     def _chunk_size(self, request: Request, start: int, budget: int, drafts: int = 0) -> tuple[int, tuple[int, ...]]:
         """(tokens of the request's next chunk, the snapshot points inside it whose states it captures)."""
-        if not drafts and request.num_tokens - start == 1 and budget > 0:
+        if not drafts and request.num_tokens + request.pending_tokens - start == 1 and budget > 0:
             return 1, ()  # a decode step: one token, nothing strictly inside it to capture (the common case)
         n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
         # A drafted pass may be undone, so no state inside it is captured: it ends on snapshot points.
@@ -172,9 +180,12 @@ class Scheduler:
 
     def _grow_or_preempt(self, request: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
         """Blocks for the next n tokens, preempting the newest other running requests if
-        needed; False if the request itself had to be preempted."""
+        needed; False if the request itself had to be preempted, or has to wait. A request with a token
+        in flight (async scheduling) is never preempted: that token is valid and not yet known."""
         while not self.kv.grow(request.kv, request.num_computed_tokens + n):
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if not r.pending_tokens), None)
+            if victim is None:
+                return False  # the blocks come back once the tokens in flight are known
             self._preempt(victim, scheduled)
             if victim is request:
                 return False

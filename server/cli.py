@@ -63,6 +63,9 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                             "(dequantized at load)"),
     ("--batch-invariant", bool, "a request's logits are bitwise the same alone or in any batch (slower)"),
     ("--enforce-eager", bool, "run decode steps eagerly: no CUDA graphs (on CUDA they are captured per batch size)"),
+    ("--async-scheduling", str, "auto, on or off: schedule and launch each step while the device runs the one "
+                                "before (its tokens feed the next step on the device; the host reads them a step "
+                                "later). auto: on with CUDA, off on the CPU (whose forward is synchronous)"),
     ("--tensor-parallel-size", int, "ranks (GPUs) the model is split across (default 1); one node: the daemon "
                                     "starts them; several nodes: launch with torchrun"),
     ("--expert-parallel", bool, "with --tensor-parallel-size N, give each rank E/N whole routed experts "

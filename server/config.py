@@ -64,6 +64,7 @@ class ServeConfig:
     weight_dtype: str = "auto"
     batch_invariant: bool = False
     enforce_eager: bool = False
+    async_scheduling: str = "auto"
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     max_model_len: int | None = None
@@ -173,6 +174,11 @@ class ServeConfig:
                      "max_preprocess_seconds", "stream_keepalive"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        from v4serve.engine.overlap import ASYNC_SCHEDULING_CHOICES
+
+        if self.async_scheduling not in ASYNC_SCHEDULING_CHOICES:
+            raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING_CHOICES)}, "
+                             f"got {self.async_scheduling!r}")
         if self.unknown_fields not in ("accept", "refuse"):
             raise ValueError(f"--unknown-fields must be accept or refuse, got {self.unknown_fields!r}")
         if self.preprocess_workers < 0:

@@ -170,6 +170,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
                         swa_checkpoint_interval=interval, kv_dtype=next(model.parameters()).dtype,
                         kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+                        async_scheduling=cfg.async_scheduling,
                         grammar_cache_bytes=cfg.grammar_cache_bytes, speculative=cfg.speculative,
                         kv_events=cfg.kv_events)
 
@@ -212,7 +213,8 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
     log.info("speculative decoding: %s", econf.speculative.describe() if econf.speculative else "off")
     log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
              if econf.kv_store_dir else "off")
-    return engine, {"version_info": {**version_info(model, econf), "cuda_graphs": engine.cuda_graphs},
+    return engine, {"version_info": {**version_info(model, econf), "cuda_graphs": engine.cuda_graphs,
+                                     "async_scheduling": engine.async_scheduling},
                     "max_model_len": econf.max_model_len,
                     # vllm:cache_config_info's labels, as vLLM names them
                     "cache_info": {"block_size": engine.cache_config.block_size,

@@ -93,3 +93,16 @@ def test_device_tensors_have_the_layouts_byte_sizes() -> None:
     assert slot_bytes == layout.state_bytes_per_slot(2) == kv.slot_nbytes()
     assert block_bytes == layout.block_bytes(2)
     assert len(kv.block_payload(0)) == len([t for layer in kv.layers for t in layer.block_tensors()])
+
+
+def test_a_block_payload_keeps_the_bytes_of_when_it_was_taken() -> None:
+    """The SSD store's writer reads a sealed block's payload later; the block may be reused before."""
+    kv = DeviceKV(KVLayout.from_config(TINY_CONFIG), num_slots=2, num_blocks=3, dtype=torch.float16)
+    parts = [t for layer in kv.layers for t in layer.block_tensors()]
+    for i, t in enumerate(parts):
+        t[1].fill_(i + 1)
+    payload = kv.block_payload(1)
+    for t in parts:
+        t[1].fill_(-7)  # reused and rewritten before the writer reads
+    assert [bytes(p) for p in payload] == [torch.full_like(t[1], i + 1).view(torch.uint8).numpy().tobytes()
+                                           for i, t in enumerate(parts)]

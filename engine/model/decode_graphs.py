@@ -17,6 +17,7 @@ Steps with prefill chunks run eagerly (their shapes vary with the chunk)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,14 +74,18 @@ class DecodeGraphs:
         return (0 < len(seqs) <= max(self.buckets) and all(s.num_new == 1 for s in seqs)
                 and all(len(s.block_table) <= self.table_width for s in seqs))
 
-    def run(self, ids: list[int], seqs: list[SeqChunk]) -> torch.Tensor:
-        """One decode step of `seqs` (one new token each, `ids`) → logits [len(seqs), V], a view of
-        the bucket's output: read it before the next step."""
+    def run(self, ids: list[int], seqs: list[SeqChunk],
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One decode step of `seqs` (one new token each, `ids`; `fill` then writes into the bucket's
+        ids the tokens still on the device) → logits [len(seqs), V], a view of the bucket's output:
+        read it before the next step."""
         bucket = self.buckets[min(b for b in self.buckets if b >= len(seqs))]
         padded = seqs + self._scratch(bucket.size - len(seqs))
         bucket.batch.refill([s.slot for s in padded], [s.start for s in padded], [s.window_from for s in padded],
                             [s.block_table for s in padded], [s.frozen_until for s in padded])
         upload(ids + [0] * (bucket.size - len(ids)), self.device, out=bucket.ids)
+        if fill is not None:
+            fill(bucket.ids)
         if bucket.graph is not None:
             bucket.graph.replay()
             assert bucket.logits is not None

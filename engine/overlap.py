@@ -1,0 +1,78 @@
+"""Async scheduling: the host schedules and launches step N+1 while the device runs step N.
+
+Step N's sampled tokens stay on the device and are step N+1's inputs there (`InFlight.tokens`); the
+host reads them one step later, for stop checks and outputs. What this changes, and why each case
+stays correct:
+
+- A request whose token in flight ends it by length is not scheduled again (`Scheduler._ends_on_pending`);
+  one that ends by a stop token was already launched in the next step, which computed that token:
+  it ends after that step is accounted, its state exact one token further (a response end then
+  includes its stop token; the next turn's prompt carries it too).
+- A request with a token in flight is never preempted (that token is valid and unknown); a request
+  that cannot grow without preempting one waits a step.
+- A request whose next sampling depends on the value of its last token (`runs_ahead` is False: a
+  grammar mask, penalties, a thinking budget) makes that step run in series: the token is read
+  before anything is scheduled. Speculative decoding and tensor parallelism run in series always.
+- Seeded sampling draws the same numbers: each request's rows are drawn from its own generator in
+  the same order; a step computed after a request's stop draws only after its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: the front end checks the flag's value with this module
+    import torch
+
+    from v4serve.engine.request import Request
+    from v4serve.engine.sampler import SampledRows
+    from v4serve.engine.scheduler import ScheduledChunk
+
+# --async-scheduling values.
+ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
+
+
+def runs_ahead(request: Request) -> bool:
+    """Whether the request's next step can be sampled before the host knows its last token: nothing in
+    that sampling may depend on the token's value (only on how many tokens there are)."""
+    p = request.sampling
+    return (request.grammar is None and p.thinking_budget is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)
+
+
+def async_scheduling(choice: str, device: torch.device, parallel: bool, speculative: bool) -> str:
+    """"on", or "off (why)". `auto` is on for CUDA only: a CPU runs the forward synchronously, so the
+    host has nothing to overlap there and the extra step of bookkeeping is pure cost."""
+    if choice not in ASYNC_SCHEDULING_CHOICES:
+        raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING_CHOICES)}, not {choice!r}")
+    if choice == "off":
+        return "off (--async-scheduling off)"
+    if parallel:
+        return "off (not under tensor parallelism yet: the other ranks take each step's token ids from the host)"
+    if speculative:
+        return "off (speculative decoding judges drafts against the tokens before the next step)"
+    if choice == "auto" and device.type != "cuda":
+        return f"off (auto: the forward is synchronous on {device.type}, nothing to overlap)"
+    return "on"
+
+
+@dataclass
+class InFlight:
+    """A launched step whose samples the host has not read: `sampled[i]`'s token is row i."""
+
+    sampled: list[ScheduledChunk]
+    rows: SampledRows
+
+    def input_fill(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+        """For the next step's chunks: (places in its token ids, rows of this step's tokens) of the
+        tokens still in flight."""
+        row_of = {id(c.request): i for i, c in enumerate(self.sampled)}
+        places, rows, at = [], [], 0
+        for c in chunks:
+            r = c.request
+            at += c.num_new
+            if r.pending_tokens and r.num_computed_tokens + c.num_new == r.num_tokens + r.pending_tokens:
+                places.append(at - 1)
+                rows.append(row_of[id(r)])
+        return places, rows
