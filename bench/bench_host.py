@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +48,13 @@ from v4serve.engine.sampler import HostCopy  # noqa: E402
 
 # `--penalties`: every request penalised (their counts are kept on the device between steps).
 PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1}
+DRAIN = """
+import sys, zmq
+pull = zmq.Context().socket(zmq.PULL)
+pull.connect(sys.argv[1])
+while True:
+    pull.recv(copy=False)
+"""
 # Output tokens a request may make: past the steps measured, whatever the batch's prefill took.
 LONGEST = 4096
 
@@ -157,22 +166,13 @@ def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bo
     else:
         model.forward = forward  # type: ignore[method-assign]
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind("inproc://bench-host")
-    push.connect("inproc://bench-host")
-    stop = threading.Event()
-
-    def drain() -> None:  # the front end's side: every step's message is received and dropped
-        while not stop.is_set():
-            if pull.poll(50):
-                while True:
-                    try:
-                        pull.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
+    push = ctx.socket(zmq.PUSH)
+    folder = tempfile.mkdtemp(prefix="bench-host-")
+    address = f"ipc://{folder}/steps"
+    push.bind(address)
+    # The front end's side, in a process of its own as in the daemon (a thread here would contend for
+    # the engine thread's GIL): every step's message is received and dropped.
+    reader = subprocess.Popen([sys.executable, "-c", DRAIN, address])
     if frozen:
         freeze_startup_objects()  # as the engine process does once built
     else:
@@ -188,9 +188,9 @@ def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bo
     finished = core.done.wait(600)
     core.loop.abort([r.request_id for r in requests])
     core.loop.shutdown()
-    stop.set()
-    reader.join()
-    pull.close(linger=0)
+    reader.kill()
+    reader.wait()
+    shutil.rmtree(folder, ignore_errors=True)
     push.close(linger=0)
     ctx.term()
     assert finished, f"batch {batch}: fewer than {steps} decode steps measured"

@@ -89,7 +89,7 @@ def run_mode(model, mode: str, jobs: list[Ask], max_len: int, interval: int) -> 
             prompt = list(job.prompt)
             if job.follows is not None:
                 before = sent[job.follows]
-                prompt = before.prompt_token_ids + before.output_token_ids + prompt
+                prompt = before.all_token_ids + prompt
             req = Request(f"{mode}-{i}", prompt, SamplingParams(max_tokens=job.max_tokens, ignore_eos=True))
             sent.append(req)
             ttft = time_to_first_token(engine, req)

@@ -59,9 +59,11 @@ class DeviceKV:
         tensors |= {name: zeros(name, self.num_blocks, shape) for name, shape in layer.block_shapes().items()}
         return LayerKV(layout=layer, **tensors)
 
-    def read_slot(self, slot: int) -> list[torch.Tensor]:
-        """A host copy of one slot's whole state (a snapshot), in a fixed order."""
-        return [t[slot].to("cpu", copy=True) for t in self._slot_parts()]
+    def read_slot(self, slot: int) -> torch.Tensor:
+        """A host copy of one slot's whole state (a snapshot): the bytes of its parts in a fixed order,
+        as one uint8 tensor (one object per snapshot for the cycle collector to walk, not one per part:
+        thousands of snapshots are held)."""
+        return slot_bytes([t[slot] for t in self._slot_parts()]).to("cpu")
 
     def copy_slot(self, slot: int) -> list[torch.Tensor]:
         """A copy of one slot's whole state on its own device (put back with `write_slot`)."""
@@ -78,8 +80,18 @@ class DeviceKV:
         for t in self._slot_parts():
             t[slot].zero_()
 
-    def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
+    def write_slot(self, slot: int, state: torch.Tensor | list[torch.Tensor]) -> None:
+        """Put back a snapshot (`read_slot`'s bytes) or a device copy (`copy_slot`'s parts)."""
         parts = self._slot_parts()
+        if isinstance(state, torch.Tensor):
+            if state.numel() != self.slot_nbytes():
+                raise ValueError(f"snapshot has {state.numel()} bytes, layout needs {self.slot_nbytes()}")
+            at = 0
+            for dst in parts:
+                n = _row_bytes(dst)
+                dst[slot].view(-1).view(torch.uint8).copy_(state[at:at + n], non_blocking=True)
+                at += n
+            return
         if len(parts) != len(state):
             raise ValueError(f"snapshot has {len(state)} tensors, layout needs {len(parts)}")
         for dst, src in zip(parts, state, strict=True):
@@ -128,18 +140,12 @@ class DeviceKV:
             dst.index_copy_(0, index, src[: len(block_ids)].to(dst.device, non_blocking=True))
 
     @staticmethod
-    def snapshot_payload(state: list[torch.Tensor]) -> list[memoryview]:
-        return [_as_bytes(t) for t in state]
+    def snapshot_payload(state: torch.Tensor) -> list[memoryview]:
+        return [_as_bytes(state)]
 
-    def snapshot_from_payload(self, payload: memoryview) -> list[torch.Tensor]:
+    def snapshot_from_payload(self, payload: memoryview) -> torch.Tensor:
         """A host snapshot (as `read_slot` returns) from store bytes."""
-        out, offset = [], 0
-        for t in self._slot_parts():
-            n = _row_bytes(t)
-            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
-            out.append(raw.view(t.dtype).view(t.shape[1:]).clone())
-            offset += n
-        return out
+        return torch.frombuffer(payload, dtype=torch.uint8, count=self.slot_nbytes()).clone()
 
 
 class CopyingPayload(Sequence[memoryview]):
@@ -178,6 +184,11 @@ class CopyingPayload(Sequence[memoryview]):
 
     def __iter__(self) -> Iterator[memoryview]:
         return iter(self._ready())
+
+
+def slot_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One slot's parts (each contiguous) as one uint8 tensor of their bytes, in order."""
+    return torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
 
 
 def _row_bytes(t: torch.Tensor) -> int:

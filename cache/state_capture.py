@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from v4serve.cache.device_kv import DeviceKV, LayerKV
+from v4serve.cache.device_kv import DeviceKV, LayerKV, slot_bytes
 from v4serve.kernels.attention import upload
 from v4serve.kernels.compressor import biased
 from v4serve.kernels.decode_writes import Compression
@@ -82,8 +82,8 @@ class StateCapture:
                 parts.append(state)
             seq.states[id(layer)] = parts
 
-    def states_at(self, kv: DeviceKV, seq: CaptureSeq) -> list[tuple[int, list[torch.Tensor]]]:
-        """(boundary, host copy of the slot state there) for each of `seq`'s points (KeyError if a
-        layer of `kv` handed nothing over)."""
+    def states_at(self, kv: DeviceKV, seq: CaptureSeq) -> list[tuple[int, torch.Tensor]]:
+        """(boundary, host copy of the slot state there, as `DeviceKV.read_slot` makes it) for each of
+        `seq`'s points (KeyError if a layer of `kv` handed nothing over)."""
         host = [part.to("cpu") for layer in kv.layers for part in seq.states[id(layer)]]
-        return [(point, [part[i].clone() for part in host]) for i, point in enumerate(seq.points)]
+        return [(point, slot_bytes([part[i] for part in host])) for i, point in enumerate(seq.points)]

@@ -36,7 +36,7 @@ from v4serve.engine.stats import EngineStats
 from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, MTPPass, Ranks, StepPlan, kv_digest, step_threads
 from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
-from v4serve.kernels.attention import upload
+from v4serve.kernels.attention import SlotTables, upload
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ KV_FORMAT_VERSION = 1
 # Forward passes failing in a row before the engine is declared broken (one failure fails only the
 # requests of that step: a bad input or a transient fault must not take everyone down).
 MAX_FORWARD_FAILURES = 3
+
+
+_LAST_ROW, _NO_ROWS = range(0, 1), range(0)
 
 
 class EngineUnhealthy(RuntimeError):
@@ -214,11 +217,12 @@ class LLMEngine:
         self._forward_failures = 0
         fp8 = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8")
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
+        self.slot_tables = SlotTables(config.max_num_seqs + scratch, -(-config.max_model_len // block), device)
         self.graphs: DecodeGraphs | None = None
         if scratch:
             self.graphs = DecodeGraphs(model, self.device_kv, decode_buckets(config.max_num_seqs),
                                        -(-config.max_model_len // block), scratch_slot=config.max_num_seqs,
-                                       scratch_block=num_blocks, capture=True)
+                                       scratch_block=num_blocks, capture=True, slot_tables=self.slot_tables)
         log.info("CUDA graphs: %s; async scheduling: %s", self.cuda_graphs, self.async_scheduling)
 
     @staticmethod
@@ -235,6 +239,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.limits.validate(request)
+        request.hold_prompt_compactly()
         if request.request_id in self.requests:
             raise RequestError(f"duplicate request id {request.request_id}")
         if request.sampling.grammar is not None:
@@ -400,6 +405,8 @@ class LLMEngine:
         """Rows of the chunk whose logits are needed: every prompt row when the request wants
         prompt logprobs, else the last row when the chunk completes."""
         r = chunk.request
+        if chunk.num_new == 1 and not chunk.drafts and r.sampling.prompt_logprobs is None:
+            return _LAST_ROW if chunk.completes else _NO_ROWS  # a decode: the common case
         if chunk.drafts:  # the last token's row, then each draft's
             return range(chunk.num_new - len(chunk.drafts) - 1, chunk.num_new)
         if r.sampling.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens:
@@ -433,6 +440,8 @@ class LLMEngine:
             assert isinstance(self.device_kv, MirroredDeviceKV)
             self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads, kept_rows))
         meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
+        self.slot_tables.update([seq.slot for seq in seqs], [seq.block_table for seq in seqs])
+        meta.slot_tables = self.slot_tables  # local too: the other ranks are sent the tables
         fill = ahead.input_fill(chunks) if ahead is not None else None
         if self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows):
             return self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill))  # replayed

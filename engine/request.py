@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -170,16 +171,23 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (a hot path for long prompts)."""
         p = len(self.prompt_token_ids)
         if end <= p:
-            return self.prompt_token_ids[start:end]
+            return list(self.prompt_token_ids[start:end])
         if start >= p:
             return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[:end - p]]
+
+    def hold_prompt_compactly(self) -> None:
+        """The prompt's ids as machine integers (`array`), not a list of int objects: 8 bytes a token
+        instead of ~36, and nothing the cycle collector walks (its full passes visited every prompt
+        token of every request: a 50-100 ms step at 128 requests x 64K tokens)."""
+        if not isinstance(self.prompt_token_ids, array):
+            self.prompt_token_ids = array("q", self.prompt_token_ids)  # type: ignore[assignment]
 
     @property
     def num_tokens(self) -> int:

@@ -393,6 +393,8 @@ class Sampler:
                                    "budget together): nothing can be sampled")
         if row[1] or not math.isfinite(row[2]):  # a drawn token always has a finite logprob unless the row is bad
             return NonFiniteLogits("the logits are not finite (NaN or +inf); nothing can be sampled from them")
+        if not k or not width:  # no top logprobs asked for (the common case)
+            return Sample(token=int(row[0]), logprob=row[2], top=[])
         k = min(k, width)
         top = finite_top([(int(t), v) for t, v in zip(row[3:3 + k], row[3 + width:3 + width + k], strict=True)])
         return Sample(token=int(row[0]), logprob=row[2], top=top)

@@ -10,6 +10,7 @@ tokens already computed; a preempted request goes back to the queue and resumes 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -44,9 +45,10 @@ class ScheduledChunk:
     # (cache/state_capture.py) instead of ending the chunk on each.
     capture_points: tuple[int, ...] = ()
 
-    @property
+    @functools.cached_property
     def completes(self) -> bool:
-        """Whether this chunk reaches the request's last known token (so a token is sampled)."""
+        """Whether this chunk reaches the request's last known token (so a token is sampled); read
+        before the step's tokens are accounted (kept from then on: each step reads it several times)."""
         r = self.request
         return r.num_computed_tokens + self.num_new - len(self.drafts) == r.num_tokens + r.pending_tokens
 

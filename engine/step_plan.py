@@ -73,8 +73,9 @@ class MirroredDeviceKV(DeviceKV):
         self.writes.append(("clear_slot", (slot,)))
         super().clear_slot(slot)
 
-    def write_slot(self, slot: int, state: list[torch.Tensor]) -> None:
-        self.writes.append(("write_slot", (slot, [t.to("cpu") for t in state])))
+    def write_slot(self, slot: int, state: torch.Tensor | list[torch.Tensor]) -> None:
+        host = state.to("cpu") if isinstance(state, torch.Tensor) else [t.to("cpu") for t in state]
+        self.writes.append(("write_slot", (slot, host)))
         super().write_slot(slot, state)
 
     def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:

@@ -43,6 +43,47 @@ class DecodeRows:
     tables: torch.Tensor  # [D, nb] their block tables
 
 
+class SlotTables:
+    """Each State Cache slot's block table, kept on the device between steps. A step sends only what
+    changed since the last one (a request's table where it is new to the slot, the blocks added to
+    it), so the host's part of the metadata does not grow with the context; the step's tables are
+    gathered from these rows on the device. A table is a list that only grows while it belongs to a
+    slot (`cache/` replaces it, never edits it, when a request is admitted or freed); every entry past
+    a table's length is 0, as in a padded table."""
+
+    def __init__(self, num_slots: int, max_blocks: int, device: torch.device | str) -> None:
+        self.rows = torch.zeros(num_slots, max_blocks, dtype=torch.long, device=device)
+        self._owner: list[list[int] | None] = [None] * num_slots  # the list each row mirrors
+        self._sent = [0] * num_slots  # entries of that list the row holds
+
+    @property
+    def max_blocks(self) -> int:
+        return self.rows.shape[1]
+
+    def update(self, slots: list[int], tables: list[list[int]]) -> None:
+        """Bring the rows of `slots` to `tables` (one non-blocking copy of the changed entries)."""
+        where: list[int] = []
+        values: list[int] = []
+        width = self.max_blocks
+        for slot, table in zip(slots, tables, strict=True):
+            sent, stale = self._sent[slot], 0
+            if self._owner[slot] is not table:  # a new request in this slot: its whole table, the rest zeroed
+                self._owner[slot] = table
+                sent, stale = 0, sent
+            elif len(table) == sent:
+                continue  # most decode steps
+            if len(table) > width:
+                raise ValueError(f"a block table of {len(table)} blocks does not fit {width} (max model len)")
+            base = slot * width
+            where.extend(range(base + sent, base + max(len(table), stale)))
+            values.extend(table[sent:])
+            values.extend([0] * (stale - len(table)))
+            self._sent[slot] = len(table)
+        if where:
+            on = upload(where + values, self.rows.device)
+            self.rows.view(-1).index_copy_(0, on[:len(where)], on[len(where):])
+
+
 @dataclass(frozen=True)
 class RaggedBatch:
     """Where each sequence's new tokens sit in a flattened batch, as tensors for kernels and as
@@ -61,38 +102,49 @@ class RaggedBatch:
     _memo: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     buffer: torch.Tensor | None = field(default=None, compare=False, repr=False)  # what every tensor views
+    slot_tables: SlotTables | None = field(default=None, compare=False, repr=False)  # where `tables` came from
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
               block_tables: list[list[int]], device: torch.device | str,
-              frozen_until: list[int] | None = None, table_width: int | None = None) -> RaggedBatch:
+              frozen_until: list[int] | None = None, table_width: int | None = None,
+              slot_tables: SlotTables | None = None) -> RaggedBatch:
         """Every tensor of the step from one host buffer in one copy: pinned and non-blocking on a
         GPU, so the host goes on building the step instead of waiting for the bus. `table_width`
         pads every block table to that many blocks (default: the longest in the batch); at a fixed
-        width a decode step's shapes no longer depend on the context."""
-        parts, offsets, width = _host_parts(slots, starts, num_new, window_from, block_tables, frozen_until,
-                                            table_width)
+        width a decode step's shapes no longer depend on the context. With `slot_tables` (brought up
+        to `block_tables` by the caller) the tables are gathered on the device instead of sent."""
+        parts, offsets, width = _host_parts(slots, starts, num_new, window_from,
+                                            block_tables, frozen_until, table_width, sent=slot_tables is None)
         on = upload([x for values in parts.values() for x in values], torch.device(device))
         views, at = {}, 0
         for name, values in parts.items():
             views[name], at = on[at:at + len(values)], at + len(values)
         b, d = len(slots), parts["decode_seqs"]
-        tables = views["tables"].view(b, width)
+        info = views["info"].view(b, 5)
+        if slot_tables is None:
+            tables = views["tables"].view(b, width)
+        else:
+            tables = slot_tables.rows[:, :width].index_select(0, info[:, 0])
         decode_tables = tables if len(d) == b else tables[views["decode_seqs"]]
         decodes = DecodeRows(tuple(d), *views["decodes"].view(5, len(d)).unbind(0), decode_tables)
         return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from), tables,
-                   views["row_seq"], views["row_pos"], views["info"].view(b, 5), decodes, buffer=on)
+                   views["row_seq"], views["row_pos"], info, decodes, buffer=on, slot_tables=slot_tables)
 
     def refill(self, slots: list[int], starts: list[int], window_from: list[int], block_tables: list[list[int]],
                frozen_until: list[int]) -> None:
         """Another step of the same shape (as many sequences, each decoding one token, tables as
-        wide) into this batch's own tensors, in one non-blocking copy: what a replayed CUDA graph
-        reads. The Python tuples keep the values this batch was built with (a replay runs no
-        Python): a forward whose result depended on them would differ from the eager step."""
+        wide) into this batch's own tensors, in one non-blocking copy (and, from slot tables, one
+        gather on the device): what a replayed CUDA graph reads. The Python tuples keep the values
+        this batch was built with (a replay runs no Python): a forward whose result depended on them
+        would differ from the eager step."""
         assert self.buffer is not None and len(slots) == len(self.slots)
+        width = self.tables.shape[1]
         parts, _, _ = _host_parts(slots, starts, [1] * len(slots), window_from, block_tables, frozen_until,
-                                  self.tables.shape[1])
+                                  width, sent=self.slot_tables is None)
         upload([x for values in parts.values() for x in values], self.buffer.device, out=self.buffer)
+        if self.slot_tables is not None:
+            torch.index_select(self.slot_tables.rows[:, :width], 0, self.seq_info[:, 0], out=self.tables)
         self._memo.clear()
 
     @property
@@ -117,8 +169,9 @@ class RaggedBatch:
 
 def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
                 block_tables: list[list[int]], frozen_until: list[int] | None, table_width: int | None,
-                ) -> tuple[dict[str, list[int]], list[int], int]:
-    """RaggedBatch's tensors as host lists, in buffer order → (parts, row offsets, table width)."""
+                sent: bool = True) -> tuple[dict[str, list[int]], list[int], int]:
+    """RaggedBatch's tensors as host lists, in buffer order → (parts, row offsets, table width); the
+    tables only if `sent` (else they come from slot tables on the device)."""
     offsets, total = [], 0
     for n in num_new:
         offsets.append(total)
@@ -132,7 +185,7 @@ def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_
     frozen = frozen_until or [0] * b
     d = [i for i, n in enumerate(num_new) if n == 1]
     parts = {
-        "tables": [x for t in block_tables for x in (*t, *[0] * (width - len(t)))],  # [B, nb], padded
+        "tables": [x for t in block_tables for x in (*t, *[0] * (width - len(t)))] if sent else [],  # [B, nb]
         "row_seq": [i for i, n in enumerate(num_new) for _ in range(n)],  # [T]
         "row_pos": [p for s, n in zip(starts, num_new, strict=True) for p in range(s, s + n)],  # [T]
         "info": [x for row in zip(slots, starts, offsets, floor, num_new, strict=True) for x in row],  # [B, 5]

@@ -105,7 +105,7 @@ def test_a_response_ended_by_a_stop_token_is_resumed_by_the_next_turn():
     out = drive(engine, {0: [first]})
     said, reason = out["t1"][0], out["t1"][2]
     assert reason == "stop" and said[-1] in range(64, 140)
-    follow = first.prompt_token_ids + said + tokens(5, 22)
+    follow = [*first.prompt_token_ids, *said, *tokens(5, 22)]
     second = greedy("t2", follow, n=8)
     drive(engine, {0: [second]})
     assert second.num_cached_tokens == len(first.prompt_token_ids) + len(said)  # stop token included

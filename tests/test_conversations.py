@@ -41,7 +41,7 @@ def test_the_next_turn_resumes_where_the_response_ended(mode: str, end: int, n_o
     engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=64)
     first = turn(engine, "t1", tokens(end - n_out + 1, end), n_out)  # computes `end` tokens
     assert first.num_computed_tokens == end
-    prompt = first.prompt_token_ids + first.output_token_ids + tokens(9, 100 + end)
+    prompt = first.all_token_ids + tokens(9, 100 + end)
     second = turn(engine, "t2", prompt, 6)
     assert second.num_cached_tokens == end  # everything but the new tokens and the last output token
     assert second.num_recomputed_tokens == 0
@@ -55,11 +55,11 @@ def test_a_prompt_that_diverges_inside_the_tail_falls_back_to_the_block(mode: st
     model = small_model()
     engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=16)
     first = turn(engine, "t1", tokens(40, 1), 5)  # ends at 44: tail 32..44
-    edited = first.prompt_token_ids[:38] + tokens(12, 2)  # the history was edited at 38, inside the tail
+    edited = list(first.prompt_token_ids[:38]) + tokens(12, 2)  # the history was edited at 38, inside the tail
     second = turn(engine, "t2", edited, 6)
     assert second.num_cached_tokens == 32  # the sealed boundary before the tail (snapshots every block)
     assert second.output_token_ids == cold(model, edited)
-    before = turn(engine, "t3", first.prompt_token_ids[:20] + tokens(30, 3), 6)  # diverges before it
+    before = turn(engine, "t3", list(first.prompt_token_ids[:20]) + tokens(30, 3), 6)  # diverges before it
     assert before.num_cached_tokens == 16
     assert before.output_token_ids == cold(model, before.prompt_token_ids)
 
@@ -87,7 +87,7 @@ def test_n_choices_each_leave_their_own_turn_end() -> None:
     engine.generate(choices)
     assert choices[0].output_token_ids != choices[1].output_token_ids
     for c in choices:
-        follow = c.prompt_token_ids + c.output_token_ids + tokens(5, 8)
+        follow = c.all_token_ids + tokens(5, 8)
         again = turn(engine, f"{c.request_id}-next", follow, 3)
         assert again.num_cached_tokens == len(prompt) + 3
         assert again.output_token_ids == cold(model, follow, 3)
@@ -101,7 +101,7 @@ def test_an_aborted_turn_leaves_no_snapshot_of_a_half_state() -> None:
     while len(request.output_token_ids) < 3:
         engine.step()
     engine.abort("half")
-    follow = request.prompt_token_ids + request.output_token_ids + tokens(5, 10)
+    follow = request.all_token_ids + tokens(5, 10)
     again = turn(engine, "next", follow, 4)
     assert again.num_cached_tokens == 32  # the last sealed boundary, not the abandoned position
     assert again.output_token_ids == cold(model, follow, 4)
@@ -122,7 +122,7 @@ def test_tool_call_like_turns_with_the_restore_metric() -> None:
 def cold_slot(model, prompt: list[int], position: int) -> list[torch.Tensor]:
     seq = SingleSequence(model, position + 1)
     seq.prefill(prompt[:position], chunk=7)
-    return seq.device_kv.read_slot(0)
+    return seq.device_kv.copy_slot(0)
 
 
 class SlotAtStart:
@@ -135,7 +135,7 @@ class SlotAtStart:
         def execute(chunks):  # noqa: ANN001, ANN202
             for c in chunks:
                 if c.request.request_id == rid and c.request.num_computed_tokens == position and self.state is None:
-                    self.state = engine.device_kv.read_slot(c.request.kv.slot)
+                    self.state = engine.device_kv.copy_slot(c.request.kv.slot)
             return real(chunks)
 
         engine.execute = execute
@@ -169,7 +169,7 @@ def test_the_restored_slot_equals_a_cold_runs(how: str) -> None:
     engine = engine_for(model, swa_cache_mode=mode, max_prefill_chunk=1 if how == "recompute" else 1024)
     end = {"response_end": 45, "block": 48, "recompute": 64}[how]
     first = turn(engine, "t1", tokens(end - 2, 12), 3)
-    prompt = first.prompt_token_ids + first.output_token_ids + tokens(5, 13)
+    prompt = first.all_token_ids + tokens(5, 13)
     probe = SlotAtStart(engine, "t2", end)
     second = turn(engine, "t2", prompt, 2)
     assert engine.scheduler.stats.restores == {how: 1}
@@ -186,7 +186,7 @@ def test_a_zero_mode_span_one_layer_short_is_caught_by_the_state_check(monkeypat
     model = small_model()
     engine = engine_for(model, swa_cache_mode="zero", max_prefill_chunk=1)
     first = turn(engine, "t1", tokens(62, 12), 3)
-    prompt = first.prompt_token_ids + first.output_token_ids + tokens(5, 13)
+    prompt = first.all_token_ids + tokens(5, 13)
     probe = SlotAtStart(engine, "t2", 64)
     turn(engine, "t2", prompt, 2)
     with pytest.raises(AssertionError):
@@ -202,7 +202,7 @@ def test_the_next_turn_resumes_from_disk_after_a_restart(tmp_path, mode: str, en
     first = turn(first_engine, "t1", tokens(end - 3, 30 + end), 4)
     first_engine.close()  # queued files land
     assert list(tmp_path.rglob("*.resp")) or end % B == 0
-    prompt = first.prompt_token_ids + first.output_token_ids + tokens(6, 31)
+    prompt = first.all_token_ids + tokens(6, 31)
     engine = engine_for(model, swa_cache_mode=mode, swa_checkpoint_interval=64, kv_store_dir=str(tmp_path))
     second = turn(engine, "t2", prompt, 5)
     engine.close()
@@ -220,7 +220,7 @@ def test_a_bad_response_end_file_is_a_miss(tmp_path) -> None:
     (path,) = tmp_path.rglob("*.resp")
     data = path.read_bytes()
     path.write_bytes(data[:-30] + bytes([data[-30] ^ 0xFF]) + data[-29:])
-    prompt = first.prompt_token_ids + first.output_token_ids + tokens(6, 41)
+    prompt = first.all_token_ids + tokens(6, 41)
     engine = engine_for(model, swa_cache_mode="full", kv_store_dir=str(tmp_path))
     second = turn(engine, "t2", prompt, 5)
     engine.close()
@@ -252,6 +252,6 @@ def test_many_conversations_under_memory_pressure_keep_their_heads() -> None:
                     assert pool.cached_block(block.parent_hash) is not None
         for c, r in zip(range(8), requests, strict=True):
             assert r.output_token_ids == cold(model, r.prompt_token_ids, len(r.output_token_ids)), (c, t)
-            histories[c] = r.prompt_token_ids + r.output_token_ids + tokens(17, 200 + 10 * t + c)
+            histories[c] = r.all_token_ids + tokens(17, 200 + 10 * t + c)
     assert pool.evictions > evicted_before  # the pressure was real
     assert pool.cached_block(engine.kv.hashes(system, None)[0]) is not None  # the shared head survived

@@ -20,6 +20,7 @@ from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.decode_graphs import DecodeGraphs, decode_buckets
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.kernels.attention import SlotTables
 from v4serve.kernels.registry import load_kernels
 
 MAX_LEN = 256
@@ -60,14 +61,17 @@ def without_scratch(kv: DeviceKV) -> list[torch.Tensor]:
     return out
 
 
-def static_vs_eager(backend: str, batch_invariant: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def static_vs_eager(backend: str, batch_invariant: bool = False,
+                    slot_tables: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Five steps one after another (bucket 4 with 3 and 4 rows, bucket 8 with 6, bucket 1, bucket 4),
     each row decoding where it stands, through the static step and eagerly: their logits, and each
-    step's KV (all but the scratch slot and block) compared as it goes."""
+    step's KV (all but the scratch slot and block) compared as it goes. With `slot_tables` the static
+    step gathers its tables from the slots' rows on the device, as the engine's does."""
     model, kv, tables, width = setup(backend, batch_invariant)
     eager_kv, static_kv = copy.deepcopy(kv), copy.deepcopy(kv)
+    rows_on_device = SlotTables(kv.num_slots, width, kv.device) if slot_tables else None
     graphs = DecodeGraphs(model, static_kv, (1, 2, 4, 8), width, scratch_slot=len(CONTEXTS),
-                          scratch_block=kv.num_blocks - 1, capture=False)
+                          scratch_block=kv.num_blocks - 1, capture=False, slot_tables=rows_on_device)
     positions = list(CONTEXTS)
     gen = torch.Generator().manual_seed(5)
     out = []
@@ -75,6 +79,8 @@ def static_vs_eager(backend: str, batch_invariant: bool = False) -> list[tuple[t
         seqs = [SeqChunk(slot=i, block_table=tables[i], start=positions[i], num_new=1) for i in rows]
         ids = torch.randint(0, model.cfg.vocab_size, (len(rows),), generator=gen).tolist()
         assert graphs.fits(seqs)
+        if rows_on_device is not None:
+            rows_on_device.update([q.slot for q in seqs], [q.block_table for q in seqs])
         want = model(torch.tensor(ids), AttentionMetadata.build(copy.deepcopy(seqs)), eager_kv)
         out.append((graphs.run(ids, seqs).clone(), want))
         if not batch_invariant:
@@ -86,9 +92,9 @@ def static_vs_eager(backend: str, batch_invariant: bool = False) -> list[tuple[t
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_static_step_is_the_eager_step(backend: str) -> None:
-    for got, want in static_vs_eager(backend):
+@pytest.mark.parametrize(("backend", "slot_tables"), [("torch", False), ("triton", False), ("torch", True)])
+def test_the_static_step_is_the_eager_step(backend: str, slot_tables: bool) -> None:
+    for got, want in static_vs_eager(backend, slot_tables=slot_tables):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 

@@ -106,3 +106,31 @@ def test_a_block_payload_keeps_the_bytes_of_when_it_was_taken() -> None:
         t[1].fill_(-7)  # reused and rewritten before the writer reads
     assert [bytes(p) for p in payload] == [torch.full_like(t[1], i + 1).view(torch.uint8).numpy().tobytes()
                                            for i, t in enumerate(parts)]
+
+
+def test_slot_tables_hold_each_slots_padded_table_and_send_only_what_changed() -> None:
+    from v4serve.kernels import attention
+
+    tables = attention.SlotTables(num_slots=3, max_blocks=6, device="cpu")
+    sent: list[int] = []
+    upload = attention.upload
+    attention.upload = lambda values, device, **kw: (sent.append(len(values)), upload(values, device, **kw))[1]
+    try:
+        a, b = [4, 9], [7]
+        tables.update([0, 2], [a, b])
+        assert sent == [6]  # three entries: their places and values
+        tables.update([0, 2], [a, b])
+        assert sent == [6]  # nothing changed, nothing sent
+        a.extend([11, 12])  # a request's table grows
+        tables.update([2, 0], [b, a])
+        assert sent == [6, 4]
+        c = [3]  # another request in slot 0: its table, the rest of the row zeroed
+        tables.update([0], [c])
+        assert sent == [6, 4, 8]
+    finally:
+        attention.upload = upload
+    assert tables.rows.tolist() == [[3, 0, 0, 0, 0, 0], [0] * 6, [7, 0, 0, 0, 0, 0]]
+    batch = attention.RaggedBatch.build([2, 0], [5, 1], [1, 1], [0, 0], [b, c], "cpu", slot_tables=tables)
+    assert torch.equal(batch.tables, torch.tensor([[7], [3]]))
+    with pytest.raises(ValueError, match="7 blocks does not fit 6"):
+        tables.update([1], [list(range(7))])

@@ -25,7 +25,7 @@ import torch
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
-from v4serve.kernels.attention import RaggedBatch, upload
+from v4serve.kernels.attention import RaggedBatch, SlotTables, upload
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,14 @@ class _Bucket:
 
 class DecodeGraphs:
     def __init__(self, model: DeepseekV4, kv: DeviceKV, buckets: tuple[int, ...], table_width: int,
-                 scratch_slot: int, scratch_block: int, capture: bool) -> None:
+                 scratch_slot: int, scratch_block: int, capture: bool, slot_tables: SlotTables | None = None) -> None:
+        """`slot_tables`: the slots' block tables on the device, which the engine keeps up to date with
+        each step's sequences (None: each step sends its tables)."""
         self.model, self.kv = model, kv
         self.table_width = table_width
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        self.scratch_table = [scratch_block]  # one list: the scratch slot's row never changes
+        self.slot_tables = slot_tables
         self.device = kv.device
         self.buckets = {b: self._bucket(b) for b in buckets}
         self.captured = False
@@ -60,12 +64,15 @@ class DecodeGraphs:
             self._capture()
 
     def _scratch(self, n: int) -> list[SeqChunk]:
-        return [SeqChunk(slot=self.scratch_slot, block_table=[self.scratch_block], start=0, num_new=1)
+        return [SeqChunk(slot=self.scratch_slot, block_table=self.scratch_table, start=0, num_new=1)
                 for _ in range(n)]
 
     def _bucket(self, size: int) -> _Bucket:
         meta = AttentionMetadata.build(self._scratch(size))
         meta.table_width = self.table_width
+        if self.slot_tables is not None:
+            self.slot_tables.update([self.scratch_slot], [self.scratch_table])
+            meta.slot_tables = self.slot_tables
         return _Bucket(size, torch.zeros(size, dtype=torch.long, device=self.device), meta,
                        meta.ragged(self.device))
 

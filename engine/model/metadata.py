@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from v4serve.cache.state_capture import StateCapture
-from v4serve.kernels.attention import RaggedBatch
+from v4serve.kernels.attention import RaggedBatch, SlotTables
 
 
 @dataclass
@@ -44,6 +44,9 @@ class AttentionMetadata:
     # Sequences whose chunks cross snapshot points: every layer hands it the rows it writes into
     # the slot rings (cache/state_capture.py). Set for the local forward only, never sent to ranks.
     capture: StateCapture | None = None
+    # The slots' block tables kept on the device (`SlotTables`, up to date with `seqs`): the step's tables
+    # are gathered there instead of sent. Local, like `capture`.
+    slot_tables: SlotTables | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqChunk], logit_rows: Sequence[Iterable[int]] | None = None) -> AttentionMetadata:
@@ -64,7 +67,7 @@ class AttentionMetadata:
         s = self.seqs
         return RaggedBatch.build([q.slot for q in s], [q.start for q in s], [q.num_new for q in s],
                                  [q.window_from for q in s], [q.block_table for q in s], device,
-                                 [q.frozen_until for q in s], self.table_width)
+                                 [q.frozen_until for q in s], self.table_width, self.slot_tables)
 
     @property
     def num_tokens(self) -> int:
