@@ -29,12 +29,14 @@ sum over every layer's kernels and the per-step kernels. The one-program term is
 bytes/BW: three decode kernels have grids that do not grow with the GPU (`mhc_pre`: one program per
 4 tokens, each reading all of `hc_fn`; `sparse_attention`: one program per token and 16 heads, no
 split over keys; the MoE's per-expert tiles), so at small batch they cannot use the whole HBM.
-Eager adds the host's cost of every work item to the device time (the GPU waiting on each launch);
-"(overlapped)" is the other end, the larger of the two. Output per case: ms per step, tokens/s per
-GPU (B / step time / TP), the kernel with the largest share of the step, eager and graphs (v4serve
-has no CUDA graphs yet: that column is what they would give). Then the published peer figures
-beside the predictions. Not modelled: the host's Python per step (scheduler, metadata, sampler),
-prefill (only a compute floor for the peers' TTFT), speculative decoding, expert parallelism.
+Eager adds the host's cost of every work item to the device time (the GPU waiting on each launch).
+Launch and collective costs are published measurements (cited at their constants); the engine's own
+host work per step is bench/bench_host.py's. "v4serve" is the step as the code runs it: on one GPU,
+CUDA graphs with async scheduling (the larger of the host's step and the device's); under tensor
+parallelism, eager and in series (device + launches + host: neither graphs nor async scheduling run
+there yet). Output per case: ms per step, tokens/s per GPU (B / step time / TP), the kernel with the
+largest share of the step. Then the published peer figures beside v4serve's prediction. Not
+modelled: prefill (only a compute floor for the peers' TTFT), speculative decoding, expert parallelism.
 Written to bench/results/gpu_model.json.
 
     .venv/bin/python bench/gpu_model.py [--context 8192] [--kv-cache-dtype auto|fp8] [--stored-launches]
@@ -126,9 +128,45 @@ GPUS = (
 HBM_EFFICIENCY = 0.8  # a streaming kernel reaches ~80% of HBM bandwidth
 FLOPS_EFFICIENCY = 0.65  # and ~65% of the tensor-core (or CUDA-core) peak
 NVLINK_EFFICIENCY = 0.8  # of the per-direction NVLink bandwidth, for a large NCCL collective
-COLLECTIVE_LATENCY_S = 10e-6  # one small NCCL all-reduce / all-gather over NVSwitch, any size of group
-EAGER_ITEM_S = 4e-6  # host cost of one eager work item (ATen op or Triton launch), not hidden by the GPU
-GRAPH_KERNEL_S = 1e-6  # one kernel inside a CUDA graph (allocations vanish: the graph's buffers are fixed)
+# Host cost of one eager work item, not hidden by the GPU: published measurements put an ATen op's
+# dispatch on CUDA at 3.3 us (PyTorch's operator micro-benchmarks, pytorch/pytorch#32194) and a
+# Triton JIT launch at 8.7 us (vllm-project/vllm#34838, on a GB200 host); most items are ATen ops.
+EAGER_ITEM_S = 5e-6
+GRAPH_KERNEL_S = 1e-6  # one kernel inside a CUDA graph (allocations vanish: the graph's buffers are fixed); assumed
+# One NCCL all-reduce (torch.distributed) on 8 H100s in one NVSwitch node, by payload: (bytes, seconds),
+# measured (ByteDance-Seed/Triton-distributed#57, NCCL column; pytorch/helion#245 measured the same
+# within 10%: 21.4 us at 8 KB, 24.7 at 256 KB, 55.8 at 1 MB). Interpolated linearly between the
+# points, extended past the last at its slope.
+NCCL_ALL_REDUCE_8 = ((128, 19.2e-6), (16 << 10, 20.7e-6), (64 << 10, 23.1e-6), (256 << 10, 24.8e-6),
+                     (512 << 10, 25.2e-6), (1 << 20, 32.4e-6), (4 << 20, 59.4e-6), (8 << 20, 90.5e-6),
+                     (16 << 20, 135.7e-6))
+# Fewer ranks, less time: the ratio of 4- (2-) to 8-GPU all-reduce times measured side by side on
+# H100 (sgl-project/sglang#2904, vLLM's column: 0.90, 0.73, 0.85, 0.89 at 512 B, 32 KB, 256 KB, 1 MB).
+GROUP_SCALE = {2: 0.75, 4: 0.85, 8: 1.0}
+# The engine's own host work per decode step (schedule, metadata, sampling bookkeeping, outputs, stats,
+# IPC), measured with bench/bench_host.py on this project's 2-core CI machine (a GPU node's cores are
+# faster: an upper bound): a fixed part and a part per sequence.
+HOST_STEP_S = 0.2e-3
+HOST_PER_SEQ_S = 18e-6
+
+
+def nccl_all_reduce_s(nbytes: float, tp: int) -> float:
+    """One all-reduce of `nbytes` across `tp` ranks (NCCL_ALL_REDUCE_8, scaled by GROUP_SCALE)."""
+    points = NCCL_ALL_REDUCE_8
+    if nbytes <= points[0][0]:
+        t = points[0][1]
+    else:
+        lo, hi = points[-2], points[-1]
+        for a, b in zip(points, points[1:], strict=False):
+            if nbytes <= b[0]:
+                lo, hi = a, b
+                break
+        t = lo[1] + (nbytes - lo[0]) * (hi[1] - lo[1]) / (hi[0] - lo[0])
+    return t * GROUP_SCALE.get(tp, 1.0)
+
+
+def host_step_s(batch: int) -> float:
+    return HOST_STEP_S + HOST_PER_SEQ_S * batch
 PROGRAM_BYTES_PER_S = 100e9  # what one program (one CTA on one SM) can stream from HBM or L2
 
 # Published peer figures (SGLang, H200, DeepSeek-V4-Flash, FP8 checkpoint; 8K in / 1K out). Their
@@ -573,8 +611,9 @@ def work_times(work: Work, gpu: Gpu, tp: int) -> Times:
     n = work.count
     ring = (tp - 1) / tp
     link = gpu.nvlink_gb_s * 1e9 * NVLINK_EFFICIENCY
-    comm = ((work.all_reduce_calls + work.all_gather_calls) * COLLECTIVE_LATENCY_S
-            + 2 * ring * work.all_reduce_bytes / link + ring * work.all_gather_bytes / link)
+    comm = ring * work.all_gather_bytes / link + work.all_gather_calls * nccl_all_reduce_s(0, tp)
+    if work.all_reduce_calls:
+        comm += work.all_reduce_calls * nccl_all_reduce_s(work.all_reduce_bytes / work.all_reduce_calls, tp)
     per_sm = gpu.peak(work.math) / gpu.sms * FLOPS_EFFICIENCY
     return Times(memory=n * work.bytes / (gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY),
                  compute=n * work.flops / (gpu.peak(work.math) * FLOPS_EFFICIENCY),
@@ -765,10 +804,23 @@ def evaluate(case: Case, gpu: Gpu, works: list[Work]) -> dict[str, Any]:
     # device's (which still pays the GPU-side gap of each kernel, as in a graph), or the reverse.
     host_s = sum(row["items"] for row in kernels.values()) * EAGER_ITEM_S
     out["eager"]["overlapped_step_s"] = max(host_s, out["graphs"]["step_s"])
+    out["v4serve"] = as_run(case, out)
     for key in ("bytes", "weight_bytes", "flops", "items", "launches", "memory_s", "compute_s", "program_s", "comm_s",
                 "device_s"):
         out[key] = sum(row[key] for row in kernels.values())
     return out
+
+
+def as_run(case: Case, out: dict[str, Any]) -> dict[str, Any]:
+    """The step as v4serve runs it, the engine's host work included: on one GPU, CUDA graphs with
+    async scheduling (the host's step hidden behind the device's, or the reverse); under tensor
+    parallelism, eager and in series (neither graphs nor async scheduling run there yet)."""
+    host = host_step_s(case.batch)
+    if case.tp == 1:
+        step, mode = max(out["graphs"]["step_s"], host), "CUDA graphs, async scheduling"
+    else:
+        step, mode = out["eager"]["step_s"] + host, "eager, in series"
+    return {"step_s": step, "tok_s_per_gpu": case.batch / step / case.tp, "mode": mode, "host_s": host}
 
 
 def predict(models: list[str], gpus: list[Gpu], tps: list[int], batches: list[int], context: int,
@@ -807,13 +859,15 @@ def compare_with_peer(cases: list[dict[str, Any]], context: int) -> list[dict[st
     rows: list[dict[str, Any]] = []
 
     def row(figure: str, tp: int, mode: str, predicted: float, peer: float) -> None:
+        if mode == "v4serve":
+            mode = next(c["v4serve"]["mode"] for c in ours if c["tp"] == tp)
         rows.append({"figure": figure, "tp": tp, "mode": mode, "predicted": predicted, "peer": peer,
                      "ratio": predicted / peer})
 
     ours = [c for c in cases if c["gpu"] == PEER["gpu"] and c["model"] == PEER["model"] and c["fits"]]
     largest = max((c["batch"] for c in ours), default=0)
     for case in ours:
-        for mode in ("eager", "graphs"):
+        for mode in ("v4serve",):
             if case["batch"] == 1:
                 row(f"ms per token, concurrency 1 (ours: batch 1, context {context})", case["tp"], mode,
                     case[mode]["step_s"] * 1e3, PEER["ms_per_token_concurrency_1"])
@@ -865,9 +919,11 @@ def print_tables(cases: list[dict[str, Any]], launch_info: dict[str, Any], compa
     print(f"Assumptions: {HBM_EFFICIENCY:.0%} of HBM bandwidth, {FLOPS_EFFICIENCY:.0%} of peak FLOPs (bf16 tensor "
           f"cores: the kernels decode FP8/FP4 codes to bf16, so the FP8/FP4 rates go unused; fp32 CUDA cores for the "
           f"router, mHC and lm head), {NVLINK_EFFICIENCY:.0%} of NVLink per direction "
-          f"+ {COLLECTIVE_LATENCY_S * 1e6:.0f} us per collective, {EAGER_ITEM_S * 1e6:.0f} us per eager work item, "
+          f"for the logits' all-gather, NCCL all-reduces as measured on 8 H100s (19-136 us by size; x"
+          f"{GROUP_SCALE[4]} at 4 ranks), {EAGER_ITEM_S * 1e6:.0f} us per eager work item, "
           f"{GRAPH_KERNEL_S * 1e6:.0f} us per kernel in a CUDA graph, {PROGRAM_BYTES_PER_S / 1e9:.0f} GB/s for one "
-          f"program; overheads add to device time (no overlap). Work items: {launch_source}.")
+          f"program; overheads add to device time (no overlap); the engine's host work {HOST_STEP_S * 1e3:.1f} ms "
+          f"+ {HOST_PER_SEQ_S * 1e6:.0f} us per sequence per step (bench/bench_host.py). Work items: {launch_source}.")
     print_table("Hardware (datasheets; dense)", ["GPU", "memory GiB", "HBM TB/s", "SMs", "BF16 TF", "FP8 TF", "FP4 TF",
                                                  "FP32 TF", "NVLink GB/s/dir"],
                 [[g.name, g.memory_gib, g.hbm_tb_s, g.sms, g.bf16_tflops, g.fp8_tflops, g.fp4_tflops or "-",
@@ -904,17 +960,16 @@ def print_tables(cases: list[dict[str, Any]], launch_info: dict[str, Any], compa
         if not c["fits"]:
             body.append(head + ["does not fit"] + ["-"] * 8)
             continue
-        seqs = c["max_concurrent_sequences"]
+        seqs, run, graphs = c["max_concurrent_sequences"], c["v4serve"], c["tp"] == 1  # graphs run on one rank only
         body.append(head + [f"{seqs}" + ("!" if seqs < c["batch"] else ""), f"{c['bytes'] / 1e9:.2f}",
-                            _ms(c["eager"]["step_s"]), _ms(c["eager"]["overlapped_step_s"]), _ms(c["graphs"]["step_s"]),
-                            round(c["eager"]["tok_s_per_gpu"]),
-                            round(c["graphs"]["tok_s_per_gpu"]),
-                            f"{c['eager']['bound']} {c['eager']['bound_share']:.0%}",
-                            f"{c['graphs']['bound']} {c['graphs']['bound_share']:.0%}"])
+                            _ms(c["eager"]["step_s"]), _ms(c["graphs"]["step_s"]) if graphs else "-",
+                            _ms(run["host_s"]), _ms(run["step_s"]), round(run["tok_s_per_gpu"]), run["mode"],
+                            f"{c['eager']['bound']} {c['eager']['bound_share']:.0%}"])
     print_table("Decode step per case (predicted; max seqs: the capacity plan's sequences at this context, "
-                "! = fewer than the batch; (overlapped): eager if host and device overlapped fully, a lower bound)",
+                "! = fewer than the batch; graphs: one rank only; v4serve: as the code runs it, the engine's host "
+                "work included)",
                 ["model", "GPU", "TP", "batch", "weights GiB/rank", "max seqs", "GB read/rank", "eager ms",
-                 "(overlapped)", "graphs ms", "eager tok/s/GPU", "graphs tok/s/GPU", "bound (eager)", "bound (graphs)"],
+                 "graphs ms", "host ms", "v4serve ms", "v4serve tok/s/GPU", "how", "bound (eager)"],
                 body)
     print_table(f"Beside the published peer figures ({PEER['engine']}, {PEER['gpu']}, V4-Flash, FP8 checkpoint, "
                 f"{PEER['workload']}); ratio = predicted / peer",
@@ -954,7 +1009,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "note": "PREDICTED, NOT MEASURED: a step-time model on paper (bench/gpu_model.py)",
         "assumptions": {"hbm_efficiency": HBM_EFFICIENCY, "flops_efficiency": FLOPS_EFFICIENCY,
-                        "nvlink_efficiency": NVLINK_EFFICIENCY, "collective_latency_s": COLLECTIVE_LATENCY_S,
+                        "nvlink_efficiency": NVLINK_EFFICIENCY, "nccl_all_reduce_8": NCCL_ALL_REDUCE_8,
+                        "group_scale": GROUP_SCALE, "host_step_s": HOST_STEP_S, "host_per_seq_s": HOST_PER_SEQ_S,
                         "eager_item_s": EAGER_ITEM_S, "graph_kernel_s": GRAPH_KERNEL_S,
                         "program_bytes_per_s": PROGRAM_BYTES_PER_S, "context": args.context,
                         "kv_cache_dtype": args.kv_cache_dtype, "launches": source},

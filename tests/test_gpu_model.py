@@ -119,3 +119,31 @@ def test_the_peer_figures_are_printed_beside_the_predictions(results: dict[str, 
     assert {r["tp"] for r in rows} == {8}  # Flash on H200 fits at TP 8 only, of TP 1 and 8
     for row in rows:
         assert row["ratio"] == pytest.approx(row["predicted"] / row["peer"])
+
+
+def test_only_the_modes_the_code_runs_are_predicted_with_the_host_work_in(results: dict[str, Any]) -> None:
+    """One rank: CUDA graphs with async scheduling (the larger of host and device); tensor
+    parallelism: eager and in series (device, launches and the engine's host work added up)."""
+    for case in results["cases"]:
+        if not case["fits"]:
+            continue
+        run, host = case["v4serve"], gpu_model.host_step_s(case["batch"])
+        assert run["host_s"] == pytest.approx(host)
+        if case["tp"] == 1:
+            assert run["mode"] == "CUDA graphs, async scheduling"
+            assert run["step_s"] == pytest.approx(max(case["graphs"]["step_s"], host))
+        else:
+            assert run["mode"] == "eager, in series"
+            assert run["step_s"] == pytest.approx(case["eager"]["step_s"] + host)
+        assert run["tok_s_per_gpu"] == pytest.approx(case["batch"] / run["step_s"] / case["tp"])
+    decode = [r for r in results["comparison"] if not r["figure"].startswith("TTFT")]
+    assert decode and {r["mode"] for r in decode} == {"eager, in series"}  # Flash on H200: TP 8
+
+
+def test_all_reduce_times_are_the_published_measurements_by_size_and_group() -> None:
+    for nbytes, seconds in gpu_model.NCCL_ALL_REDUCE_8:
+        assert gpu_model.nccl_all_reduce_s(nbytes, 8) == pytest.approx(seconds)
+    assert gpu_model.nccl_all_reduce_s(24 << 10, 8) == pytest.approx((20.7 + (23.1 - 20.7) / 6) * 1e-6)
+    assert gpu_model.nccl_all_reduce_s(8, 8) == pytest.approx(19.2e-6)  # the smallest message's latency
+    assert gpu_model.nccl_all_reduce_s(32 << 20, 8) > gpu_model.nccl_all_reduce_s(16 << 20, 8)  # at its slope
+    assert gpu_model.nccl_all_reduce_s(1 << 20, 4) == pytest.approx(0.85 * 32.4e-6)  # fewer ranks, less time
