@@ -27,7 +27,7 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.packed import packed_count
 from v4serve.engine.mtp import MTPLayer, MTPRows, MTPSeed, mtp_drafts, mtp_ready
-from v4serve.engine.overlap import InFlight, async_scheduling, runs_ahead
+from v4serve.engine.overlap import InFlight, async_scheduling
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample
 from v4serve.engine.sampler import NonFiniteLogits, Sampler, finite_top
 from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
@@ -300,30 +300,32 @@ class LLMEngine:
 
     # ---- one step, launched ahead (async scheduling: engine/overlap.py) -----------------------------
     def _step_ahead(self) -> list[RequestOutput]:
-        """Schedule and launch this step, then read the previous step's samples while the device runs
-        this one, then account this step's chunks (their tokens are all known by then)."""
+        """Schedule this step and launch its forward; read the previous step's samples while the device
+        runs it; launch this step's sampling (its rows prepared with every token before them known:
+        grammar masks, penalties and thinking budgets need them); account this step's chunks."""
         ahead, self._in_flight = self._in_flight, None
-        if ahead is not None and not all(runs_ahead(c.request) for c in ahead.sampled):
-            return self._land(ahead)  # a request's next sampling needs its token: this step runs in series
         chunks = self.scheduler.schedule()
         if not chunks:
             if ahead is None:
                 self._wait_for_loads()
             return self._land(ahead) if ahead is not None else []
-        failed: list[tuple[Request, Exception]] = []
         try:
             logits = self.execute(chunks, ahead)
-            plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
-            self._in_flight = self._sample_ahead(plan, logits, failed)
         except Exception as exc:
             self._step_capture = None
             outputs = self._land(ahead) if ahead is not None else []
             return outputs + self._forward_failed([c for c in chunks if c.request.request_id in self.requests], exc)
         self._forward_failures = 0
+        plan = [(c, len(self.logit_rows(c)), c.request.num_computed_tokens, c.completes) for c in chunks]
         ending: list[tuple[Request, str]] = []  # requests to end once this step's chunks are accounted
-        outputs = [self._failed_after_forward(r, exc, ending) for r, exc in failed]
-        if ahead is not None:
-            outputs += self._land(ahead, ending)
+        outputs = self._land(ahead, ending, {id(c.request) for c in chunks}) if ahead is not None else []
+        failed: list[tuple[Request, Exception]] = []
+        try:
+            self._in_flight = self._sample_ahead(plan, logits, failed, {id(r) for r, _ in ending})
+        except Exception as exc:  # the step's sampling failed: its requests end, no other
+            ended = {id(r) for r, _ in ending}
+            failed += [(c.request, exc) for c, _, _, completes in plan if completes and id(c.request) not in ended]
+        outputs += [self._failed_after_forward(r, exc, ending) for r, exc in failed]
         self.scheduler.advance(chunks, self._captured_states())
         i, ended = 0, {id(r) for r, _ in ending}
         for chunk, n, start, _ in plan:
@@ -338,13 +340,14 @@ class LLMEngine:
         return outputs
 
     def _sample_ahead(self, plan: list[tuple[ScheduledChunk, int, int, bool]], logits: torch.Tensor,
-                      failed: list[tuple[Request, Exception]]) -> InFlight | None:
-        """Launch the sampling of every chunk that completes; its requests now have a token in flight.
-        A request whose row cannot be prepared (its grammar failed) goes into `failed` with the reason."""
+                      failed: list[tuple[Request, Exception]], ending: set[int]) -> InFlight | None:
+        """Launch the sampling of every chunk that completes, but of requests `ending` (by id); its
+        requests now have a token in flight. A request whose row cannot be prepared (its grammar
+        failed) goes into `failed` with the reason."""
         sampled, rows, preps, i = [], [], [], 0
         for chunk, n, _, completes in plan:
             i += n
-            if not completes:
+            if not completes or id(chunk.request) in ending:
                 continue
             try:
                 preps.append(self.sampler.prepare(chunk.request))
@@ -361,10 +364,10 @@ class LLMEngine:
             c.request.pending_tokens += 1
         return launched
 
-    def _land(self, ahead: InFlight, ending: list[tuple[Request, str]] | None = None
-              ) -> list[RequestOutput]:
-        """Read a launched step's samples: accept each token, stop or go on. A request launched again
-        since (`pending_tokens` left) ends once that step is accounted (into `ending`), not now."""
+    def _land(self, ahead: InFlight, ending: list[tuple[Request, str]] | None = None,
+              launched: set[int] = frozenset()) -> list[RequestOutput]:  # type: ignore[assignment]
+        """Read a launched step's samples: accept each token, stop or go on. A request whose next chunk
+        was launched since (its id in `launched`) ends once that chunk is accounted (into `ending`)."""
         try:
             samples: list[Sample | Exception] = ahead.rows.samples()
         except Exception as exc:  # the read back failed: its requests end, no other
@@ -375,7 +378,7 @@ class LLMEngine:
             request.pending_tokens -= 1
             if request.status is not RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
                 continue  # aborted meanwhile: its token is dropped
-            later = ending if request.pending_tokens else None
+            later = ending if id(request) in launched else None
             try:
                 outputs.append(self._accept(request, _sample_or_raise(sample), later))
             except Exception as exc:

@@ -1,20 +1,22 @@
 """Async scheduling: the host schedules and launches step N+1 while the device runs step N.
 
-Step N's sampled tokens stay on the device and are step N+1's inputs there (`InFlight.tokens`); the
-host reads them one step later, for stop checks and outputs. What this changes, and why each case
-stays correct:
+Each step: schedule; launch the forward, its inputs for requests with a token in flight taken from
+step N's sampled tokens on the device (`InFlight.input_fill`); read step N's samples (waiting for
+step N alone) for stop checks and outputs; launch this step's sampling, its rows prepared with every
+token before them known; account this step's chunks. What this changes, and why each case stays
+correct:
 
 - A request whose token in flight ends it by length is not scheduled again (`Scheduler._ends_on_pending`);
-  one that ends by a stop token was already launched in the next step, which computed that token:
-  it ends after that step is accounted, its state exact one token further (a response end then
-  includes its stop token; the next turn's prompt carries it too).
+  one that ends by a stop token was already in the next step's forward, which computed that token:
+  it is not sampled there and ends once that step is accounted, its state exact one token further (a
+  response end then includes its stop token; the next turn's prompt carries it too).
 - A request with a token in flight is never preempted (that token is valid and unknown); a request
   that cannot grow without preempting one waits a step.
-- A request whose next sampling depends on the value of its last token (`runs_ahead` is False: a
-  grammar mask, penalties, a thinking budget) makes that step run in series: the token is read
-  before anything is scheduled. Speculative decoding and tensor parallelism run in series always.
+- A grammar's mask, penalties and a thinking budget need the last token's value: the sampling is
+  prepared after it is read (the forward runs meanwhile). Speculative decoding and tensor
+  parallelism run in series.
 - Seeded sampling draws the same numbers: each request's rows are drawn from its own generator in
-  the same order; a step computed after a request's stop draws only after its last token.
+  the same order, and never for a step past its stop.
 """
 
 from __future__ import annotations
@@ -25,20 +27,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: the front end checks the flag's value with this module
     import torch
 
-    from v4serve.engine.request import Request
     from v4serve.engine.sampler import SampledRows
     from v4serve.engine.scheduler import ScheduledChunk
 
 # --async-scheduling values.
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
-
-
-def runs_ahead(request: Request) -> bool:
-    """Whether the request's next step can be sampled before the host knows its last token: nothing in
-    that sampling may depend on the token's value (only on how many tokens there are)."""
-    p = request.sampling
-    return (request.grammar is None and p.thinking_budget is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)
 
 
 def async_scheduling(choice: str, device: torch.device, parallel: bool, speculative: bool) -> str:
