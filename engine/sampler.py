@@ -104,12 +104,11 @@ class _RowPrep:
 
     @classmethod
     def of(cls, request: Request | None, params: SamplingParams, prompt: list[int], output: list[int],
-           eos: int | None, bitmask: np.ndarray | None, drafted: Sequence[int] = (), pending: int = 0) -> _RowPrep:
-        """`output`: the committed output tokens; `drafted`: the drafts this row follows; `pending`: output
-        tokens sampled before this row that the host does not know yet (async scheduling: only their
-        number may matter to this row, see `runs_ahead`)."""
+           eos: int | None, bitmask: np.ndarray | None, drafted: Sequence[int] = ()) -> _RowPrep:
+        """`output`: the committed output tokens (all of them: under async scheduling a row is prepared
+        once the step before it has been read); `drafted`: the drafts this row follows."""
         ends = []
-        if bitmask is None and len(output) + len(drafted) + pending < params.min_tokens:  # too early to stop
+        if bitmask is None and len(output) + len(drafted) < params.min_tokens:  # too early to stop
             ends = [*params.stop_token_ids, *([eos] if eos is not None else [])]
         key = None if request is None or params.seed is None else request.request_id
         if _thinking_spent(params, output, drafted):
@@ -316,11 +315,11 @@ class Sampler:
 
     def prepare(self, request: Request, drafted: Sequence[int] = ()) -> _RowPrep:
         """The host's part of one row: its bias, penalty indices and grammar bitmask, after `drafted`
-        (drafts the grammar allows: the scheduler cut them to those) and the request's tokens in flight."""
+        (drafts the grammar allows: the scheduler cut them to those)."""
         grammar = request.grammar
         bitmask = grammar.allowed_after(list(drafted)) if grammar is not None and grammar.active else None
         return _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
-                           self.eos_token_id, bitmask, drafted, request.pending_tokens)
+                           self.eos_token_id, bitmask, drafted)
 
     def sample_ahead(self, preps: list[_RowPrep], logits: torch.Tensor) -> SampledRows:
         """Every row's sampling launched on the device, its copy to the host started, nothing waited
