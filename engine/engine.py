@@ -33,7 +33,17 @@ from v4serve.engine.sampler import NonFiniteLogits, Sampler, finite_top
 from v4serve.engine.scheduler import Drafter, ScheduledChunk, Scheduler, SchedulerConfig
 from v4serve.engine.speculative import SpecCounters, SpeculativeConfig, accepted_count, after_pass, ngram_drafts
 from v4serve.engine.stats import EngineStats
-from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, MTPPass, Ranks, StepPlan, kv_digest, step_threads
+from v4serve.engine.step_plan import (
+    DecodeStep,
+    GraphSpec,
+    KVShape,
+    MirroredDeviceKV,
+    MTPPass,
+    Ranks,
+    StepPlan,
+    kv_digest,
+    step_threads,
+)
 from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
 from v4serve.kernels.attention import SlotTables, upload
@@ -81,6 +91,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # draft tokens checked by each decode step (off: None)
     kv_events: KVEventsConfig | None = None  # blocks stored and removed, published for routers (off: None)
     async_scheduling: str = "auto"  # step N+1 launched before step N's tokens are read (engine/overlap.py)
+    # Decode steps from the graphs' static buffers where nothing is captured (the CPU): how tests check,
+    # without a GPU, the path a replayed graph takes.
+    uncaptured_graphs: bool = False
 
 
 @dataclass
@@ -129,8 +142,6 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, 
         return "off (--attention-backend torch reads values back on the host)"
     if model.kernels.batch_invariant:
         return "off (--batch-invariant drives its per-row kernels from the host)"
-    if ranks is not None:
-        return "off (not captured under tensor parallelism yet)"
     if config.speculative is not None and config.speculative.method == "mtp":
         return "off (MTP drafts read every step's hidden states)"
     return "on"
@@ -168,12 +179,13 @@ class LLMEngine:
         self.async_scheduling = async_scheduling(config.async_scheduling, device, ranks is not None,
                                                  config.speculative is not None)
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
-        scratch = int(self.cuda_graphs == "on")  # a slot and a block past the pools for a graph's padding rows
+        graphs = self.cuda_graphs == "on" or config.uncaptured_graphs
+        scratch = int(graphs)  # a slot and a block past the pools for a graph's padding rows
         kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
         self.device_kv = kv_class(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
                                   device)
         if ranks is not None:
-            ranks.start(KVShape(self.layout, config.max_num_seqs, num_blocks, config.kv_dtype))
+            ranks.start(KVShape(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype))
         self.mtp = MTPLayer(model, self.device_kv) if mtp else None
         self.cache_config = CacheConfig(
             block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
@@ -217,12 +229,18 @@ class LLMEngine:
         self._forward_failures = 0
         fp8 = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8")
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
-        self.slot_tables = SlotTables(config.max_num_seqs + scratch, -(-config.max_model_len // block), device)
+        width = -(-config.max_model_len // block)
+        self.slot_tables = SlotTables(config.max_num_seqs + scratch, width, device)
         self.graphs: DecodeGraphs | None = None
-        if scratch:
-            self.graphs = DecodeGraphs(model, self.device_kv, decode_buckets(config.max_num_seqs),
-                                       -(-config.max_model_len // block), scratch_slot=config.max_num_seqs,
-                                       scratch_block=num_blocks, capture=True, slot_tables=self.slot_tables)
+        if graphs:
+            spec = GraphSpec(decode_buckets(config.max_num_seqs), width, scratch_slot=config.max_num_seqs,
+                             scratch_block=num_blocks, capture=self.cuda_graphs == "on")
+            if ranks is not None:  # first: each rank's capture runs collectives that meet rank 0's
+                ranks.start_graphs(spec)
+            self.graphs = DecodeGraphs(model, self.device_kv, spec.buckets, width, spec.scratch_slot,
+                                       spec.scratch_block, spec.capture, slot_tables=self.slot_tables)
+            if ranks is not None:
+                self.slot_tables.record()  # each step sends the other ranks its tables' changes
         log.info("CUDA graphs: %s; async scheduling: %s", self.cuda_graphs, self.async_scheduling)
 
     @staticmethod
@@ -439,14 +457,15 @@ class LLMEngine:
         # pass, before `update` seals blocks and snapshots the slots.
         kept_rows = ([MTPRows.of(c.request, seq.offset, c.num_new) for c, seq in zip(chunks, seqs, strict=True)
                       if not c.drafts] if self.mtp is not None else [])
-        if self.ranks is not None:
-            assert isinstance(self.device_kv, MirroredDeviceKV)
-            self.ranks.run_step(StepPlan(self.device_kv.take_writes(), ids, meta, threads, kept_rows))
-        meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
         self.slot_tables.update([seq.slot for seq in seqs], [seq.block_table for seq in seqs])
-        meta.slot_tables = self.slot_tables  # local too: the other ranks are sent the tables
+        static = self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows)
+        if self.ranks is not None:
+            self._send_step(ids, meta, threads, kept_rows, static)
+        meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
+        meta.slot_tables = self.slot_tables  # local too: the other ranks keep their own
         fill = ahead.input_fill(chunks) if ahead is not None else None
-        if self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows):
+        if static:
+            assert self.graphs is not None
             return self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill))  # replayed
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
         self._fill_inputs(input_ids, ahead, fill)
@@ -459,6 +478,20 @@ class LLMEngine:
         self._pass = (states, input_ids, offsets)
         self.mtp.commit(kept_rows, states, input_ids)
         return logits
+
+    def _send_step(self, ids: list[int], meta: AttentionMetadata, threads: int, kept_rows: list[MTPRows],
+                   static: bool) -> None:
+        """The step to the other ranks: a static decode step with nothing else to mirror in one
+        fixed-size message, anything else as a pickled plan."""
+        assert self.ranks is not None and isinstance(self.device_kv, MirroredDeviceKV)
+        kv_writes, table_writes = self.device_kv.take_writes(), self.slot_tables.take_writes()
+        if static and not kv_writes and not kept_rows:
+            s = meta.seqs
+            step = DecodeStep(ids, [q.slot for q in s], [q.start for q in s], [q.window_from for q in s],
+                              [q.frozen_until for q in s], table_writes, threads)
+            if self.ranks.run_decode(step):
+                return
+        self.ranks.run_step(StepPlan(kv_writes, ids, meta, threads, kept_rows, table_writes, static))
 
     @staticmethod
     def _fill_inputs(input_ids: torch.Tensor, ahead: InFlight | None, fill: tuple[list[int], list[int]] | None

@@ -5,6 +5,12 @@ same forward pass; what only rank 0 does — the KV manager's slot clears, snaps
 blocks read from the SSD store — reaches the others as recorded writes in each step's `StepPlan`,
 so every rank holds the same KV bytes (`kv_digest` checks it). The engine drives the ranks through
 `Ranks`, whatever starts them.
+
+A decode step that runs from the decode graphs' static buffers (engine/model/decode_graphs.py,
+captured as CUDA graphs on every rank) and has no KV writes to mirror is sent as a `DecodeStep`
+instead: token ids, positions, slots and the block-table entries that changed, packed into the
+fixed-size int32 `Wire` every broadcast starts with. One broadcast, nothing pickled: what a
+captured step needs to change is all it carries.
 """
 
 from __future__ import annotations
@@ -39,6 +45,23 @@ class KVShape:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class GraphSpec:
+    """Decode steps from static buffers on every rank, alike (captured as CUDA graphs where `capture`:
+    the collectives inside a capture meet only if every rank captures the same buckets in the same
+    order). The slots' block tables live on each rank's device, kept equal by the writes each step
+    carries."""
+
+    buckets: tuple[int, ...]
+    table_width: int
+    scratch_slot: int
+    scratch_block: int
+    capture: bool
+
+
+TableWrites = tuple[list[int], list[int]]  # `SlotTables` entries (flat indices) and their new values
+
+
 @dataclass
 class StepPlan:
     kv_writes: list[tuple[str, tuple[Any, ...]]]  # `MirroredDeviceKV` calls, in order
@@ -46,6 +69,64 @@ class StepPlan:
     meta: AttentionMetadata
     threads: int
     mtp_rows: list[MTPRows] = field(default_factory=list)  # the MTP layer takes them right after the pass
+    table_writes: TableWrites = field(default_factory=lambda: ([], []))  # applied first (only under a GraphSpec)
+    static: bool = False  # run from the decode graphs' buffers, as rank 0 does (its collectives' shapes)
+
+
+@dataclass
+class DecodeStep:
+    """A static decode step with nothing else to mirror: what `Wire` carries."""
+
+    input_ids: list[int]
+    slots: list[int]
+    starts: list[int]
+    window_from: list[int]
+    frozen_until: list[int]
+    table_writes: TableWrites
+    threads: int
+
+
+class Wire:
+    """The fixed-size message that opens every broadcast from rank 0 (a collective's sizes must
+    match on every rank, so it never changes size between `GraphSpec`s): a header — kind, sequences,
+    table entries, threads — then, for a `DecodeStep`, its fields at fixed places. An object message
+    is this header and a pickled object after it."""
+
+    HEADER = 4
+    OBJECT, DECODE = 0, 1
+
+    def __init__(self, max_seqs: int = 0) -> None:
+        self.max_seqs = max_seqs  # also the table entries it holds: a decode step adds at most a block each
+        self.buffer = torch.zeros(self.HEADER + 7 * max_seqs, dtype=torch.int32)
+
+    def fits(self, step: DecodeStep) -> bool:
+        return len(step.slots) <= self.max_seqs and len(step.table_writes[0]) <= self.max_seqs
+
+    def object_header(self) -> torch.Tensor:
+        self.buffer[0] = self.OBJECT
+        return self.buffer
+
+    def encode(self, step: DecodeStep) -> torch.Tensor:
+        n, m, c = len(step.slots), len(step.table_writes[0]), self.max_seqs
+        assert self.fits(step)
+        values = [self.DECODE, n, m, step.threads]
+        for part in (step.input_ids, step.slots, step.starts, step.window_from, step.frozen_until):
+            values += part + [0] * (c - n)
+        values += step.table_writes[0] + [0] * (c - m) + step.table_writes[1]
+        self.buffer[:len(values)] = torch.tensor(values, dtype=torch.int32)
+        return self.buffer
+
+    def decode(self) -> DecodeStep:
+        kind, n, m, threads = self.buffer[:self.HEADER].tolist()
+        assert kind == self.DECODE
+        values, c = self.buffer.tolist(), self.max_seqs
+        part = [values[self.HEADER + i * c:self.HEADER + i * c + n] for i in range(5)]
+        where = values[self.HEADER + 5 * c:self.HEADER + 5 * c + m]
+        return DecodeStep(*part, (where, values[self.HEADER + 6 * c:self.HEADER + 6 * c + m]), threads)
+
+    @property
+    def kind(self) -> int:
+        return int(self.buffer[0])
 
 
 @dataclass
@@ -111,6 +192,13 @@ class Ranks(Protocol):
 
     def run_step(self, plan: StepPlan) -> None:
         """Send the step; the caller then runs the same forward pass as every worker."""
+
+    def run_decode(self, step: DecodeStep) -> bool:
+        """Send a static decode step in one fixed-size message; False (nothing sent) where it does not
+        fit one (send it as a `StepPlan`)."""
+
+    def start_graphs(self, spec: GraphSpec) -> None:
+        """Every rank builds (and captures) the same decode graphs as rank 0 is about to."""
 
     def run_mtp(self, work: MTPPass) -> None:
         """Send MTP work; the caller then does the same as every worker."""

@@ -55,6 +55,8 @@ class SlotTables:
         self.rows = torch.zeros(num_slots, max_blocks, dtype=torch.long, device=device)
         self._owner: list[list[int] | None] = [None] * num_slots  # the list each row mirrors
         self._sent = [0] * num_slots  # entries of that list the row holds
+        # With a list here (`record()`), every write is also kept, for other ranks to `apply` alike.
+        self._recorded: list[tuple[list[int], list[int]]] | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -80,8 +82,30 @@ class SlotTables:
             values.extend([0] * (stale - len(table)))
             self._sent[slot] = len(table)
         if where:
-            on = upload(where + values, self.rows.device)
-            self.rows.view(-1).index_copy_(0, on[:len(where)], on[len(where):])
+            self.apply(where, values)
+            if self._recorded is not None:
+                self._recorded.append((where, values))
+
+    def apply(self, where: list[int], values: list[int]) -> None:
+        """Entries `where` (flat indices into the rows) set to `values`: one upload, one scatter."""
+        on = upload(where + values, self.rows.device)
+        self.rows.view(-1).index_copy_(0, on[:len(where)], on[len(where):])
+
+    def record(self) -> None:
+        """From now on keep every write until `take_writes` (a parallel engine's rank 0: the other
+        ranks' rows are kept equal to these by applying the same writes)."""
+        self._recorded = []
+
+    def take_writes(self) -> tuple[list[int], list[int]]:
+        """The writes since the last call, as one (where, values) pair, in order (a later write of an
+        entry comes after an earlier one, and `index_copy_` with repeated indices is not ordered:
+        repeats keep only the last value)."""
+        last: dict[int, int] = {}
+        for where, values in self._recorded or ():
+            last.update(zip(where, values, strict=True))
+        if self._recorded is not None:
+            self._recorded.clear()
+        return list(last), list(last.values())
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,24 @@ import torch
 import torch.distributed as dist
 
 from v4serve.cache.device_kv import DeviceKV
+from v4serve.engine.model.decode_graphs import DecodeGraphs
+from v4serve.engine.model.metadata import SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.model.parallel import ParallelConfig, default_threads
 from v4serve.engine.mtp import MTPLayer
 from v4serve.engine.process.lifecycle import describe_exit, leave, setup_subordinate
-from v4serve.engine.step_plan import KVShape, MirroredDeviceKV, MTPPass, StepPlan, kv_digest, replay_writes
+from v4serve.engine.step_plan import (
+    DecodeStep,
+    GraphSpec,
+    KVShape,
+    MirroredDeviceKV,
+    MTPPass,
+    StepPlan,
+    Wire,
+    kv_digest,
+    replay_writes,
+)
+from v4serve.kernels.attention import SlotTables
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +98,7 @@ class RankGroup:
         self._control = control
         self._processes = processes  # empty under torchrun: the launcher owns the processes
         self._stopped = False
+        self._wire = Wire()  # sized for decode steps once there are graphs
         self.broken = False  # a step failed part-way: the ranks may wait in different collectives
 
     @classmethod
@@ -160,6 +174,7 @@ class RankGroup:
         return out
 
     def _broadcast(self, message: object) -> None:
+        dist.broadcast(self._wire.object_header(), src=0, group=self._control)
         dist.broadcast_object_list([message], src=0, group=self._control)
 
     def start(self, shape: KVShape) -> None:
@@ -169,6 +184,19 @@ class RankGroup:
     def run_step(self, plan: StepPlan) -> None:
         """Send the step; the caller then runs the same forward pass as every worker."""
         self._broadcast(plan)
+
+    def run_decode(self, step: DecodeStep) -> bool:
+        """Send a static decode step in one fixed-size message; False (nothing sent) where it does not
+        fit one (send it as a `StepPlan`)."""
+        if not self._wire.fits(step):
+            return False
+        dist.broadcast(self._wire.encode(step), src=0, group=self._control)
+        return True
+
+    def start_graphs(self, spec: GraphSpec) -> None:
+        """Every rank builds (and captures) the same decode graphs as rank 0 is about to."""
+        self._broadcast(spec)
+        self._wire = Wire(max(spec.buckets))
 
     def run_mtp(self, work: MTPPass) -> None:
         """Send MTP work; the caller then does the same as every worker."""
@@ -283,45 +311,101 @@ def worker_loop(parallel: ParallelConfig, load_shard: LoadShard, local_rank: int
     if model is None or any(errors):
         dist.destroy_process_group()
         return 1
-    max_threads = torch.get_num_threads()
-    kv: DeviceKV | None = None
-    mtp: MTPLayer | None = None
-    last_pass: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, ids): what MTP work reads
-    device = next(model.parameters()).device
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        message = box[0]
-        if isinstance(message, Stop):
-            break
-        if isinstance(message, KVShape):
-            kv = DeviceKV(message.layout, message.num_slots, message.num_blocks, message.dtype, device)
-            mtp = MTPLayer(model, kv) if message.layout.mtp_layers else None
-        elif isinstance(message, StepPlan):
-            assert kv is not None
-            replay_writes(kv, message.kv_writes)
-            if device.type == "cpu":
-                torch.set_num_threads(min(message.threads, max_threads))
-            ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
-            if mtp is None:
-                model(ids, message.meta, kv)
-            else:
-                last_pass = (model.forward_states(ids, message.meta, kv)[1], ids)
-                mtp.commit(message.mtp_rows, *last_pass)
-        elif isinstance(message, MTPPass):
-            assert kv is not None and mtp is not None
-            replay_writes(kv, message.kv_writes)
-            if message.rows:
-                assert last_pass is not None
-                mtp.commit(message.rows, *last_pass)
-            if message.seeds:
-                mtp.propose(message.seeds, message.k)
-        elif isinstance(message, DigestKV):
-            assert kv is not None
-            replay_writes(kv, message.kv_writes)
-            dist.gather_object(kv_digest(kv), None, dst=0, group=control)
+    worker = _Worker(model, control)
+    while worker.receive():
+        pass
     dist.destroy_process_group()
     return 0
+
+
+class _Worker:
+    """A worker rank's state between steps: its model shard, its DeviceKV and, under decode graphs,
+    the slots' block tables and the static steps."""
+
+    def __init__(self, model: DeepseekV4, control: Any) -> None:
+        self.model, self.control = model, control
+        self.device = next(model.parameters()).device
+        self.max_threads = torch.get_num_threads()
+        self.wire = Wire()
+        self.kv: DeviceKV | None = None
+        self.mtp: MTPLayer | None = None
+        self.last_pass: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, ids): what MTP work reads
+        self.graphs: DecodeGraphs | None = None
+        self.tables: SlotTables | None = None  # the slots' block tables on the device, as rank 0's
+
+    def receive(self) -> bool:
+        """Run the next thing rank 0 sends; False when it says stop."""
+        dist.broadcast(self.wire.buffer, src=0, group=self.control)
+        if self.wire.kind == Wire.DECODE:
+            self._decode(self.wire.decode())
+            return True
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        message = box[0]
+        if isinstance(message, Stop):
+            return False
+        if isinstance(message, KVShape):
+            self.kv = DeviceKV(message.layout, message.num_slots, message.num_blocks, message.dtype, self.device)
+            self.mtp = MTPLayer(self.model, self.kv) if message.layout.mtp_layers else None
+        elif isinstance(message, GraphSpec):
+            self._start_graphs(message)
+        elif isinstance(message, StepPlan):
+            self._step(message)
+        elif isinstance(message, MTPPass):
+            assert self.kv is not None and self.mtp is not None
+            replay_writes(self.kv, message.kv_writes)
+            if message.rows:
+                assert self.last_pass is not None
+                self.mtp.commit(message.rows, *self.last_pass)
+            if message.seeds:
+                self.mtp.propose(message.seeds, message.k)
+        elif isinstance(message, DigestKV):
+            assert self.kv is not None
+            replay_writes(self.kv, message.kv_writes)
+            dist.gather_object(kv_digest(self.kv), None, dst=0, group=self.control)
+        return True
+
+    def _start_graphs(self, spec: GraphSpec) -> None:
+        assert self.kv is not None
+        self.tables = SlotTables(self.kv.num_slots, spec.table_width, self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv, spec.buckets, spec.table_width, spec.scratch_slot,
+                                   spec.scratch_block, spec.capture, self.tables)
+        self.wire = Wire(max(spec.buckets))
+
+    def _threads(self, threads: int) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(min(threads, self.max_threads))
+
+    def _step(self, plan: StepPlan) -> None:
+        assert self.kv is not None
+        replay_writes(self.kv, plan.kv_writes)
+        if self.tables is not None and plan.table_writes[0]:
+            self.tables.apply(*plan.table_writes)
+        self._threads(plan.threads)
+        if plan.static:
+            assert self.graphs is not None
+            self.graphs.run(plan.input_ids, plan.meta.seqs)
+            return
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+        if self.mtp is None:
+            self.model(ids, plan.meta, self.kv)
+        else:
+            self.last_pass = (self.model.forward_states(ids, plan.meta, self.kv)[1], ids)
+            self.mtp.commit(plan.mtp_rows, *self.last_pass)
+
+    def _decode(self, step: DecodeStep) -> None:
+        assert self.graphs is not None and self.tables is not None
+        if step.table_writes[0]:
+            self.tables.apply(*step.table_writes)
+        self._threads(step.threads)
+        seqs = [SeqChunk(slot=slot, block_table=_TABLES_ON_DEVICE, start=start, num_new=1, frozen_until=frozen,
+                         window_from=floor)
+                for slot, start, floor, frozen in zip(step.slots, step.starts, step.window_from, step.frozen_until,
+                                                      strict=True)]
+        self.graphs.run(step.input_ids, seqs)
+
+
+_TABLES_ON_DEVICE: list[int] = []  # a static step gathers its tables from the slots' rows
 
 
 def _exit_with_parent(parent: int) -> None:

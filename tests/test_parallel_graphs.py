@@ -1,0 +1,175 @@
+"""Decode graphs under tensor parallelism, checked on the CPU: two gloo ranks run their decode steps
+from the graphs' static buffers (uncaptured: what a CUDA replay reads), sent as one fixed-size
+message of token ids, positions, slots and block-table changes, and give bitwise the eager steps'
+logits and KV bytes — at batches that fill a bucket (a padded bucket changes the dense GEMMs' row
+count, so their CPU blocking: same greedy tokens, fp32 noise), at block edges, after prefix hits
+whose last prompt token runs as a decode step, with every rank holding the same KV."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_parallel_serve import WIDE
+from v4serve.engine.engine import EngineConfig, LLMEngine
+from v4serve.engine.model.checkpoint import write_checkpoint
+from v4serve.engine.model.parallel import ParallelConfig
+from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.process.rank_group import RankGroup
+from v4serve.engine.request import Request, SamplingParams
+from v4serve.engine.step_plan import DecodeStep, StepPlan, Wire
+from v4serve.kernels.attention import SlotTables
+from v4serve.server.config import ServeConfig
+from v4serve.server.model_loading import load
+
+BLOCK = 16
+# Rounds of requests arriving together, each round's batch a bucket (1, 2, 4) but the last (3 rows
+# padded to 4). Prompts around block edges; 20 decodes cross the next edge. A repeated prompt is a
+# prefix hit whose last token alone runs: a decode step with a new table (3 blocks: in the fixed
+# message; 6 blocks: past it, sent as a plan).
+ROUNDS = [[15, 16, 17, 33], [33], [81, 40], [81], [15, 16, 17]]
+EXACT = len(ROUNDS) - 1
+
+
+def prompt(n: int) -> list[int]:
+    return [(7 * i + n) % 250 + 3 for i in range(n)]
+
+
+class CountingGroup(RankGroup):
+    """Counts how each step reached the other ranks."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.sent = {"wire": 0, "static plan": 0, "eager plan": 0}
+
+    def run_decode(self, step: DecodeStep) -> bool:
+        sent = super().run_decode(step)
+        self.sent["wire"] += sent
+        return sent
+
+    def run_step(self, plan: StepPlan) -> None:
+        self.sent["static plan" if plan.static else "eager plan"] += 1
+        super().run_step(plan)
+
+
+class LogitsEngine(LLMEngine):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.logits: list[torch.Tensor] = []
+
+    def execute(self, chunks, ahead=None):  # type: ignore[no-untyped-def]
+        out = super().execute(chunks, ahead)
+        self.logits.append(out.clone())
+        return out
+
+
+def serve(folder: str, graphs: bool) -> dict[str, object]:
+    """Every round through a two-rank engine: each step's logits, rank 0's KV (the scratch slot and
+    block left out), every rank's KV digest, and how steps were sent."""
+    group, model = CountingGroup.spawn(ParallelConfig(2), functools.partial(load, ServeConfig(model=folder)),
+                                       torch.device("cpu"))
+    config = EngineConfig(max_num_seqs=4, max_model_len=256, num_blocks=48, uncaptured_graphs=graphs,
+                          swa_cache_mode="full")
+    engine = LogitsEngine(model, config, ranks=group)
+    try:
+        tokens, kv, steps = [], [], []
+        for r, lengths in enumerate(ROUNDS):
+            for i, n in enumerate(lengths):
+                engine.add_request(Request(f"{r}-{i}", prompt(n), SamplingParams(max_tokens=20, ignore_eos=True)))
+            while engine.has_work():
+                tokens += [(o.request_id, o.new_token_ids) for o in engine.step()]
+            steps.append(len(engine.logits))
+            kv.append([t[:-1].clone() if graphs else t.clone() for layer in engine.device_kv.layers
+                       for t in (*layer.slot_tensors(), *layer.block_tensors())])
+        return {"logits": engine.logits, "steps": steps, "tokens": tokens, "kv": kv, "digests": engine.kv_digests(),
+                "sent": dict(group.sent), "graphs": engine.graphs is not None}
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    folder = str(write_checkpoint(build_tiny(tiny_config(**WIDE), seed=9), tmp_path_factory.mktemp("wide")))
+    return {"eager": serve(folder, graphs=False), "static": serve(folder, graphs=True)}
+
+
+def test_static_steps_at_two_ranks_are_the_eager_steps(runs: dict[str, dict]) -> None:
+    eager, static = runs["eager"], runs["static"]
+    assert static["graphs"] and not eager["graphs"]
+    assert static["tokens"] == eager["tokens"]
+    assert static["steps"] == eager["steps"]
+    exact = static["steps"][EXACT - 1]
+    for i, (got, want) in enumerate(zip(static["logits"], eager["logits"], strict=True)):
+        if i < exact:
+            assert torch.equal(got, want), f"step {i}"
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(set(static["digests"])) == 1 and len(set(eager["digests"])) == 1  # every rank the same KV
+
+
+def test_static_steps_write_the_eager_kv_bytes(runs: dict[str, dict]) -> None:
+    """Rank 0's KV (every worker's is the same: the digests) after each round: bitwise while batches
+    fill their buckets, fp32 noise after the padded round."""
+    eager, static = runs["eager"], runs["static"]
+    for r in range(len(ROUNDS)):
+        for got, want in zip(static["kv"][r], eager["kv"][r], strict=True):
+            if r < EXACT:
+                assert torch.equal(got, want), f"round {r}"
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_steps_travel_as_one_fixed_message(runs: dict[str, dict]) -> None:
+    sent = runs["static"]["sent"]
+    assert sent["wire"] > 60  # every pure decode step with nothing else to mirror
+    assert sent["static plan"] >= 1  # the 81-token prompt's last token: its table (6 blocks) outgrows the wire
+    assert runs["eager"]["sent"]["wire"] == runs["eager"]["sent"]["static plan"] == 0
+
+
+def test_the_wire_round_trips_exactly() -> None:
+    wire = Wire(max_seqs=4)
+    step = DecodeStep([5, 128_000, 7], [0, 3, 1], [15, 1_000_000, 0], [0, 8, 0], [0, 16, 32], ([17, 18], [40, 2]), 1)
+    wire.encode(step)
+    assert wire.kind == Wire.DECODE and wire.decode() == step
+    assert wire.buffer.numel() == Wire.HEADER + 7 * 4
+    assert not wire.fits(DecodeStep([1] * 5, [0] * 5, [0] * 5, [0] * 5, [0] * 5, ([], []), 1))
+    assert not wire.fits(DecodeStep([1], [0], [0], [0], [0], (list(range(5)), [1] * 5), 1))
+    wire.object_header()
+    assert wire.kind == Wire.OBJECT
+
+
+def test_slot_tables_mirror_through_their_writes() -> None:
+    """Another rank applying rank 0's writes holds its rows exactly: new tables, grown tables, a slot
+    taken over by a shorter table (the rest zeroed), several updates between two sends."""
+    rank0, other = SlotTables(3, 6, "cpu"), SlotTables(3, 6, "cpu")
+    rank0.record()
+    a, b = [4, 5, 6], [9]
+    rank0.update([0, 1], [a, b])
+    other.apply(*rank0.take_writes())
+    assert torch.equal(rank0.rows, other.rows)
+    a.append(7)
+    rank0.update([0], [a])
+    assert rank0.take_writes() == ([3], [7])
+    other.apply([3], [7])
+    b.append(10)
+    rank0.update([1], [b])
+    rank0.update([0], [[1]])  # a new request in slot 0: one block, the old three entries zeroed
+    b.append(11)
+    rank0.update([1], [b])
+    writes = rank0.take_writes()
+    assert sorted(writes[0]) == [0, 1, 2, 3, 7, 8]
+    other.apply(*writes)
+    assert torch.equal(rank0.rows, other.rows)
+    assert rank0.rows[0].tolist() == [1, 0, 0, 0, 0, 0] and rank0.rows[1].tolist() == [9, 10, 11, 0, 0, 0]
+    assert rank0.take_writes() == ([], [])
+
+
+def test_an_unknown_kind_is_never_run_as_a_step(tmp_path: Path) -> None:
+    """The header decides: an object message is not decoded as a step."""
+    wire = Wire(max_seqs=2)
+    wire.object_header()
+    with pytest.raises(AssertionError):
+        wire.decode()
