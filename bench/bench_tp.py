@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU ranks (gloo): the step time of 2 ranks against one process on the same
 checkpoint, and the bytes each rank puts into collectives per decode step; then the serving engine
 itself (rank 0 scheduling and broadcasting each step's plan to the other ranks) decoding batches of
-1 and 16 against a single-process engine, with the plan's bytes per step.
+1 and 16 against a single-process engine, with the plan's bytes per step, and again with decode steps
+run from the decode graphs' static buffers (what a CUDA graph replays; uncaptured on the CPU), each
+sent to the other ranks as one fixed-size message instead of a pickled plan.
 
     python bench/bench_tp.py [--ranks 2] [--prompt 512] [--decode 32] [--set KEY=VALUE ...]
 
@@ -22,6 +24,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +39,7 @@ from v4serve.engine.model.ranks import SequenceCase, run_on_ranks, run_sequence 
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.engine.process.rank_group import RankGroup  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
-from v4serve.engine.step_plan import StepPlan  # noqa: E402
+from v4serve.engine.step_plan import DecodeStep, StepPlan  # noqa: E402
 from v4serve.server.cli import _parse_override  # noqa: E402
 from v4serve.server.config import ServeConfig  # noqa: E402
 from v4serve.server.model_loading import load  # noqa: E402
@@ -92,42 +95,64 @@ def engine_section(folder: Path, args: argparse.Namespace, prompt: tuple[int, ..
     for batch in batches:
         out[f"1 process, batch {batch}"] = {"decode_step_seconds": decode_step(single, batch, prompt, args.decode)}
     single.close()
-    parallel = ParallelConfig(args.ranks, rank=0)
-    group, model = CountingRankGroup.spawn(parallel, functools.partial(load, ServeConfig(model=str(folder))),
-                                           torch.device("cpu"))
-    plans = group.plan_bytes
-    engine = LLMEngine(model, engine_config(max(batches)), ranks=group)
-    for batch in batches:
-        plans.clear()
-        seconds = decode_step(engine, batch, prompt, args.decode)
-        decode_plans = plans[-(args.decode - 1):]
-        out[f"TP {args.ranks}, batch {batch}"] = {"decode_step_seconds": seconds,
-                                                  "plan_bytes_per_step": sum(decode_plans) // len(decode_plans)}
-    engine.close()
+    for static in (False, True):
+        name = f"TP {args.ranks}" + (", static steps" if static else "")
+        group, model = CountingRankGroup.spawn(ParallelConfig(args.ranks, rank=0),
+                                               functools.partial(load, ServeConfig(model=str(folder))),
+                                               torch.device("cpu"))
+        engine = LLMEngine(model, engine_config(max(batches), static), ranks=group)
+        for batch in batches:
+            group.sent_bytes.clear()
+            group.send_seconds.clear()
+            seconds = decode_step(engine, batch, prompt, args.decode)
+            decode_sends = group.sent_bytes[-(args.decode - 1):]
+            send_seconds = sorted(group.send_seconds[-(args.decode - 1):])
+            out[f"{name}, batch {batch}"] = {"decode_step_seconds": seconds,
+                                             "bytes_per_step": sum(decode_sends) // len(decode_sends),
+                                             "send_seconds_median": send_seconds[len(send_seconds) // 2]}
+        engine.close()
     for batch in batches:
         base = out[f"1 process, batch {batch}"]["decode_step_seconds"]
-        tp = out[f"TP {args.ranks}, batch {batch}"]
-        rows.append([batch, 1e3 * base, 1e3 * tp["decode_step_seconds"], tp["decode_step_seconds"] / base,
-                     tp["plan_bytes_per_step"]])
-    print_table(f"the serving engine, {args.decode} decodes per request after a {len(prompt)}-token prompt",
-                ["batch", "1 process ms/step", f"TP {args.ranks} ms/step", "TP / 1", "plan B/step (broadcast)"], rows)
+        eager, static = out[f"TP {args.ranks}, batch {batch}"], out[f"TP {args.ranks}, static steps, batch {batch}"]
+        rows.append([batch, 1e3 * base, 1e3 * eager["decode_step_seconds"], eager["decode_step_seconds"] / base,
+                     1e3 * static["decode_step_seconds"], eager["bytes_per_step"], static["bytes_per_step"],
+                     1e6 * eager["send_seconds_median"], 1e6 * static["send_seconds_median"],
+                     static["send_seconds_median"] / eager["send_seconds_median"]])
+    print_table(f"the serving engine, {args.decode} decodes per request after a {len(prompt)}-token prompt; static: "
+                "decode steps from the graphs' buffers (uncaptured here; their tables padded to max_model_len, which "
+                "the torch kernels score in full) sent as one fixed-size message; send: rank 0's time to hand a "
+                "decode step to the other ranks (median)",
+                ["batch", "1 process ms/step", f"TP {args.ranks} ms/step", "TP / 1", "static ms/step",
+                 "pickled plan B", "message B", "send pickled us", "send message us", "message / pickled"], rows)
     return out
 
 
 class CountingRankGroup(RankGroup):
-    """Records the pickled size of every step plan it broadcasts."""
+    """Records the bytes of every step it broadcasts: a pickled plan, or a decode step's fixed-size message."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.plan_bytes: list[int] = []
+        self.sent_bytes: list[int] = []
+        self.send_seconds: list[float] = []  # the whole hand-over: pickling (or packing) and broadcast
 
     def run_step(self, plan: StepPlan) -> None:
-        self.plan_bytes.append(len(pickle.dumps(plan)))
+        start = time.perf_counter()
         super().run_step(plan)
+        self.send_seconds.append(time.perf_counter() - start)
+        self.sent_bytes.append(len(pickle.dumps(plan)))
+
+    def run_decode(self, step: DecodeStep) -> bool:
+        start = time.perf_counter()
+        sent = super().run_decode(step)
+        if sent:
+            self.send_seconds.append(time.perf_counter() - start)
+            self.sent_bytes.append(self._wire.buffer.numel() * self._wire.buffer.element_size())
+        return sent
 
 
-def engine_config(max_seqs: int) -> EngineConfig:
-    return EngineConfig(max_num_seqs=max_seqs, max_model_len=4096, enable_prefix_caching=False)
+def engine_config(max_seqs: int, static: bool = False) -> EngineConfig:
+    return EngineConfig(max_num_seqs=max_seqs, max_model_len=4096, enable_prefix_caching=False,
+                        uncaptured_graphs=static)
 
 
 def decode_step(engine: LLMEngine, batch: int, prompt: tuple[int, ...], decode: int) -> float:

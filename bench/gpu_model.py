@@ -33,10 +33,11 @@ Eager adds the host's cost of every work item to the device time (the GPU waitin
 Launch and collective costs are published measurements (cited at their constants); the engine's own
 host work per step is bench/bench_host.py's. "v4serve" is the step as the code runs it: on one GPU,
 CUDA graphs with async scheduling (the larger of the host's step and the device's); under tensor
-parallelism, eager and in series (device + launches + host: neither graphs nor async scheduling run
-there yet). Output per case: ms per step, tokens/s per GPU (B / step time / TP), the kernel with the
-largest share of the step. Then the published peer figures beside v4serve's prediction. Not
-modelled: prefill (only a compute floor for the peers' TTFT), speculative decoding, expert parallelism.
+parallelism, CUDA graphs in series (device + host: async scheduling does not run there yet). Output
+per case: ms per step, tokens/s per GPU (B / step time / TP), the kernel with the largest share of
+the step. Then the published peer figures beside v4serve's prediction. Not modelled: prefill (only a
+compute floor for the peers' TTFT), speculative decoding, expert parallelism, and under tensor
+parallelism rank 0's broadcast of each step's fixed-size message (bench/bench_tp.py measures it).
 Written to bench/results/gpu_model.json.
 
     .venv/bin/python bench/gpu_model.py [--context 8192] [--kv-cache-dtype auto|fp8] [--stored-launches]
@@ -814,12 +815,13 @@ def evaluate(case: Case, gpu: Gpu, works: list[Work]) -> dict[str, Any]:
 def as_run(case: Case, out: dict[str, Any]) -> dict[str, Any]:
     """The step as v4serve runs it, the engine's host work included: on one GPU, CUDA graphs with
     async scheduling (the host's step hidden behind the device's, or the reverse); under tensor
-    parallelism, eager and in series (neither graphs nor async scheduling run there yet)."""
+    parallelism, CUDA graphs on every rank, in series with rank 0's host work (async scheduling does
+    not run there yet)."""
     host = host_step_s(case.batch)
     if case.tp == 1:
         step, mode = max(out["graphs"]["step_s"], host), "CUDA graphs, async scheduling"
     else:
-        step, mode = out["eager"]["step_s"] + host, "eager, in series"
+        step, mode = out["graphs"]["step_s"] + host, "CUDA graphs, in series"
     return {"step_s": step, "tok_s_per_gpu": case.batch / step / case.tp, "mode": mode, "host_s": host}
 
 
@@ -960,13 +962,13 @@ def print_tables(cases: list[dict[str, Any]], launch_info: dict[str, Any], compa
         if not c["fits"]:
             body.append(head + ["does not fit"] + ["-"] * 8)
             continue
-        seqs, run, graphs = c["max_concurrent_sequences"], c["v4serve"], c["tp"] == 1  # graphs run on one rank only
+        seqs, run = c["max_concurrent_sequences"], c["v4serve"]
         body.append(head + [f"{seqs}" + ("!" if seqs < c["batch"] else ""), f"{c['bytes'] / 1e9:.2f}",
-                            _ms(c["eager"]["step_s"]), _ms(c["graphs"]["step_s"]) if graphs else "-",
+                            _ms(c["eager"]["step_s"]), _ms(c["graphs"]["step_s"]),
                             _ms(run["host_s"]), _ms(run["step_s"]), round(run["tok_s_per_gpu"]), run["mode"],
                             f"{c['eager']['bound']} {c['eager']['bound_share']:.0%}"])
     print_table("Decode step per case (predicted; max seqs: the capacity plan's sequences at this context, "
-                "! = fewer than the batch; graphs: one rank only; v4serve: as the code runs it, the engine's host "
+                "! = fewer than the batch; v4serve: as the code runs it, the engine's host "
                 "work included)",
                 ["model", "GPU", "TP", "batch", "weights GiB/rank", "max seqs", "GB read/rank", "eager ms",
                  "graphs ms", "host ms", "v4serve ms", "v4serve tok/s/GPU", "how", "bound (eager)"],

@@ -179,7 +179,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling(config.async_scheduling, device, ranks is not None,
                                                  config.speculative is not None)
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
-        graphs = self.cuda_graphs == "on" or config.uncaptured_graphs
+        graphs = self.cuda_graphs == "on" or (config.uncaptured_graphs and not mtp)
         scratch = int(graphs)  # a slot and a block past the pools for a graph's padding rows
         kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
         self.device_kv = kv_class(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,

@@ -6,6 +6,9 @@ State Cache slots), the SSD store and the sampler. Every other rank is a *worker
 `StepPlan` — the KV manager's device writes since the last step (slot clears, snapshot restores,
 blocks read from the SSD store, payload included) and the step's token ids and `AttentionMetadata` —
 and then every rank runs the same forward pass, whose collectives (engine/model/parallel.py) meet.
+Under decode graphs (`GraphSpec`: captured on CUDA by every rank alike) a decode step with nothing
+else to mirror travels instead as one fixed-size `Wire` message, and each rank keeps the slots'
+block tables on its device from the entries that changed.
 So every rank holds the same block ids and slots and, since V4's single latent KV head is replicated,
 the same KV bytes (`kv_digests` checks it). Snapshots and blocks written to the SSD store are read
 from rank 0's copy.
