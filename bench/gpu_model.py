@@ -31,11 +31,10 @@ bytes/BW: three decode kernels have grids that do not grow with the GPU (`mhc_pr
 split over keys; the MoE's per-expert tiles), so at small batch they cannot use the whole HBM.
 Eager adds the host's cost of every work item to the device time (the GPU waiting on each launch).
 Launch and collective costs are published measurements (cited at their constants); the engine's own
-host work per step is bench/bench_host.py's. "v4serve" is the step as the code runs it: on one GPU,
-CUDA graphs with async scheduling (the larger of the host's step and the device's); under tensor
-parallelism, CUDA graphs in series (device + host: async scheduling does not run there yet). Output
-per case: ms per step, tokens/s per GPU (B / step time / TP), the kernel with the largest share of
-the step. Then the published peer figures beside v4serve's prediction. Not modelled: prefill (only a
+host work per step is bench/bench_host.py's. "v4serve" is the step as the code runs it: CUDA graphs
+(on every rank under tensor parallelism) with async scheduling, the larger of the host's step and the
+device's. Output per case: ms per step, tokens/s per GPU (B / step time / TP), the kernel with the
+largest share of the step. Then the published peer figures beside v4serve's prediction. Not modelled: prefill (only a
 compute floor for the peers' TTFT), speculative decoding, expert parallelism, and under tensor
 parallelism rank 0's broadcast of each step's fixed-size message (bench/bench_tp.py measures it).
 Written to bench/results/gpu_model.json.
@@ -813,15 +812,11 @@ def evaluate(case: Case, gpu: Gpu, works: list[Work]) -> dict[str, Any]:
 
 
 def as_run(case: Case, out: dict[str, Any]) -> dict[str, Any]:
-    """The step as v4serve runs it, the engine's host work included: on one GPU, CUDA graphs with
-    async scheduling (the host's step hidden behind the device's, or the reverse); under tensor
-    parallelism, CUDA graphs on every rank, in series with rank 0's host work (async scheduling does
-    not run there yet)."""
+    """The step as v4serve runs it, the engine's host work included: CUDA graphs (on every rank under
+    tensor parallelism) with async scheduling, the host's step hidden behind the device's or the
+    reverse."""
     host = host_step_s(case.batch)
-    if case.tp == 1:
-        step, mode = max(out["graphs"]["step_s"], host), "CUDA graphs, async scheduling"
-    else:
-        step, mode = out["graphs"]["step_s"] + host, "CUDA graphs, in series"
+    step, mode = max(out["graphs"]["step_s"], host), "CUDA graphs, async scheduling"
     return {"step_s": step, "tok_s_per_gpu": case.batch / step / case.tp, "mode": mode, "host_s": host}
 
 

@@ -176,7 +176,7 @@ class LLMEngine:
         num_blocks = config.num_blocks or config.max_num_seqs * -(-config.max_model_len // block)
         device = next(model.parameters()).device
         self.cuda_graphs = _cuda_graphs(device, config, model, ranks)
-        self.async_scheduling = async_scheduling(config.async_scheduling, device, ranks is not None,
+        self.async_scheduling = async_scheduling(config.async_scheduling, device,
                                                  config.speculative is not None)
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
         graphs = self.cuda_graphs == "on" or (config.uncaptured_graphs and not mtp)
@@ -459,11 +459,14 @@ class LLMEngine:
                       if not c.drafts] if self.mtp is not None else [])
         self.slot_tables.update([seq.slot for seq in seqs], [seq.block_table for seq in seqs])
         static = self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows)
+        fill = ahead.input_fill(chunks) if ahead is not None else None
         if self.ranks is not None:
-            self._send_step(ids, meta, threads, kept_rows, static)
+            self._send_step(ids, meta, threads, kept_rows, static, fill)
+            if fill and fill[0]:
+                assert ahead is not None
+                self.ranks.send_tokens(ahead.rows.tokens)
         meta.capture = self._step_capture  # rank 0's alone: the other ranks' slots are never snapshotted
         meta.slot_tables = self.slot_tables  # local too: the other ranks keep their own
-        fill = ahead.input_fill(chunks) if ahead is not None else None
         if static:
             assert self.graphs is not None
             return self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill))  # replayed
@@ -480,18 +483,22 @@ class LLMEngine:
         return logits
 
     def _send_step(self, ids: list[int], meta: AttentionMetadata, threads: int, kept_rows: list[MTPRows],
-                   static: bool) -> None:
+                   static: bool, fill: tuple[list[int], list[int]] | None) -> None:
         """The step to the other ranks: a static decode step with nothing else to mirror in one
-        fixed-size message, anything else as a pickled plan."""
+        fixed-size message, anything else as a pickled plan. `fill`: where the tokens in flight go
+        (places in `ids`, rows of the tokens `send_tokens` sends next)."""
         assert self.ranks is not None and isinstance(self.device_kv, MirroredDeviceKV)
         kv_writes, table_writes = self.device_kv.take_writes(), self.slot_tables.take_writes()
+        fill = fill or ([], [])
         if static and not kv_writes and not kept_rows:
-            s = meta.seqs
+            s, fill_rows = meta.seqs, [-1] * len(ids)  # a decode step: sequence i's token is place i
+            for place, row in zip(*fill, strict=True):
+                fill_rows[place] = row
             step = DecodeStep(ids, [q.slot for q in s], [q.start for q in s], [q.window_from for q in s],
-                              [q.frozen_until for q in s], table_writes, threads)
+                              [q.frozen_until for q in s], fill_rows, table_writes, threads)
             if self.ranks.run_decode(step):
                 return
-        self.ranks.run_step(StepPlan(kv_writes, ids, meta, threads, kept_rows, table_writes, static))
+        self.ranks.run_step(StepPlan(kv_writes, ids, meta, threads, kept_rows, table_writes, static, fill))
 
     @staticmethod
     def _fill_inputs(input_ids: torch.Tensor, ahead: InFlight | None, fill: tuple[list[int], list[int]] | None

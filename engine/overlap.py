@@ -13,8 +13,9 @@ correct:
 - A request with a token in flight is never preempted (that token is valid and unknown); a request
   that cannot grow without preempting one waits a step.
 - A grammar's mask, penalties and a thinking budget need the last token's value: the sampling is
-  prepared after it is read (the forward runs meanwhile). Speculative decoding and tensor
-  parallelism run in series.
+  prepared after it is read (the forward runs meanwhile). Speculative decoding runs in series.
+- Under tensor parallelism the other ranks get the tokens in flight from rank 0's device (a broadcast
+  over the model's own group, after the step's message says where they go).
 - Seeded sampling draws the same numbers: each request's rows are drawn from its own generator in
   the same order, and never for a step past its stop.
 """
@@ -34,15 +35,13 @@ if TYPE_CHECKING:  # torch-free at import: the front end checks the flag's value
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
 
 
-def async_scheduling(choice: str, device: torch.device, parallel: bool, speculative: bool) -> str:
+def async_scheduling(choice: str, device: torch.device, speculative: bool) -> str:
     """"on", or "off (why)". `auto` is on for CUDA only: a CPU runs the forward synchronously, so the
     host has nothing to overlap there and the extra step of bookkeeping is pure cost."""
     if choice not in ASYNC_SCHEDULING_CHOICES:
         raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING_CHOICES)}, not {choice!r}")
     if choice == "off":
         return "off (--async-scheduling off)"
-    if parallel:
-        return "off (not under tensor parallelism yet: the other ranks take each step's token ids from the host)"
     if speculative:
         return "off (speculative decoding judges drafts against the tokens before the next step)"
     if choice == "auto" and device.type != "cuda":

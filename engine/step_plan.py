@@ -71,6 +71,9 @@ class StepPlan:
     mtp_rows: list[MTPRows] = field(default_factory=list)  # the MTP layer takes them right after the pass
     table_writes: TableWrites = field(default_factory=lambda: ([], []))  # applied first (only under a GraphSpec)
     static: bool = False  # run from the decode graphs' buffers, as rank 0 does (its collectives' shapes)
+    # Tokens still in flight (async scheduling): their places in `input_ids` and their rows in the
+    # tokens rank 0 broadcasts right after this plan.
+    fill: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
 
 
 @dataclass
@@ -82,8 +85,15 @@ class DecodeStep:
     starts: list[int]
     window_from: list[int]
     frozen_until: list[int]
+    fill_rows: list[int]  # each sequence's row of the tokens in flight (rank 0 broadcasts them next), or -1
     table_writes: TableWrites
     threads: int
+
+    @property
+    def fill(self) -> tuple[list[int], list[int]]:
+        """(places in `input_ids`, rows of the tokens in flight), as `StepPlan.fill`."""
+        places = [i for i, row in enumerate(self.fill_rows) if row >= 0]
+        return places, [self.fill_rows[i] for i in places]
 
 
 class Wire:
@@ -97,7 +107,7 @@ class Wire:
 
     def __init__(self, max_seqs: int = 0) -> None:
         self.max_seqs = max_seqs  # also the table entries it holds: a decode step adds at most a block each
-        self.buffer = torch.zeros(self.HEADER + 7 * max_seqs, dtype=torch.int32)
+        self.buffer = torch.zeros(self.HEADER + 8 * max_seqs, dtype=torch.int32)
 
     def fits(self, step: DecodeStep) -> bool:
         return len(step.slots) <= self.max_seqs and len(step.table_writes[0]) <= self.max_seqs
@@ -110,7 +120,7 @@ class Wire:
         n, m, c = len(step.slots), len(step.table_writes[0]), self.max_seqs
         assert self.fits(step)
         values = [self.DECODE, n, m, step.threads]
-        for part in (step.input_ids, step.slots, step.starts, step.window_from, step.frozen_until):
+        for part in (step.input_ids, step.slots, step.starts, step.window_from, step.frozen_until, step.fill_rows):
             values += part + [0] * (c - n)
         values += step.table_writes[0] + [0] * (c - m) + step.table_writes[1]
         self.buffer[:len(values)] = torch.tensor(values, dtype=torch.int32)
@@ -120,9 +130,9 @@ class Wire:
         kind, n, m, threads = self.buffer[:self.HEADER].tolist()
         assert kind == self.DECODE
         values, c = self.buffer.tolist(), self.max_seqs
-        part = [values[self.HEADER + i * c:self.HEADER + i * c + n] for i in range(5)]
-        where = values[self.HEADER + 5 * c:self.HEADER + 5 * c + m]
-        return DecodeStep(*part, (where, values[self.HEADER + 6 * c:self.HEADER + 6 * c + m]), threads)
+        part = [values[self.HEADER + i * c:self.HEADER + i * c + n] for i in range(6)]
+        where = values[self.HEADER + 6 * c:self.HEADER + 6 * c + m]
+        return DecodeStep(*part, (where, values[self.HEADER + 7 * c:self.HEADER + 7 * c + m]), threads)
 
     @property
     def kind(self) -> int:
@@ -199,6 +209,10 @@ class Ranks(Protocol):
 
     def start_graphs(self, spec: GraphSpec) -> None:
         """Every rank builds (and captures) the same decode graphs as rank 0 is about to."""
+
+    def send_tokens(self, tokens: torch.Tensor) -> None:
+        """The tokens in flight the step just sent places (on the device: a broadcast over the model's
+        group, queued behind their sampling)."""
 
     def run_mtp(self, work: MTPPass) -> None:
         """Send MTP work; the caller then does the same as every worker."""

@@ -215,14 +215,13 @@ def test_sampling_that_needs_the_last_token_is_prepared_after_it_is_read():
 
 def test_when_async_scheduling_is_on():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert async_scheduling("auto", cuda, False, False) == "on"
-    assert async_scheduling("on", cpu, False, False) == "on"
-    assert async_scheduling("auto", cpu, False, False).startswith("off (auto: the forward is synchronous")
-    assert async_scheduling("off", cuda, False, False) == "off (--async-scheduling off)"
-    assert async_scheduling("on", cuda, True, False).startswith("off (not under tensor parallelism")
-    assert async_scheduling("on", cuda, False, True).startswith("off (speculative decoding")
+    assert async_scheduling("auto", cuda, False) == "on"
+    assert async_scheduling("on", cpu, False) == "on"
+    assert async_scheduling("auto", cpu, False).startswith("off (auto: the forward is synchronous")
+    assert async_scheduling("off", cuda, False) == "off (--async-scheduling off)"
+    assert async_scheduling("on", cuda, True).startswith("off (speculative decoding")
     with pytest.raises(ValueError, match="--async-scheduling must be one of auto, on, off"):
-        async_scheduling("yes", cuda, False, False)
+        async_scheduling("yes", cuda, False)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     engine = LLMEngine(small_model(), EngineConfig(max_model_len=256, async_scheduling="on", speculative=spec))
     assert engine.async_scheduling.startswith("off (speculative")

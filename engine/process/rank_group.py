@@ -62,7 +62,7 @@ from v4serve.engine.step_plan import (
     kv_digest,
     replay_writes,
 )
-from v4serve.kernels.attention import SlotTables
+from v4serve.kernels.attention import SlotTables, upload
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ class RankGroup:
         self._processes = processes  # empty under torchrun: the launcher owns the processes
         self._stopped = False
         self._wire = Wire()  # sized for decode steps once there are graphs
+        self._num_slots: int | None = None
+        self._tokens: torch.Tensor | None = None  # the tokens in flight, padded to a fixed size
         self.broken = False  # a step failed part-way: the ranks may wait in different collectives
 
     @classmethod
@@ -183,6 +185,7 @@ class RankGroup:
     def start(self, shape: KVShape) -> None:
         """Workers allocate their DeviceKV like rank 0's."""
         self._broadcast(shape)
+        self._num_slots = shape.num_slots  # a step samples at most one row per slot: the tokens sent
 
     def run_step(self, plan: StepPlan) -> None:
         """Send the step; the caller then runs the same forward pass as every worker."""
@@ -200,6 +203,15 @@ class RankGroup:
         """Every rank builds (and captures) the same decode graphs as rank 0 is about to."""
         self._broadcast(spec)
         self._wire = Wire(max(spec.buckets))
+
+    def send_tokens(self, tokens: torch.Tensor) -> None:
+        """The tokens in flight the step just sent places (on the device: a broadcast over the model's
+        group, queued behind their sampling)."""
+        assert self._num_slots is not None and len(tokens) <= self._num_slots
+        if self._tokens is None or self._tokens.device != tokens.device:
+            self._tokens = torch.zeros(self._num_slots, dtype=torch.long, device=tokens.device)
+        self._tokens[:len(tokens)].copy_(tokens)
+        dist.broadcast(self._tokens, src=0)
 
     def run_mtp(self, work: MTPPass) -> None:
         """Send MTP work; the caller then does the same as every worker."""
@@ -335,6 +347,7 @@ class _Worker:
         self.last_pass: tuple[torch.Tensor, torch.Tensor] | None = None  # (states, ids): what MTP work reads
         self.graphs: DecodeGraphs | None = None
         self.tables: SlotTables | None = None  # the slots' block tables on the device, as rank 0's
+        self.tokens: torch.Tensor | None = None  # rank 0's tokens in flight (async scheduling)
 
     def receive(self) -> bool:
         """Run the next thing rank 0 sends; False when it says stop."""
@@ -350,6 +363,7 @@ class _Worker:
         if isinstance(message, KVShape):
             self.kv = DeviceKV(message.layout, message.num_slots, message.num_blocks, message.dtype, self.device)
             self.mtp = MTPLayer(self.model, self.kv) if message.layout.mtp_layers else None
+            self.tokens = torch.zeros(message.num_slots, dtype=torch.long, device=self.device)
         elif isinstance(message, GraphSpec):
             self._start_graphs(message)
         elif isinstance(message, StepPlan):
@@ -385,11 +399,14 @@ class _Worker:
         if self.tables is not None and plan.table_writes[0]:
             self.tables.apply(*plan.table_writes)
         self._threads(plan.threads)
+        fill = self._filler(plan.fill)
         if plan.static:
             assert self.graphs is not None
-            self.graphs.run(plan.input_ids, plan.meta.seqs)
+            self.graphs.run(plan.input_ids, plan.meta.seqs, fill)
             return
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+        if fill is not None:
+            fill(ids)
         if self.mtp is None:
             self.model(ids, plan.meta, self.kv)
         else:
@@ -405,7 +422,18 @@ class _Worker:
                          window_from=floor)
                 for slot, start, floor, frozen in zip(step.slots, step.starts, step.window_from, step.frozen_until,
                                                       strict=True)]
-        self.graphs.run(step.input_ids, seqs)
+        self.graphs.run(step.input_ids, seqs, self._filler(step.fill))
+
+    def _filler(self, fill: tuple[list[int], list[int]]) -> Callable[[torch.Tensor], None] | None:
+        """Receive rank 0's tokens in flight (when the step has any: rank 0 sends them right after the
+        step) → what writes them into the step's token ids."""
+        places, rows = fill
+        if not places:
+            return None
+        assert self.tokens is not None
+        dist.broadcast(self.tokens, src=0)
+        taken = self.tokens.index_select(0, upload(rows, self.device))
+        return lambda ids: ids.index_copy_(0, upload(places, self.device), taken)
 
 
 _TABLES_ON_DEVICE: list[int] = []  # a static step gathers its tables from the slots' rows
