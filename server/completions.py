@@ -133,30 +133,11 @@ def _lazy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], offse
 
 async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation],
                   body: CompletionRequest) -> AsyncIterator[str]:
-    # Bounded: a pump waits while the client is not reading, so unread output stays in its Generation,
-    # which bounds it (--max-unread-tokens), and not here.
-    merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue(maxsize=MERGED_DELTAS)
-
-    async def pump(p: int, generation: Generation) -> None:
-        try:
-            async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for delta in deltas:
-                    await merged.put((p, delta))
-        except Exception as exc:  # e.g. the engine stopped between the check and the submission
-            message = failure_message(exc, "a prompt's stream failed")
-            await merged.put((p, Delta(index=0, finished=True, finish_reason="error", error=message)))
-        finally:
-            await merged.put((p, None))
-
-    tasks = [asyncio.ensure_future(pump(p, g)) for p, g in enumerate(generations)]
-    open_prompts, failed = len(generations), False
+    deltas = _merged(generations)
+    failed = False
     offsets: dict[int, int] = {}  # per choice: text offset of its next logprob entry
     try:
-        while open_prompts:
-            p, delta = await merged.get()
-            if delta is None:
-                open_prompts -= 1
-                continue
+        async for p, delta in deltas:
             if delta.error:
                 yield error_event(delta.error, delta.error_param)
                 failed = True
@@ -178,8 +159,51 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
             yield chunk([], usage([g.usage() for g in generations]))
         yield DONE
     finally:
+        await deltas.aclose()
+
+
+async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """Every prompt's deltas as they come, each with its prompt's place; a prompt whose stream fails
+    gives one error delta."""
+    if len(generations) == 1:  # the common case: no task, no queue between the deltas and the stream
+        async with contextlib.aclosing(_failing_as_delta(generations[0])) as deltas:
+            async for delta in deltas:
+                yield 0, delta
+        return
+    # Bounded: a pump waits while the client is not reading, so unread output stays in its Generation,
+    # which bounds it (--max-unread-tokens), and not here.
+    merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue(maxsize=MERGED_DELTAS)
+
+    async def pump(p: int, generation: Generation) -> None:
+        try:
+            async with contextlib.aclosing(_failing_as_delta(generation)) as deltas:
+                async for delta in deltas:
+                    await merged.put((p, delta))
+        finally:
+            await merged.put((p, None))
+
+    tasks = [asyncio.ensure_future(pump(p, g)) for p, g in enumerate(generations)]
+    open_prompts = len(generations)
+    try:
+        while open_prompts:
+            p, delta = await merged.get()
+            if delta is None:
+                open_prompts -= 1
+            else:
+                yield p, delta
+    finally:
         for t in tasks:
             t.cancel()
+
+
+async def _failing_as_delta(generation: Generation) -> AsyncIterator[Delta]:
+    try:
+        async with contextlib.aclosing(generation.deltas()) as deltas:
+            async for delta in deltas:
+                yield delta
+    except Exception as exc:  # e.g. the engine stopped between the check and the submission
+        message = failure_message(exc, "a prompt's stream failed")
+        yield Delta(index=0, finished=True, finish_reason="error", error=message)
 
 
 def _echo_chunk(front: FrontEnd, chunk: Chunker, generation: Generation, j: int, index: int,

@@ -48,28 +48,52 @@ async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[]
     """`events`, and `keepalive()` whenever `every` seconds pass without one: a request that waits or
     prefills for minutes sends nothing else, and agent clients abort a stream idle for a few minutes
     (Claude Code's watchdog, Codex's idle timeout, which SSE comments do not reset: hence each API's own
-    event). Closing this (the client went away) closes `events`, which aborts the work."""
-    pending: asyncio.Future[str] | None = None
+    event). Closing this (the client went away) closes `events`, which aborts the work.
+
+    One task runs `events` for the whole stream and hands each item over through a one-item queue (a
+    task and a timed wait per item cost more than the rest of a streamed token's path here); a wait
+    is timed only when no item is ready."""
+    handoff: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+
+    async def produce() -> None:
+        try:
+            async for item in events:
+                await handoff.put(item)
+        except Exception as exc:  # raised to the reader, where it would have been raised before
+            await handoff.put(_Failed(exc))
+            return
+        await handoff.put(_END)
+
+    producer = asyncio.ensure_future(produce())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=every)
-            if not done:
-                yield keepalive()
-                continue
-            finished, pending = pending, None
-            try:
-                item = finished.result()
-            except StopAsyncIteration:
+            if handoff.empty():
+                try:
+                    async with asyncio.timeout(every):
+                        item = await handoff.get()  # cancelled by the timeout, no item is lost
+                except TimeoutError:
+                    yield keepalive()
+                    continue
+            else:
+                item = handoff.get_nowait()
+            if item is _END:
                 return
+            if isinstance(item, _Failed):
+                raise item.error
             yield item
     finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+        producer.cancel()
+        with contextlib.suppress(BaseException):
+            await producer
         await events.aclose()  # type: ignore[attr-defined]
+
+
+_END = object()  # `paced`'s events are over
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
 
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -220,8 +221,10 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         # Every series exists from the start (at 0), so dashboards and rate() see it before the
         # first event.
-        for metric in (self.ttft, self.itl, self.e2e):
-            metric.labels(**self.label)
+        # Each token observes these: the labelled series are looked up once, not per token.
+        self.ttft_series, self.itl_series, self.e2e_series = (m.labels(**self.label) for m in (self.ttft, self.itl,
+                                                                                               self.e2e))
+        self._generated: dict[str, Any] = {}  # per tenant, its generation_tokens series
         for name in sorted({DEFAULT_TENANT, *tenants}):
             self.add_tenant(name)
         self.limited = Counter("v4serve_requests_limited", "Requests refused or ended by a server limit",
@@ -235,8 +238,8 @@ class Metrics:
             self.closed.labels(**self.label, reason=reason)
 
     def add_tenant(self, tenant: str) -> None:
-        for metric in (self.prompt_tokens, self.generation_tokens):
-            metric.labels(**self.label, tenant=tenant)
+        self.prompt_tokens.labels(**self.label, tenant=tenant)
+        self._generated[tenant] = self.generation_tokens.labels(**self.label, tenant=tenant)
         for reason in FINISH_REASONS:
             self.finished.labels(**self.label, tenant=tenant, finished_reason=reason)
 
@@ -245,6 +248,13 @@ class Metrics:
 
     def count_limited(self, limit: str) -> None:
         self.limited.labels(**self.label, limit=limit).inc()
+
+    def generated(self, tenant: str) -> Any:
+        """The tenant's generation_tokens series."""
+        series = self._generated.get(tenant)
+        if series is None:
+            series = self._generated[tenant] = self.generation_tokens.labels(**self.label, tenant=tenant)
+        return series
 
     def track(self, requests: list[Request], tenant: str = DEFAULT_TENANT) -> RequestTracker:
         return RequestTracker(self, requests, tenant)
@@ -256,22 +266,23 @@ class RequestTracker:
     def __init__(self, metrics: Metrics, requests: list[Request], tenant: str = DEFAULT_TENANT) -> None:
         self.metrics, self.requests, self.tenant = metrics, requests, tenant
         self.last_token: list[float | None] = [None] * len(requests)
+        self._generated = metrics.generated(tenant)
 
     def tokens(self, index: int, count: int, now: float | None = None) -> None:
         if not count:
             return
         now = time.monotonic() if now is None else now
-        m, lb, last = self.metrics, self.metrics.label, self.last_token[index]
-        m.generation_tokens.labels(**lb, tenant=self.tenant).inc(count)
+        last = self.last_token[index]
+        self._generated.inc(count)
         if last is None:
-            m.ttft.labels(**lb).observe(now - self.requests[index].arrival_time)
+            self.metrics.ttft_series.observe(now - self.requests[index].arrival_time)
         else:
-            m.itl.labels(**lb).observe(now - last)
+            self.metrics.itl_series.observe(now - last)
         self.last_token[index] = now
 
     def finish(self, index: int, reason: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         m, lb, request = self.metrics, self.metrics.label, self.requests[index]
-        m.e2e.labels(**lb).observe(now - request.arrival_time)
+        m.e2e_series.observe(now - request.arrival_time)
         m.prompt_tokens.labels(**lb, tenant=self.tenant).inc(request.num_prompt_tokens)
         m.finished.labels(**lb, tenant=self.tenant, finished_reason=reason).inc()
