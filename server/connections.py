@@ -1,5 +1,6 @@
-"""What a connection may hold: uvicorn's HTTP/1.1 protocol with a deadline for a request's headers and
-a cap on connections that idle ones cannot exhaust.
+"""What a connection may hold: uvicorn's HTTP/1.1 protocol (httptools, the C parser: a streamed token's
+chunk is framed and written without a pure-Python state machine) with a deadline for a request's
+headers and a cap on connections that idle ones cannot exhaust.
 
 uvicorn closes a connection idle after a response (`timeout_keep_alive`), but not one that was opened
 and never sent anything, nor one that sends its headers a line at a time: both would stay open for
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from v4serve.server.errors import error_json
 
@@ -34,11 +35,11 @@ MIN_IDLE_TO_EVICT = 1.0
 
 
 def protocol_with_header_timeout(header_timeout: float, on_close: Callable[[str], None] = lambda reason: None,
-                                  max_connections: int | None = None) -> type[H11Protocol]:
+                                  max_connections: int | None = None) -> type[HttpToolsProtocol]:
     """The protocol class for `uvicorn.Config(http=...)`; `on_close(reason)` is called for each connection
     it closes ("header_timeout", or "idle_evicted" to make room past `max_connections`)."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _idle_since: float = 0.0
 
