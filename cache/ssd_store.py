@@ -240,8 +240,11 @@ class SSDStore:
             parent: bytes | None = None) -> bool:
         """Queue a file for the background writer (a response-end file names the `parent` it
         continues); False if writing is off or the queue is full."""
-        if not self.writing or self.contains(kind, block_hash):
+        if not self.writing:
             return False
+        with self._lock:  # the index only: a file another daemon wrote is found by the writer thread
+            if (kind, block_hash) in self._index:
+                return False
         try:
             self._writes.put_nowait((kind, block_hash, tuple(tokens), payload, parent))
         except queue.Full:
