@@ -1,0 +1,58 @@
+"""A streamed token's path through the front end costs no asyncio task of its own: a stream of 64
+tokens creates as many tasks on the server's loop as a stream of 8 (a task and a timed wait per
+token, as the keep-alive pacing once made, were a large share of a streamed token's CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.daemon import PATIENCE, in_process_server
+from v4serve.server.serve import ServeConfig
+
+
+def counting(loop: asyncio.AbstractEventLoop, counts: list[int]) -> Callable[..., asyncio.Task]:
+    def factory(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        counts[0] += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+    return factory
+
+
+def streamed(url: str, path: str, tokens: int) -> int:
+    """The completion tokens a stream made, from its usage chunk."""
+    body = {"model": "v4serve-tiny", "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    body |= {"prompt": "tasks"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "tasks"}]}
+    made = 0
+    with httpx.stream("POST", url + path, json=body, timeout=PATIENCE) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                made = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", made)
+    return made
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streams_tasks_do_not_grow_with_its_tokens(path: str) -> None:
+    with in_process_server(ServeConfig(no_kv_store=True)) as (url, engine):
+        loop = engine._loop  # type: ignore[attr-defined]
+        counts = [0]
+        done = asyncio.run_coroutine_threadsafe(_set_factory(loop, counting(loop, counts)), loop)
+        done.result(PATIENCE)
+        created = []
+        for tokens in (8, 64, 8, 64):
+            before = counts[0]
+            assert streamed(url, path, tokens) == tokens
+            created.append(counts[0] - before)
+    # 56 more tokens, at most a task or two more (the loop's own timers may start one meanwhile): a
+    # task per token would be 56.
+    assert max(created[1], created[3]) - min(created[0], created[2]) <= 2, created
+    assert 0 < min(created) and max(created) < 20, created
+
+
+async def _set_factory(loop: asyncio.AbstractEventLoop, factory: Callable[..., asyncio.Task]) -> None:
+    loop.set_task_factory(factory)
