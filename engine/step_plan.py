@@ -127,9 +127,9 @@ class Wire:
         return self.buffer
 
     def decode(self) -> DecodeStep:
-        kind, n, m, threads = self.buffer[:self.HEADER].tolist()
-        assert kind == self.DECODE
         values, c = self.buffer.tolist(), self.max_seqs
+        kind, n, m, threads = values[:self.HEADER]
+        assert kind == self.DECODE
         part = [values[self.HEADER + i * c:self.HEADER + i * c + n] for i in range(6)]
         where = values[self.HEADER + 6 * c:self.HEADER + 6 * c + m]
         return DecodeStep(*part, (where, values[self.HEADER + 7 * c:self.HEADER + 7 * c + m]), threads)

@@ -100,11 +100,16 @@ class SlotTables:
         """The writes since the last call, as one (where, values) pair, in order (a later write of an
         entry comes after an earlier one, and `index_copy_` with repeated indices is not ordered:
         repeats keep only the last value)."""
+        recorded = self._recorded
+        if not recorded:
+            return [], []  # most decode steps: no table changed
+        if len(recorded) == 1:  # one update: its entries are distinct already
+            where, values = recorded.pop()
+            return where, values
         last: dict[int, int] = {}
-        for where, values in self._recorded or ():
+        for where, values in recorded:
             last.update(zip(where, values, strict=True))
-        if self._recorded is not None:
-            self._recorded.clear()
+        recorded.clear()
         return list(last), list(last.values())
 
 

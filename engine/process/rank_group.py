@@ -399,7 +399,7 @@ class _Worker:
         if self.tables is not None and plan.table_writes[0]:
             self.tables.apply(*plan.table_writes)
         self._threads(plan.threads)
-        fill = self._filler(plan.fill)
+        fill = self._receive_tokens(plan.fill)
         if plan.static:
             assert self.graphs is not None
             self.graphs.run(plan.input_ids, plan.meta.seqs, fill)
@@ -422,9 +422,9 @@ class _Worker:
                          window_from=floor)
                 for slot, start, floor, frozen in zip(step.slots, step.starts, step.window_from, step.frozen_until,
                                                       strict=True)]
-        self.graphs.run(step.input_ids, seqs, self._filler(step.fill))
+        self.graphs.run(step.input_ids, seqs, self._receive_tokens(step.fill))
 
-    def _filler(self, fill: tuple[list[int], list[int]]) -> Callable[[torch.Tensor], None] | None:
+    def _receive_tokens(self, fill: tuple[list[int], list[int]]) -> Callable[[torch.Tensor], None] | None:
         """Receive rank 0's tokens in flight (when the step has any: rank 0 sends them right after the
         step) → what writes them into the step's token ids."""
         places, rows = fill
