@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Sample
-from v4serve.server.text.detokenizer import IncrementalDetokenizer
+from v4serve.server.text.detokenizer import IncrementalDetokenizer, TextFilter
 from v4serve.server.text.tokenizer import Tokenizer
 from v4serve.server.text.tool_calls import MarkupFilter, ToolCallDelta, ToolCallParser
 
@@ -46,17 +46,19 @@ class Delta:
 
 class ChoiceText:
     def __init__(self, tokenizer: Tokenizer, options: OutputOptions) -> None:
-        def detok(stop: tuple[str, ...]) -> IncrementalDetokenizer:
+        def detok(stop: tuple[str, ...], text_filter: TextFilter | None = None) -> IncrementalDetokenizer:
             return IncrementalDetokenizer(tokenizer, skip_special_tokens=options.skip_special_tokens, stop=stop,
                                           include_stop_str_in_output=options.include_stop_str_in_output,
-                                          min_tokens=options.min_tokens)
+                                          min_tokens=options.min_tokens, text_filter=text_filter)
 
         self.options = options
-        self.content = detok(options.stop)
-        self.reasoning = detok(()) if options.reasoning_end_token is not None else None
         self.tools = ToolCallParser(options.parallel_tool_calls) if options.tool_calls else None
         # No markup reaches a client's text: not from content, reasoning, or what the call parser leaves.
         self.content_markup, self.reasoning_markup = MarkupFilter(), MarkupFilter()
+        # Without a call parser, markup goes before stop strings are matched, so they match the text the
+        # client is sent (a dropped `｜DSML｜` between two characters must not hide a stop string there).
+        self.content = detok(options.stop, self.content_markup.push if self.tools is None else None)
+        self.reasoning = detok(()) if options.reasoning_end_token is not None else None
         self.num_tokens = 0  # tokens of this choice's completion (up to a stop string, if one matched)
         self.num_reasoning_tokens = 0  # of those, the thinking (its closing `</think>` included)
         self.num_cached_tokens = 0
@@ -95,8 +97,8 @@ class ChoiceText:
             self._content(delta, self.content.push(token))
 
     def _content(self, delta: Delta, text: str, final: bool = False, cut_off: bool = False) -> None:
-        if self.tools is None:
-            delta.text += self.content_markup.push(text, final)
+        if self.tools is None:  # the content detokenizer has dropped the markup already
+            delta.text += text
             return
         content, calls = self.tools.push(text)
         if final:
