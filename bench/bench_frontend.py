@@ -1,10 +1,11 @@
 """CPU per streamed token on each side of the engine's IPC: the daemon (tiny model) serves N
 concurrent streaming completions read to the end by clients in this process, and the CPU time of the
-front-end process (HTTP, detokenizing, SSE) and of the engine process (the forward included: the tiny
-model runs on the CPU here; `bench/bench_host.py` gives the engine's output path alone) is read from
-/proc before and after, divided by the tokens streamed.
+front end's processes (HTTP, detokenizing, SSE: one per API server, `--api-server-count`) and of the
+engine process (the forward included: the tiny model runs on the CPU here; `bench/bench_host.py`
+gives the engine's output path alone) is read from /proc before and after, divided by the tokens
+streamed. Each API-server count gets a daemon of its own, measured one after the other in one run.
 
-    python bench/bench_frontend.py [--streams 64 256] [--tokens 128] [--prompt 32]
+    python bench/bench_frontend.py [--streams 64 256] [--tokens 128] [--prompt 32] [--api-servers 1 2]
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu_times(pid))
 
 
-def children(pid: int) -> list[int]:
-    out = []
+def children(pid: int) -> dict[int, str]:
+    """The processes `pid` started, with their kernel names."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
+                    out[int(entry.name)] = (entry / "comm").read_text().strip()
             except (OSError, ValueError):
                 continue
     return out
@@ -72,17 +74,22 @@ async def load(url: str, streams: int, tokens: int, prompt: int) -> tuple[int, f
         return sum(made), time.perf_counter() - start
 
 
-def measure(url: str, pid: int, streams: int, tokens: int, prompt: int) -> dict[str, Any]:
+def measure(url: str, pid: int, streams: int, tokens: int, prompt: int, api_servers: int) -> dict[str, Any]:
     asyncio.run(load(url, 2, 8, prompt))  # warm: connections, first compiles
-    procs = [pid, *children(pid)]
+    named = children(pid)
+    fronts = [pid, *(p for p, name in named.items() if name == "v4serve-api")]
+    (engine,) = (p for p, name in named.items() if name == "v4serve-engine")
+    assert len(fronts) == api_servers, f"{len(fronts)} API-server processes running, {api_servers} asked for"
+    procs = [*fronts, engine]
     before = {p: cpu_times(p) for p in procs}
     made, seconds = asyncio.run(load(url, streams, tokens, prompt))
     after = {p: cpu_times(p) for p in procs}
     spent = {p: sum(after[p]) - sum(before[p]) for p in procs}
-    engine = max((p for p in procs if p != pid), key=lambda p: spent[p])  # the child that runs the model
-    system = after[pid][1] - before[pid][1]  # the kernel's share: mostly a send() per chunk
-    return {"streams": streams, "tokens": made, "seconds": seconds, "tokens_per_s": made / seconds,
-            "front_end_us_per_token": spent[pid] / made * 1e6, "front_end_system_us_per_token": system / made * 1e6,
+    system = sum(after[p][1] - before[p][1] for p in fronts)  # the kernel's share: mostly a send() per chunk
+    return {"api_servers": api_servers, "streams": streams, "tokens": made, "seconds": seconds,
+            "tokens_per_s": made / seconds, "front_end_us_per_token": sum(spent[p] for p in fronts) / made * 1e6,
+            "front_end_system_us_per_token": system / made * 1e6,
+            "busiest_front_end_share": max(spent[p] for p in fronts) / sum(spent[p] for p in fronts),
             "engine_us_per_token": spent[engine] / made * 1e6}
 
 
@@ -91,18 +98,27 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--api-servers", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
-    running = start_daemon("--max-num-seqs", str(max(args.streams)), "--max-model-len", "1024",
-                           "--max-waiting", str(4 * max(args.streams)))
-    try:
-        rows = [measure(running.url, running.proc.pid, n, args.tokens, args.prompt) for n in args.streams]
-    finally:
-        running.stop()
+    rows = []
+    for count in args.api_servers:
+        running = start_daemon("--max-num-seqs", str(max(args.streams)), "--max-model-len", "1024",
+                               "--max-waiting", str(4 * max(args.streams)), "--api-server-count", str(count))
+        try:
+            if count > 1:  # the later API servers start once the first serves: wait until they have
+                deadline = time.monotonic() + PATIENCE
+                while sum(name == "v4serve-api" for name in children(running.proc.pid).values()) < count - 1:
+                    assert time.monotonic() < deadline, "the API servers did not start"
+                    time.sleep(0.1)
+            rows += [measure(running.url, running.proc.pid, n, args.tokens, args.prompt, count) for n in args.streams]
+        finally:
+            running.stop()
     print_table(f"CPU per streamed token (tiny model; {args.prompt}-token prompts, {args.tokens} tokens a stream)",
-                ["streams", "tokens/s", "front end us/token", "of which in the kernel",
-                 "engine us/token (forward included)"],
-                [[r["streams"], r["tokens_per_s"], r["front_end_us_per_token"], r["front_end_system_us_per_token"],
-                  r["engine_us_per_token"]] for r in rows])
+                ["API servers", "streams", "tokens/s", "front end us/token (all API servers)", "of which in the kernel",
+                 "busiest API server's share", "engine us/token (forward included)"],
+                [[r["api_servers"], r["streams"], r["tokens_per_s"], r["front_end_us_per_token"],
+                  r["front_end_system_us_per_token"], r["busiest_front_end_share"], r["engine_us_per_token"]]
+                 for r in rows])
     write_results("frontend", {"tokens": args.tokens, "prompt": args.prompt, "rows": rows})
 
 

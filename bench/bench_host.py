@@ -124,7 +124,7 @@ class MeasuredCore(EngineCore):
     """The engine core, timing the engine thread's CPU between consecutive published steps."""
 
     def __init__(self, engine: LLMEngine, to_front: zmq.Socket, batch: int) -> None:
-        super().__init__(engine, to_front)
+        super().__init__(engine, [to_front])
         self.batch = batch
         self.cpu: list[float] = []  # seconds of engine-thread CPU per decode step of the full batch
         self.wall: list[float] = []  # and of wall time
@@ -200,7 +200,7 @@ def measure(batch: int, steps: int, context: int, store: Path | None, frozen: bo
     requests = [Request(f"r{i}", torch.randint(70, model.cfg.vocab_size, (context,), generator=gen).tolist(),
                         SamplingParams(max_tokens=LONGEST, ignore_eos=True, **PENALTIES if penalties else {}))
                 for i in range(batch)]
-    core.loop.enqueue(requests, lambda out: core._outputs.append(("r", out)))  # noqa: SLF001 - as EngineCore does
+    core.loop.enqueue(requests, lambda out: core._outputs[0].append(("r", out)))  # noqa: SLF001 - as EngineCore does
     finished = core.done.wait(600)
     core.loop.abort([r.request_id for r in requests])
     core.loop.shutdown()

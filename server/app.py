@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 from collections.abc import AsyncIterator, Callable
@@ -121,11 +122,16 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
             if config.keys is not None:
                 config.keys.close()
             front.prep.close()
+            for stop in app.state.before_engine_stops:
+                await asyncio.to_thread(stop)
             engine.shutdown()
 
     app = FastAPI(title="v4serve", version=VERSION, lifespan=lifespan)
+    app.state.before_engine_stops = []  # what must end before the engine stops (the other API servers)
     front = FrontEnd(engine, tokenizer, config, metrics, prep)
-    stored = responses.StoredResponses(max_bytes=config.responses_store_bytes)
+    stored: responses.ResponseStore = (
+        responses.SharedStoredResponses(config.responses_folder, config.api_server[1], config.responses_store_bytes)
+        if config.responses_folder else responses.StoredResponses(max_bytes=config.responses_store_bytes))
     app.state.front = front
     install_error_handlers(app)
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
@@ -216,7 +222,9 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
 
     @app.get("/version", responses=error_responses(401))
     async def get_version() -> dict[str, str | bool | int]:
-        return {**config.version_info, "version": VERSION}
+        # Which API-server process answered (`--api-server-count`): each connection goes to one.
+        index, count = config.api_server
+        return {**config.version_info, "version": VERSION, "api_server": index, "api_server_count": count}
 
     # SGLang's worker information, which its router (and vLLM's) read when a worker joins.
     @app.get("/model_info", responses=error_responses(401))

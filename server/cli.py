@@ -139,6 +139,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--shutdown-timeout", float, "seconds running requests get to finish after SIGTERM (default 30)"),
     ("--seed", int, "seed of the embedded weights and of unseeded sampling"),
     ("--log-level", str, "debug, info, warning or error"),
+    ("--api-server-count", int, "HTTP front-end processes sharing the port and the one engine, so the parsing, "
+                                "detokenizing and streaming of many streams use several cores (default 1); "
+                                "metrics and stored responses are shared, --max-connections and "
+                                "--preprocess-workers are per process"),
     ("--engine-in-process", bool, "run the engine on a thread of the HTTP process instead of its own process "
                                   "(benchmarks, debugging)"),
 ]

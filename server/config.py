@@ -104,6 +104,7 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     seed: int = 0
     log_level: str = "info"
+    api_server_count: int = 1  # HTTP front-end processes over the one engine (server/api_servers.py)
     # The engine on a thread of the HTTP process instead of its own process (benchmarks, debugging).
     engine_in_process: bool = False
     # "module:function" called with the LLMEngine once it is built, in the process that runs it;
@@ -185,6 +186,11 @@ class ServeConfig:
             raise ValueError(f"--preprocess-workers must be 0 or more, got {self.preprocess_workers}")
         if self.max_request_tokens is not None and self.max_request_tokens <= 0:
             raise ValueError(f"--max-request-tokens must be positive, got {self.max_request_tokens}")
+        if self.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be at least 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_in_process:
+            raise ValueError("--engine-in-process keeps the engine inside the one API server; it cannot be combined "
+                             "with --api-server-count")
         if self.watchdog_timeout < 0:
             raise ValueError(f"--watchdog-timeout must be 0 (off) or positive, got {self.watchdog_timeout}")
         self.api_keys()  # a keys file that does not parse is refused before the port is taken

@@ -61,6 +61,9 @@ class ServerConfig:
     unread_timeout: float = DEFAULT_UNREAD_TIMEOUT
     max_request_tokens: int | None = None  # prompts + n × max_tokens of one request (None: no ceiling)
     responses_store_bytes: int = 256 << 20  # stored Responses API responses, all counted
+    # Several API-server processes: the folder their stored responses share (None: kept in memory).
+    responses_folder: str | None = None
+    api_server: tuple[int, int] = (0, 1)  # this process's index among the API servers, and their count
     max_requests: int = 2048  # requests running at once (--max-connections); the probes are always answered
     allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*" for any
     stall_timeout: float = 60.0  # /health: 503 once the engine has been silent this long

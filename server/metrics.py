@@ -4,16 +4,19 @@ Two sources, neither of which reaches into the engine from the HTTP thread:
 - the engine's immutable `EngineStats` snapshot, rendered at every scrape by a collector: its
   counters are the engine's own cumulative numbers, so a scrape can neither miss nor double-count;
 - the front end's own request metrics (latency, tokens, finish reasons), observed on the event
-  loop as token outputs arrive.
+  loop as token outputs arrive. With several API-server processes (`--api-server-count`) each
+  process's values live in files of one folder (prometheus_client's multiprocess mode), summed at
+  every scrape, so any process answers /metrics for all of them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -194,17 +197,30 @@ LIMITS = ("unread_held",  # half of --max-unread-tokens unread: the engine holds
           "body_containers")  # more JSON objects and arrays than a body may hold (400)
 
 
+def use_multiprocess_values(folder: str) -> None:
+    """Metric values made from now on, in this process and in those it starts, live in files under
+    `folder` (prometheus_client reads the variable when imported, and each value's file when made)."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    values.ValueClass = values.get_value_class()
+
+
 class Metrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], store_capacity_bytes: int = 0,
                  healthy: Callable[[], bool] = lambda: True, cache_info: Mapping[str, object] | None = None,
-                 tenants: Iterable[str] = ()) -> None:
-        self.registry = CollectorRegistry()
+                 tenants: Iterable[str] = (), multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: the folder the API-server processes' values share (`use_multiprocess_values`
+        made the values of this process live there)."""
+        self.registry = CollectorRegistry()  # what /metrics renders
+        r = self.registry
+        if multiprocess_dir is not None:
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
+            r = CollectorRegistry()  # the metrics below register here, unrendered: the files hold their values
         self.registry.register(EngineCollector(model_name, stats, cache_info))
         self.registry.register(HealthCollector(model_name, healthy))
-        r, label = self.registry, ["model_name"]
+        label = ["model_name"]
         # The store's size bound (0 when off), so a dashboard or alert can show usage as a fraction.
         Gauge("v4serve_kv_store_capacity_bytes", "Size bound of the SSD prefix store (--kv-store-max-bytes; 0: off)",
-              label, registry=r).labels(model_name=model_name).set(store_capacity_bytes)
+              label, registry=r, multiprocess_mode="max").labels(model_name=model_name).set(store_capacity_bytes)
         self.label = {"model_name": model_name}
         # Request counters carry the tenant (a name from --api-keys-file, "default" otherwise: bounded by
         # the file); the per-token histograms do not.

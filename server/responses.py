@@ -8,7 +8,8 @@ Stored responses (`store`, the default) make `previous_response_id` cheap: a fol
 the earlier response's prompt and output token for token, then only its new items rendered after
 them, so the engine resumes from the earlier response's end and its cache hit covers everything
 before the new items. The store is bounded (responses and tokens, least recently used dropped
-first) and kept per API key: a response is found only with the key that made it.
+first) and kept per API key: a response is found only with the key that made it. With several
+API-server processes (`--api-server-count`) it is shared through files (`SharedStoredResponses`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import pickle
+import re
+import tempfile
 import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request
@@ -242,24 +248,30 @@ class StoredResponses:
     `max_bytes` (`--responses-store-bytes`); a response larger than `max_bytes` alone is not kept."""
 
     def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_tokens: int = MAX_STORED_TOKENS,
-                 max_bytes: int = DEFAULT_STORED_BYTES) -> None:
+                 max_bytes: int = DEFAULT_STORED_BYTES, on_drop: Callable[[str], None] | None = None) -> None:
+        """`on_drop`: told the id of each response dropped past the bounds."""
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self._tokens, self.max_responses, self.max_tokens = 0, max_responses, max_tokens
         self.bytes, self.max_bytes = 0, max_bytes
+        self._on_drop = on_drop
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Keep it (False: too large to keep)."""
         stored.weight = _weight([stored.body, stored.messages, stored.settings, stored.tokens])
         if stored.weight > self.max_bytes or len(stored.tokens) > self.max_tokens:
             log.warning("response %s not stored: it weighs %d bytes and %d tokens, more than the store holds "
                         "(--responses-store-bytes %d)", response_id, stored.weight, len(stored.tokens), self.max_bytes)
-            return
+            return False
         self._items[response_id] = stored
         self._tokens += len(stored.tokens)
         self.bytes += stored.weight
         while self._items and (len(self._items) > self.max_responses or self._tokens > self.max_tokens
                                or self.bytes > self.max_bytes):
-            _, dropped = self._items.popitem(last=False)
+            dropped_id, dropped = self._items.popitem(last=False)
             self._forget(dropped)
+            if self._on_drop is not None:
+                self._on_drop(dropped_id)
+        return True
 
     def __len__(self) -> int:
         return len(self._items)
@@ -267,8 +279,7 @@ class StoredResponses:
     def get(self, response_id: str, owner: str) -> StoredResponse:
         stored = self._items.get(response_id)
         if stored is None or stored.owner != owner:
-            raise ApiError(404, f"No response found with id {echo(response_id)}.", "NotFoundError",
-                           param="previous_response_id", code="response_not_found")
+            raise not_found(response_id)
         self._items.move_to_end(response_id)
         return stored
 
@@ -279,6 +290,81 @@ class StoredResponses:
     def _forget(self, dropped: StoredResponse) -> None:
         self._tokens -= len(dropped.tokens)
         self.bytes -= dropped.weight
+
+    def holds(self, response_id: str) -> bool:
+        return response_id in self._items
+
+    def discard(self, response_id: str) -> None:
+        """Drop it if kept (no owner check, no error)."""
+        dropped = self._items.pop(response_id, None)
+        if dropped is not None:
+            self._forget(dropped)
+
+
+def not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"No response found with id {echo(response_id)}.", "NotFoundError",
+                    param="previous_response_id", code="response_not_found")
+
+
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # what `create` names them: nothing else is a file name
+
+
+class SharedStoredResponses:
+    """The stored responses of several API-server processes, one file each in a private folder
+    (written under a temporary name, then renamed into place): any process finds what another
+    stored, and a delete anywhere is seen everywhere. Each process bounds what it stored itself to
+    its share of the bounds (`StoredResponses`, its own least recently stored or read first; a read
+    in another process does not count as a use), and removes the files it drops."""
+
+    def __init__(self, folder: str | Path, processes: int, max_bytes: int = DEFAULT_STORED_BYTES) -> None:
+        self.folder = Path(folder)
+        self.own = StoredResponses(max(1, MAX_STORED_RESPONSES // processes), MAX_STORED_TOKENS // processes,
+                                   max_bytes // processes, on_drop=self._remove)
+
+    def _path(self, response_id: str) -> Path | None:
+        return self.folder / response_id if _RESPONSE_ID.fullmatch(response_id) else None
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        path = self._path(response_id)
+        assert path is not None, response_id
+        if not self.own.put(response_id, stored):
+            return
+        fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".writing-")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(stored, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(temporary, path)
+
+    def get(self, response_id: str, owner: str) -> StoredResponse:
+        path = self._path(response_id)
+        if path is None:
+            raise not_found(response_id)
+        if self.own.holds(response_id):
+            if not path.exists():  # deleted by another process
+                self.own.discard(response_id)
+                raise not_found(response_id)
+            return self.own.get(response_id, owner)  # a use of its own, no file read
+        try:
+            # The folder is this daemon's alone (0700, made at start): what is in it, it wrote.
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise not_found(response_id) from None
+        stored: StoredResponse = pickle.loads(data)  # noqa: S301 - see above
+        if stored.owner != owner:
+            raise not_found(response_id)
+        return stored
+
+    def delete(self, response_id: str, owner: str) -> None:
+        self.get(response_id, owner)
+        self.own.discard(response_id)
+        self._remove(response_id)
+
+    def _remove(self, response_id: str) -> None:
+        path = self._path(response_id)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+ResponseStore = StoredResponses | SharedStoredResponses
 
 
 def owner_of(raw: Request) -> str:
@@ -353,7 +439,7 @@ class _Plan:
     thinking: bool
 
 
-async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> Response:
+async def create(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, raw: Request) -> Response:
     plan = await _plan(front, stored, body, raw)
     if body.stream:
         events, opening = _Events(), _response(body, plan, [], None, None)
@@ -367,7 +453,7 @@ async def create(front: FrontEnd, stored: StoredResponses, body: ResponsesReques
     return JSONResponse(response)
 
 
-async def _plan(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, raw: Request) -> _Plan:
+async def _plan(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, raw: Request) -> _Plan:
     model = front.check_model(body.model)
     thinking = _thinking(body)
     earlier = None
@@ -433,7 +519,7 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
     return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar), messages, settings
 
 
-def _keep(stored: StoredResponses, body: ResponsesRequest, plan: _Plan, response: dict[str, Any],
+def _keep(stored: ResponseStore, body: ResponsesRequest, plan: _Plan, response: dict[str, Any],
           deltas: list[Delta], owner: str, eos: int | None) -> None:
     if not body.store:
         return
@@ -589,7 +675,7 @@ def _pieces(events: _Events, delta: Delta) -> list[str]:
     return out
 
 
-async def _stream(front: FrontEnd, stored: StoredResponses, body: ResponsesRequest, plan: _Plan,
+async def _stream(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, plan: _Plan,
                   owner: str, events: _Events, opening: dict[str, Any]) -> AsyncIterator[str]:
     yield events("response.created", response=opening)
     yield events("response.in_progress", response=opening)

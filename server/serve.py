@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,10 +28,13 @@ from fastapi import FastAPI
 
 from v4serve.engine.process.client import EngineClient
 from v4serve.engine.process.core_client import EngineCoreClient
-from v4serve.engine.process.lifecycle import freeze_startup_objects
+from v4serve.engine.process.lifecycle import freeze_startup_objects, name_process
+from v4serve.server.api_servers import PROCESS_NAME as API_SERVER_NAME
+from v4serve.server.api_servers import ApiServers, ApiServerSpec, SharedFolder
 from v4serve.server.app import build_app
 from v4serve.server.config import (
     DEFAULT_STORE_BYTES,
+    LOG_FORMAT,
     REQUEST_TOKENS_PER_CONTEXT,
     ServeConfig,
     check_parallel_flags,
@@ -39,7 +43,7 @@ from v4serve.server.config import (
 from v4serve.server.connections import protocol_with_header_timeout
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
-from v4serve.server.metrics import Metrics
+from v4serve.server.metrics import Metrics, use_multiprocess_values
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -77,22 +81,17 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
         return AsyncEngine(engine), info
     vocabulary = tokenizer.vocabulary_json()
     client = EngineCoreClient(main, EngineSpec(cfg, vocabulary, tokenizer.eos_token_id), vocabulary,
-                              tokenizer.eos_token_id, cfg.grammar_cache_bytes)
+                              tokenizer.eos_token_id, cfg.grammar_cache_bytes, api_servers=cfg.api_server_count)
     client.wait_ready()
     return client, client.info
 
 
-def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI, EngineClient]:
+def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None,
+          shared: SharedFolder | None = None) -> tuple[FastAPI, EngineClient]:
+    """The first (or only) API server's app, and the engine it starts. `shared`: what several API
+    servers share (None: one)."""
     if tokenizer is None:
         tokenizer = load_front_tokenizer(cfg)
-    keys = cfg.api_keys()
-    if keys is not None and keys.isolating:
-        log.info("API keys: %d tenants from %s, %s (read again on SIGHUP or change)", len(keys.tenants),
-                 cfg.api_keys_file, "sharing one prefix cache" if cfg.shared_prefix_cache
-                 else "each with a prefix cache of its own")
-        if not cfg.protect_metrics:
-            log.warning("/metrics answers without a key and shows each tenant's name and token counts; "
-                        "--protect-metrics requires a key there too")
     # Workers start (each loads the tokenizer) while the engine loads its model.
     prep = Preprocessor(tokenizer, PreprocessConfig(cfg.preprocess_workers, cfg.max_preprocess_seconds, cfg.model))
     prep.start()
@@ -102,29 +101,56 @@ def build(cfg: ServeConfig, tokenizer: Tokenizer | None = None) -> tuple[FastAPI
         prep.close()
         raise
     try:
-        store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
-        metrics = Metrics(cfg.model_name, lambda: engine.stats,
-                          store_capacity_bytes=(cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES) if store_on else 0,
-                          healthy=lambda: engine.unavailable_reason() is None,
-                          cache_info=info.get("cache_info"), tenants=keys.tenants if keys else ())
-        server = ServerConfig(cfg.model_name, info["max_model_len"], aliases=cfg.model_names[1:], keys=keys,
-                              isolate_tenants=keys is not None and keys.isolating and not cfg.shared_prefix_cache,
-                              swa_cache_mode=cfg.swa_cache_mode,
-                              protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
-                              max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
-                              unread_timeout=cfg.unread_timeout,
-                              max_request_tokens=cfg.max_request_tokens
-                              or REQUEST_TOKENS_PER_CONTEXT * info["max_model_len"],
-                              responses_store_bytes=cfg.responses_store_bytes, max_requests=cfg.max_connections,
-                              allowed_origins=cfg.origins,
-                              stall_timeout=cfg.stall_timeout, unknown_fields=cfg.unknown_fields,
-                              stream_keepalive=cfg.stream_keepalive,
-                              version_info=info["version_info"])
-        return build_app(engine, tokenizer, server, metrics, prep), engine
+        return front_app(cfg, tokenizer, engine, info, prep, shared), engine
     except BaseException:
         engine.shutdown()
         prep.close()
         raise
+
+
+def front_app(cfg: ServeConfig, tokenizer: Tokenizer, engine: EngineClient, info: dict[str, Any],
+              prep: Preprocessor, shared: SharedFolder | None = None, index: int = 0,
+              created: int | None = None) -> FastAPI:
+    """One API server's app over a ready engine: API server `index` of `cfg.api_server_count`."""
+    keys = cfg.api_keys()
+    if keys is not None and keys.isolating and index == 0:
+        log.info("API keys: %d tenants from %s, %s (read again on SIGHUP or change)", len(keys.tenants),
+                 cfg.api_keys_file, "sharing one prefix cache" if cfg.shared_prefix_cache
+                 else "each with a prefix cache of its own")
+        if not cfg.protect_metrics:
+            log.warning("/metrics answers without a key and shows each tenant's name and token counts; "
+                        "--protect-metrics requires a key there too")
+    store_on = not (cfg.no_kv_store or cfg.no_prefix_caching)
+    metrics = Metrics(cfg.model_name, lambda: engine.stats,
+                      store_capacity_bytes=(cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES) if store_on else 0,
+                      healthy=lambda: engine.unavailable_reason() is None,
+                      cache_info=info.get("cache_info"), tenants=keys.tenants if keys else (),
+                      multiprocess_dir=shared.metrics if shared else None)
+    server = ServerConfig(cfg.model_name, info["max_model_len"], aliases=cfg.model_names[1:], keys=keys,
+                          isolate_tenants=keys is not None and keys.isolating and not cfg.shared_prefix_cache,
+                          swa_cache_mode=cfg.swa_cache_mode,
+                          protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
+                          max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
+                          unread_timeout=cfg.unread_timeout,
+                          max_request_tokens=cfg.max_request_tokens
+                          or REQUEST_TOKENS_PER_CONTEXT * info["max_model_len"],
+                          responses_store_bytes=cfg.responses_store_bytes,
+                          responses_folder=shared.responses if shared else None,
+                          api_server=(index, cfg.api_server_count), max_requests=cfg.max_connections,
+                          allowed_origins=cfg.origins,
+                          stall_timeout=cfg.stall_timeout, unknown_fields=cfg.unknown_fields,
+                          stream_keepalive=cfg.stream_keepalive,
+                          version_info=info["version_info"], **({"created": created} if created else {}))
+    return build_app(engine, tokenizer, server, metrics, prep)
+
+
+def uvicorn_config(cfg: ServeConfig, app: FastAPI, port: int) -> uvicorn.Config:
+    metrics = app.state.front.metrics
+    return uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level,
+                          timeout_graceful_shutdown=cfg.shutdown_timeout + SHUTDOWN_MARGIN,
+                          timeout_keep_alive=cfg.keep_alive_timeout,
+                          http=protocol_with_header_timeout(cfg.header_timeout, metrics.count_closed,
+                                                            cfg.max_connections))
 
 
 # Seconds the engine has to list its requests for SIGUSR1's dump (it answers between steps).
@@ -132,7 +158,7 @@ DESCRIBE_TIMEOUT = 10.0
 
 # Seconds uvicorn waits beyond --shutdown-timeout: time for the streams ended then to send their last
 # events before it cuts what is left.
-_SHUTDOWN_MARGIN = 5.0
+SHUTDOWN_MARGIN = 5.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -148,17 +174,27 @@ class GracefulServer(uvicorn.Server):
     for on purpose); nothing else is sent to a daemon in the normal course of things."""
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float,
-                 watchdog_timeout: float = 0.0, abandon_engine: Callable[[str], None] | None = None) -> None:
+                 watchdog_timeout: float = 0.0, abandon_engine: Callable[[str], None] | None = None,
+                 others: ApiServers | None = None, follower: bool = False) -> None:
+        """`others`: the API servers this one started (SIGTERM and SIGHUP are passed on to them);
+        `follower`: an API server the first one started, which passes stops on as SIGTERM (so a
+        terminal's Ctrl-C, which reaches every process of the group, is left to it)."""
         super().__init__(config)
         self.engine, self.shutdown_timeout, self.watchdog_timeout = engine, shutdown_timeout, watchdog_timeout
         self.abandon_engine = abandon_engine
+        self.others, self.follower = others, follower
         self.engine_failure: str | None = None
         engine.on_death(self._engine_died)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.follower and sig == signal.SIGINT:
+            return
         if not self.should_exit:
-            log.info("shutting down: running requests have %.0f s to finish", self.shutdown_timeout)
+            if not self.follower:
+                log.info("shutting down: running requests have %.0f s to finish", self.shutdown_timeout)
             self.engine.begin_shutdown(self.shutdown_timeout)
+            if self.others is not None:
+                self.others.signal(signal.SIGTERM)
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal once shut down, which would end the process with it: a
         # completed graceful shutdown exits 0 instead (what Docker and Kubernetes expect).
@@ -174,6 +210,8 @@ class GracefulServer(uvicorn.Server):
             threading.Thread(target=self._watchdog, name="v4serve-watchdog", daemon=True).start()
 
     def _reload(self) -> None:
+        if self.others is not None:
+            self.others.signal(signal.SIGHUP)
         keys = getattr(self.config.app.state.front.config, "keys", None)
         if keys is not None and keys.keys_file is not None:
             log.info("SIGHUP: reading %s again", keys.keys_file)
@@ -215,10 +253,15 @@ class GracefulServer(uvicorn.Server):
 
     def _engine_died(self, reason: str) -> None:
         """From any thread: uvicorn polls should_exit. The first cause is the one reported."""
+        self.failed(reason, f"the engine has stopped ({reason})")
+
+    def failed(self, reason: str, said: str | None = None) -> None:
+        """The daemon cannot go on (the engine, or another API server, has stopped): it exits
+        non-zero after ENGINE_DEATH_GRACE. From any thread."""
         if self.engine_failure is not None:
             return
         self.engine_failure = reason
-        log.error("the engine has stopped (%s); exiting in %.0f s", reason, ENGINE_DEATH_GRACE)
+        log.error("%s; exiting in %.0f s", said or reason, ENGINE_DEATH_GRACE)
         timer = threading.Timer(ENGINE_DEATH_GRACE, lambda: setattr(self, "should_exit", True))
         timer.daemon = True
         timer.start()
@@ -321,28 +364,64 @@ def run(cfg: ServeConfig) -> None:
     check_parallel_flags(cfg, launched_rank())
     cfg.check_http_settings()
     sockets = bind_sockets(cfg.host, cfg.port)
+    shared = SharedFolder.make() if cfg.api_server_count > 1 else None
+    others: ApiServers | None = None
     try:
-        app, engine = build(cfg, tokenizer)
+        app, engine = build(cfg, tokenizer, shared)
         try:
             port = sockets[0].getsockname()[1]
-            metrics = app.state.front.metrics
-            config = uvicorn.Config(app, host=cfg.host, port=port, log_level=cfg.log_level,
-                                    timeout_graceful_shutdown=cfg.shutdown_timeout + _SHUTDOWN_MARGIN,
-                                    timeout_keep_alive=cfg.keep_alive_timeout,
-                                    http=protocol_with_header_timeout(cfg.header_timeout, metrics.count_closed,
-                                                                      cfg.max_connections))
+            config = uvicorn_config(cfg, app, port)
             listen(sockets, cfg.host, config.backlog)
-            log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)", cfg.model_name,
-                     served_url(sockets[0]))
+            if shared is not None:
+                assert isinstance(engine, EngineCoreClient)
+                others = ApiServers(cfg, sockets, engine, shared, app.state.front.config.created, run_api_server)
+                app.state.before_engine_stops.append(others.stop)  # their streams end before the engine does
+            log.info("serving %s at %s/v1 (OpenAI-compatible; /health, /metrics)%s", cfg.model_name,
+                     served_url(sockets[0]), f" from {cfg.api_server_count} API-server processes" if others else "")
             warn_if_open(cfg, sockets)
             freeze_startup_objects()
             server = GracefulServer(config, engine, cfg.shutdown_timeout, cfg.watchdog_timeout,
-                                    abandon_engine=engine.abandon if isinstance(engine, EngineCoreClient) else None)
+                                    abandon_engine=engine.abandon if isinstance(engine, EngineCoreClient) else None,
+                                    others=others)
+            if others is not None:
+                others.on_failure(server.failed)
             server.run(sockets=sockets)
         finally:
+            if others is not None:
+                others.stop()  # idempotent: normally done before the engine stopped
             engine.shutdown()  # idempotent: normally the app's lifespan has done it
     finally:
         for sock in sockets:
             sock.close()
+        if shared is not None:
+            shared.remove()
     if server.engine_failure is not None:
         raise EngineFailed(server.engine_failure)
+
+
+def run_api_server(spec: ApiServerSpec, sockets: list[socket.socket]) -> None:
+    """One of the other API servers (the spawn target): its own front end, on the first one's
+    listening sockets, over the engine the first one started."""
+    cfg = spec.cfg
+    logging.basicConfig(level=cfg.log_level.upper(), format=LOG_FORMAT)
+    name_process(API_SERVER_NAME)
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):  # until serving: see GracefulServer
+        signal.signal(sig, signal.SIG_IGN)
+    use_multiprocess_values(spec.shared.metrics)
+    tokenizer = load_front_tokenizer(cfg)
+    vocabulary = tokenizer.vocabulary_json()
+    engine = EngineCoreClient.attach(spec.addresses, spec.engine_pid, vocabulary, tokenizer.eos_token_id,
+                                     cfg.grammar_cache_bytes)
+    engine.wait_ready()
+    prep = Preprocessor(tokenizer, PreprocessConfig(cfg.preprocess_workers, cfg.max_preprocess_seconds, cfg.model))
+    prep.start()
+    app = front_app(cfg, tokenizer, engine, engine.info, prep, spec.shared, spec.index, spec.created)
+    server = GracefulServer(uvicorn_config(cfg, app, sockets[0].getsockname()[1]), engine, cfg.shutdown_timeout,
+                            follower=True)
+    freeze_startup_objects()
+    try:
+        server.run(sockets=sockets)
+    finally:
+        engine.shutdown()
+    if server.engine_failure is not None:
+        sys.exit(1)

@@ -53,6 +53,7 @@ class _Choice:
     request: Request
     index: int
     sink: Sink
+    source: int = 0  # the front end that sent it (engine core: one per API-server process)
 
 
 class AsyncEngine:
@@ -75,6 +76,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._pending = 0  # choices submitted that the loop has not yet counted in a snapshot
         self.accepted = 0  # choices the loop has taken so far, counted in the snapshots from then on
+        self.accepted_from: dict[int, int] = {}  # the same by the front end that sent them
         self._on_publish = on_publish
         self._death_callbacks: list[Callable[[str], None]] = []
         self._stats = engine.stats()
@@ -145,11 +147,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         self.enqueue(requests, lambda out: loop.call_soon_threadsafe(on_output, out))
 
-    def enqueue(self, requests: list[Request], sink: Sink) -> None:
+    def enqueue(self, requests: list[Request], sink: Sink, source: int = 0) -> None:
         """Queue the choices of one API request without the admission check (the caller made it);
-        `sink` gets every output on the engine thread. Choices after the first start once the first
-        has finished its prefill, so they share its prompt blocks through the prefix cache."""
-        choices = [_Choice(r, i, sink) for i, r in enumerate(requests)]
+        `sink` gets every output on the engine thread; `source`: the front end that sent them
+        (`accepted_from`). Choices after the first start once the first has finished its prefill, so
+        they share its prompt blocks through the prefix cache."""
+        choices = [_Choice(r, i, sink, source) for i, r in enumerate(requests)]
 
         def not_started(exc: BaseException) -> None:
             why = f"engine stopped: {public_reason(exc)}"
@@ -366,7 +369,14 @@ class AsyncEngine:
         if self._on_publish is not None:
             self._on_publish(stats)
 
+    def _taken(self, choices: list[_Choice]) -> None:
+        """Counted as taken: no longer in transit to the loop, whether they start or are refused."""
+        self.accepted += len(choices)
+        source = choices[0].source
+        self.accepted_from[source] = self.accepted_from.get(source, 0) + len(choices)
+
     def _refuse(self, choices: list[_Choice], reason: str, error: Exception | None) -> None:
+        self._taken(choices)
         param = error.param if isinstance(error, RequestError) else None
         for c in choices:
             c.sink(TokenOutput(c.index, finished=True, finish_reason=reason,
@@ -375,7 +385,7 @@ class AsyncEngine:
 
     def _add(self, choices: list[_Choice]) -> None:
         first, rest = choices[0], choices[1:]
-        self.accepted += len(choices)
+        self._taken(choices)
         if self._start(first):
             if rest:
                 self._deferred[first.request.request_id] = rest

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -67,28 +68,100 @@ class EngineCommandError(RuntimeError):
     """A named engine command failed in the engine process."""
 
 
+class _AttachedCore:
+    """The engine process as seen by an API server that did not start it: through a pidfd, readable
+    once the process has exited (its exit status goes to its parent, the first API server, which
+    alone stops it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)
+        self.exitcode: int | None = None
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def kill(self) -> None:
+        """Not this process's to end: its owner stops it."""
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+    def describe_exit(self) -> str:
+        return "its exit status goes to the first API server"
+
+
+class _SpawnedCore:
+    """The engine process this front end started and stops."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process, self.pid, self.sentinel = process, process.pid, process.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+
+    def close(self) -> None:
+        pass
+
+    def describe_exit(self) -> str:
+        return describe_exit(self.process.exitcode)
+
+
 class EngineCoreClient:
     def __init__(self, target: CoreTarget, spec: Any, tokenizer_json: str | None, eos_token_id: int,
-                 grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES) -> None:
+                 grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES, api_servers: int = 1) -> None:
         """Start the engine process now (`target(spec, addresses, parent_pid)` runs there); it loads
-        while the caller does other work, and `wait_ready` collects it."""
-        self._grammar_cache_bytes = grammar_cache_bytes
+        while the caller does other work, and `wait_ready` collects it. `api_servers`: front ends it
+        will serve, this one first (the others `attach` once it is ready, at `addresses.front(i)`)."""
+        self._owner = True
         self._folder = tempfile.mkdtemp(prefix="v4serve-ipc-")  # 0700: no other user can connect
-        addresses = CoreAddresses(f"ipc://{self._folder}/in", f"ipc://{self._folder}/out")
+        self.addresses = CoreAddresses.in_folder(self._folder, api_servers)
+        process = multiprocessing.get_context("spawn").Process(
+            target=target, args=(spec, self.addresses, os.getpid()), name=PROCESS_NAME)
+        self._connect(self.addresses.front(0), tokenizer_json, eos_token_id, grammar_cache_bytes)
+        process.start()
+        self._core: _SpawnedCore | _AttachedCore = _SpawnedCore(process)
+        self.pid = process.pid
+        atexit.register(self.kill)  # before multiprocessing's own exit hook would wait for it
+
+    @classmethod
+    def attach(cls, addresses: CoreAddresses, pid: int, tokenizer_json: str | None, eos_token_id: int,
+               grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES) -> EngineCoreClient:
+        """A client of an engine process another API server started (`addresses`: this front end's
+        pair): it sends no shutdown, and stopping it leaves the engine running."""
+        client = cls.__new__(cls)
+        client._owner = False
+        client._folder = None
+        client.addresses = addresses
+        client._connect(addresses, tokenizer_json, eos_token_id, grammar_cache_bytes)
+        client._core = _AttachedCore(pid)
+        client.pid = pid
+        atexit.register(client.kill)
+        return client
+
+    def _connect(self, addresses: CoreAddresses, tokenizer_json: str | None, eos_token_id: int,
+                 grammar_cache_bytes: int) -> None:
+        self._grammar_cache_bytes = grammar_cache_bytes
         self._context = zmq.Context()
-        self._to_core = self._socket(zmq.PUSH, addresses.inputs)
-        self._from_core = self._socket(zmq.PULL, addresses.outputs)
+        self._to_core = self._socket(zmq.PUSH, addresses.inputs[0])
+        self._from_core = self._socket(zmq.PULL, addresses.outputs[0])
         self._send_channel = Channel(FromCore)  # used on the event loop (encodes)
         self._receive_channel = Channel(FromCore)  # used by the receiver thread (decodes)
         self._tokenizer_json, self._eos_token_id = tokenizer_json, eos_token_id
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=target, args=(spec, addresses, os.getpid()), name=PROCESS_NAME)
-        self._process.start()
-        atexit.register(self.kill)  # before multiprocessing's own exit hook would wait for it
         self.limits: RequestLimits | None = None
         self.max_waiting = 0
         self.info: dict[str, Any] = {}
-        self.pid = self._process.pid
         self._stats = EngineStats()
         self._heard_at = time.monotonic()  # set by the receiver thread: the event loop may be what is stuck
         self._grammars: Grammars | None = None
@@ -117,7 +190,7 @@ class EngineCoreClient:
         missing folder), EngineStartupError for any other failure; either way the process is gone."""
         poller = zmq.Poller()
         poller.register(self._from_core, zmq.POLLIN)
-        poller.register(self._process.sentinel, zmq.POLLIN)
+        poller.register(self._core.sentinel, zmq.POLLIN)
         try:
             while True:
                 events = dict(poller.poll())
@@ -130,7 +203,7 @@ class EngineCoreClient:
                         raise (ValueError if message.invalid_config else EngineStartupError)(message.message)
                 elif not self._from_core.poll(LAST_WORDS_MS):
                     raise EngineStartupError(f"the engine process exited while starting "
-                                             f"({describe_exit(self._process.exitcode)})")
+                                             f"({self._core.describe_exit()})")
         except BaseException:  # KeyboardInterrupt too: never leave the process behind
             self.kill()
             raise
@@ -226,9 +299,10 @@ class EngineCoreClient:
         return future
 
     def begin_shutdown(self, timeout: float) -> None:
-        """From a signal handler: the message goes out from the event loop, never mid-send."""
+        """From a signal handler: the message goes out from the event loop, never mid-send (from the API
+        server that started the engine: it stops the others)."""
         self._closing = True
-        if self._loop is not None:
+        if self._owner and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has already closed
                 self._loop.call_soon_threadsafe(self._send_quietly, BeginShutdown(timeout))
 
@@ -237,10 +311,11 @@ class EngineCoreClient:
         if self._stopped:
             return
         self._stopped = self._closing = True
-        self._send_quietly(Shutdown())
-        self._process.join(SHUTDOWN_SECONDS)
-        if self._process.exitcode is None:
-            log.warning("the engine process did not stop within %.0f s; killing it", SHUTDOWN_SECONDS)
+        if self._owner:
+            self._send_quietly(Shutdown())
+            self._core.join(SHUTDOWN_SECONDS)
+            if self._core.exitcode is None:
+                log.warning("the engine process did not stop within %.0f s; killing it", SHUTDOWN_SECONDS)
         self.kill()
 
     def abandon(self, reason: str) -> None:
@@ -254,18 +329,19 @@ class EngineCoreClient:
         self._post(end)
 
     def kill(self) -> None:
-        """End the process at once (if it still runs) and release everything; idempotent."""
+        """End the process at once (if it still runs and this front end started it) and release
+        everything; idempotent."""
         self._stopped = True
-        if self._process.exitcode is None:
-            self._process.kill()
-            self._process.join()
+        self._core.kill()
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(timeout=2 * RECEIVE_POLL_MS / 1000)
+        self._core.close()  # after the receiver, which polls it
         if not self._context.closed:
             self._to_core.close()
             self._from_core.close()
             self._context.term()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
         atexit.unregister(self.kill)
 
     # ---- sending (event loop) ----------------------------------------------------------------------------
@@ -288,7 +364,7 @@ class EngineCoreClient:
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self._from_core, zmq.POLLIN)
-        poller.register(self._process.sentinel, zmq.POLLIN)
+        poller.register(self._core.sentinel, zmq.POLLIN)
         exited = False
         while not self._stopped:
             events = dict(poller.poll(LAST_WORDS_MS if exited else RECEIVE_POLL_MS))
@@ -298,9 +374,9 @@ class EngineCoreClient:
             elif exited:  # gone, and nothing more arrived: its last words are in
                 self._post(self._exited)
                 return
-            elif self._process.sentinel in events:
+            elif self._core.sentinel in events:
                 exited = True
-                poller.unregister(self._process.sentinel)
+                poller.unregister(self._core.sentinel)
 
     def _drain(self) -> list[Any]:
         messages = []
@@ -348,7 +424,7 @@ class EngineCoreClient:
 
     def _exited(self) -> None:
         if not self._stopped:
-            self._die(f"the engine process exited unexpectedly ({describe_exit(self._process.exitcode)})")
+            self._die(f"the engine process exited unexpectedly ({self._core.describe_exit()})")
 
     def _die(self, reason: str) -> None:
         """The engine is gone: end every open choice and command, then tell whoever listens."""

@@ -2,8 +2,9 @@
 
 Token ids, sampling parameters (a structured-output grammar travels as its text, `GrammarSpec`),
 token outputs and stats snapshots: never text to tokenize. Each message is one msgspec Struct,
-tagged by its class name, in one ZeroMQ frame; the front end binds both sockets in a private
-folder (mode 0700: only this user can connect), the engine core connects.
+tagged by its class name, in one ZeroMQ frame; each front end (one per API-server process) binds its
+two sockets in a private folder (mode 0700: only this user can connect), the engine core connects to
+every front end's. A message never names the front end it came from: the socket it arrived on does.
 """
 
 from __future__ import annotations
@@ -23,8 +24,19 @@ PROCESS_NAME = "v4serve-engine"  # the engine process's name in ps -o comm, top 
 
 @dataclass(frozen=True)
 class CoreAddresses:
-    inputs: str  # front end → engine core (PUSH → PULL)
-    outputs: str  # engine core → front end (PUSH → PULL)
+    """Where the engine core meets its front ends: front end i binds `inputs[i]` and `outputs[i]`."""
+
+    inputs: tuple[str, ...]  # front end → engine core (PUSH → PULL)
+    outputs: tuple[str, ...]  # engine core → front end (PUSH → PULL)
+
+    @classmethod
+    def in_folder(cls, folder: str, fronts: int) -> CoreAddresses:
+        return cls(tuple(f"ipc://{folder}/in{i}" for i in range(fronts)),
+                   tuple(f"ipc://{folder}/out{i}" for i in range(fronts)))
+
+    def front(self, index: int) -> CoreAddresses:
+        """Front end `index`'s own pair."""
+        return CoreAddresses((self.inputs[index],), (self.outputs[index],))
 
 
 # ---- front end → engine core ------------------------------------------------------------------------
@@ -106,7 +118,7 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     outputs: list[tuple[str, TokenOutput]]  # (choice request id, its output)
     results: list[CommandResult]
     stats: EngineStats
-    accepted: int  # choices the engine has taken so far: the rest of those sent still count as waiting
+    accepted: int  # this front end's choices the engine has taken so far: the rest it sent still count as waiting
 
 
 class Dead(msgspec.Struct, tag=True, array_like=True):
