@@ -368,7 +368,9 @@ def test_requests_past_the_cap_get_503_but_the_probes_are_answered() -> None:
         with httpx.Client(base_url=url, timeout=PATIENCE) as http:
             streams = [never_reading(url, {**NEVER_READ, "n": 1}, CHAT) for _ in range(2)]
             try:
-                wait_until(lambda: limited(http, "unread_held") == 2, "both streams to be held")
+                # Running, each past the cap's count (the engine has them), and for minutes yet: 20000
+                # tokens, held at 1500 unread until --unread-timeout (PATIENCE).
+                wait_until(lambda: engine_running(http) == 2, "both streams to run")
                 third = http.post("/v1/completions", json=GREEDY)
                 assert third.status_code == 503 and third.headers["retry-after"] == "1"
                 assert third.json()["error"]["code"] == "server_overloaded" and "--max-connections" in third.text
@@ -557,6 +559,12 @@ def never_reading(url: str, body: dict[str, Any], path: str = "/v1/completions")
 def limited(http: httpx.Client, limit: str) -> float:
     found = re.search(rf'^v4serve_requests_limited_total\{{[^}}]*limit="{limit}"[^}}]*\}} (\S+)$',
                       http.get("/metrics").text, re.M)
+    assert found
+    return float(found.group(1))
+
+
+def engine_running(http: httpx.Client) -> float:
+    found = re.search(r"^v4serve_requests_running\{[^}]*\} (\S+)$", http.get("/metrics").text, re.M)
     assert found
     return float(found.group(1))
 

@@ -1,4 +1,4 @@
-"""A bounded load test (bench/bench_load.py's load): 48 concurrent clients, ~1,000 requests over
+"""A bounded load test (bench/bench_load.py's load): 48 concurrent clients, 500 requests over
 shared prefixes, streaming and not, a quarter of all requests dropped mid-stream. No 5xx, nothing
 leaked (queues empty, no slot or block in use, the cache's integrity check passes), and every
 completed temperature-0 request equal to its solo output. Its figures go to
@@ -17,16 +17,16 @@ from v4serve.server.serve import ServeConfig
 def test_load_with_disconnects_leaks_nothing_and_changes_no_output(tmp_path) -> None:
     cfg = ServeConfig(kv_store_dir=str(tmp_path), max_num_seqs=16)
     with in_process_server(cfg) as (url, engine):
-        result, solo = asyncio.run(run_load(url, clients=48, requests=1000))
+        result, solo = asyncio.run(run_load(url, clients=48, requests=500))
         if result.leaked:  # run_load waits 30 s for the aborts to land; a busy machine may need longer
             result.leaked = asyncio.run(settled_gauges(url, timeout=PATIENCE))
         # Checked in the engine process, between steps: refcounts equal the (empty) block tables.
         integrity = asyncio.run(engine.command("check_cache_integrity"))
     path = report(result, "load_test")
-    assert json.loads(path.read_text())["sent"] == 1000
+    assert json.loads(path.read_text())["sent"] == 500
     assert integrity is None
-    assert result.sent == 1000 and result.status_5xx == 0 and result.failed == 0
-    assert 150 <= result.aborted <= 350 and result.completed + result.aborted == result.sent
+    assert result.sent == 500 and result.status_5xx == 0 and result.failed == 0
+    assert 75 <= result.aborted <= 175 and result.completed + result.aborted == result.sent
     assert result.mismatched == 0 and not result.leaked
     assert len(set(solo.values())) > 1  # the comparison is not between identical strings
 

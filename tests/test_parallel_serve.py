@@ -14,6 +14,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,8 +44,8 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
-def complete(url: str, prompt: list[int], n: int = MAX_TOKENS) -> dict:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+def complete(url: str, prompt: list[int], n: int = MAX_TOKENS, **fields: Any) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 1, **fields}
     resp = httpx.post(url + "/v1/completions", json=body, timeout=PATIENCE)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -144,28 +145,30 @@ def test_packed_weights_and_fp8_kv_at_two_ranks(packed: str) -> None:
     assert digests[0] == digests[1]
 
 
-@pytest.mark.parametrize("mode", ["full", "periodic", "zero"])
-def test_prefix_hits_at_two_ranks_equal_cold_runs(wide: str, mode: str) -> None:
+def test_prefix_hits_at_two_ranks_equal_cold_runs(wide: str) -> None:
+    """In each SWA mode (the request's own `swa_cache_mode`: one server for the three)."""
     doc = tokens(100, 50)
     # Shared prefixes ending just before, on and after a block edge (16 per block) and a window edge.
     asks = [doc[:n] + tokens(5, 60 + n) for n in (47, 48, 49, 63, 64, 65, 100)]
-    cfg = serve_config(wide, tensor_parallel_size=2, swa_cache_mode=mode, swa_checkpoint_interval=32)
+    cfg = serve_config(wide, tensor_parallel_size=2, swa_checkpoint_interval=32)
     with in_process_server(cfg) as (url, engine):
         cold = []
         for prompt in asks:
             httpx.post(url + "/reset_prefix_cache", timeout=PATIENCE).raise_for_status()
             cold.append(complete(url, prompt))
-        httpx.post(url + "/reset_prefix_cache", timeout=PATIENCE).raise_for_status()
-        complete(url, doc + tokens(3, 70))  # caches the document
-        warm = [complete(url, prompt) for prompt in asks]
-        again = complete(url, asks[-1])  # the whole prompt, then its own output
-        hits = metric(url, "v4serve_prefix_cache_hits_total", source="device")
-        digests = kv_digests(engine)
-    for c, w in zip(cold, warm, strict=True):
-        assert w["choices"][0]["logprobs"]["tokens"] == c["choices"][0]["logprobs"]["tokens"]
-    assert again["choices"][0]["logprobs"]["tokens"] == cold[-1]["choices"][0]["logprobs"]["tokens"]
-    assert all(cached(w) > 0 for w in warm[1:]) and cached(again) > 0 and hits > 0
-    assert digests[0] == digests[1]  # restores reached rank 1 too
+        for mode in ("full", "periodic", "zero"):
+            httpx.post(url + "/reset_prefix_cache", timeout=PATIENCE).raise_for_status()
+            hits_before = metric(url, "v4serve_prefix_cache_hits_total", source="device")
+            complete(url, doc + tokens(3, 70), swa_cache_mode=mode)  # caches the document
+            warm = [complete(url, prompt, swa_cache_mode=mode) for prompt in asks]
+            again = complete(url, asks[-1], swa_cache_mode=mode)  # the whole prompt, then its own output
+            hits = metric(url, "v4serve_prefix_cache_hits_total", source="device") - hits_before
+            digests = kv_digests(engine)
+            for c, w in zip(cold, warm, strict=True):
+                assert w["choices"][0]["logprobs"]["tokens"] == c["choices"][0]["logprobs"]["tokens"], mode
+            assert again["choices"][0]["logprobs"]["tokens"] == cold[-1]["choices"][0]["logprobs"]["tokens"], mode
+            assert all(cached(w) > 0 for w in warm[1:]) and cached(again) > 0 and hits > 0, mode
+            assert digests[0] == digests[1], mode  # restores reached rank 1 too
 
 
 def test_a_store_is_never_read_across_sizes_and_restarts_at_two_ranks(wide: str, tmp_path: Path) -> None:

@@ -78,12 +78,12 @@ def test_states_inside_a_chunk_on_the_triton_kernels() -> None:
     """The Triton kernels write the rings themselves: the captured states still equal a split run's
     (bitwise under batch invariance), and a hit on a captured state gives the cold tokens."""
     model = model_on("triton", batch_invariant=True)
-    prompt = tokens(70, 4)
+    prompt = tokens(52, 4)  # block edges at 16, 32 and 48 (the interpreter is slow: no more than that)
     whole, out, passes = run(model, prompt, split=False, swa_cache_mode="full")
     split, split_out, _ = run(model, prompt, split=True, swa_cache_mode="full")
     hashes = whole.kv.hashes(prompt, None)
     got, want = snapshots(whole, hashes), snapshots(split, hashes)
-    assert set(got) == set(want) == {1, 2, 3, 4}
+    assert set(got) == set(want) == {1, 2, 3}
     for k in got:
         assert all(torch.equal(a, b) for a, b in zip(got[k], want[k], strict=True)), f"boundary {k * BLOCK}"
     assert out == split_out and passes == 1
