@@ -21,6 +21,7 @@ from v4serve.server import chat, completions, jobs, responses
 from v4serve.server.body import BodyLimit, IgnoredFieldsHeader, body_schema, install_openapi, parse_body
 from v4serve.server.connections import RequestCap
 from v4serve.server.errors import ApiError, echo, error_json, error_responses, install_error_handlers
+from v4serve.server.framing import SERVER_SEND
 from v4serve.server.generation import FrontEnd, ServerConfig
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
@@ -109,6 +110,15 @@ def anthropic_card(name: str, created: int) -> dict[str, Any]:
     return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
 
 
+class App(FastAPI):
+    """The app, keeping the server's own `send` in each request's scope: the events of a stream go
+    there directly (framing.EventStream)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics,
               prep: Preprocessor | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -126,7 +136,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
                 await asyncio.to_thread(stop)
             engine.shutdown()
 
-    app = FastAPI(title="v4serve", version=VERSION, lifespan=lifespan)
+    app = App(title="v4serve", version=VERSION, lifespan=lifespan)
     app.state.before_engine_stops = []  # what must end before the engine stops (the other API servers)
     front = FrontEnd(engine, tokenizer, config, metrics, prep)
     stored: responses.ResponseStore = (

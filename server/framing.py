@@ -43,9 +43,36 @@ def error_event(message: str, param: str | None = None) -> str:
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
+# The scope key under which the app keeps the server's own `send` (server/app.py `App`).
+SERVER_SEND = "v4serve.server_send"
+
+
+class EventStream(StreamingResponse):
+    """A stream of server-sent events whose body parts go straight to the server's `send`. Its start
+    goes through the middleware chain as any reply's does (the headers they add, the start they note);
+    its events, one per token, skip the chain's wrappers of `send`, none of which looks at a body part
+    of a reply that started normally (a middleware that must see them has to change this). A client
+    that goes away ends it as it ends a StreamingResponse."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._body_send: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._body_send = scope.get(SERVER_SEND, send)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = self._body_send
+        async for chunk in self.body_iterator:
+            await body({"type": "http.response.body", "body": chunk.encode() if isinstance(chunk, str) else chunk,
+                        "more_body": True})
+        await body({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(_guarded(events), media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStream(_guarded(events))
 
 
 async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[], str]) -> AsyncIterator[str]:

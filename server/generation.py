@@ -78,10 +78,14 @@ class ServerConfig:
         return (self.served_model_name, *self.aliases)
 
 
-def _weight(delta: Delta) -> int:
-    """What a delta holds, in tokens plus their logprob entries (the bulk of a delta's bytes)."""
-    return max(len(delta.token_ids), sum(1 + len(s.top) for s in delta.samples)) if delta.samples else \
-        len(delta.token_ids)
+def _logprob_entries(delta: Delta) -> int:
+    """Its tokens' logprob entries: each sampled token and its alternatives (a loop, not a generator:
+    this runs for every streamed token)."""
+    entries = len(delta.samples)
+    for sample in delta.samples:
+        if sample.top:
+            entries += len(sample.top)
+    return entries
 
 
 class Generation:
@@ -101,7 +105,8 @@ class Generation:
         self._tracker = metrics.track(requests, tenant)
         self._metrics = metrics
         self._open = set(range(len(requests)))  # choices whose finished delta has not been made
-        self._ready: asyncio.Queue[Delta] = asyncio.Queue()
+        # Each delta with its weight: what it holds, in tokens plus their logprob entries (the bulk of its bytes).
+        self._ready: asyncio.Queue[tuple[Delta, int]] = asyncio.Queue()
         self._unread, self._max_unread = 0, max_unread
         self._logprob_entries, self._max_logprob_entries = 0, max_logprob_entries
         self._unread_timeout = unread_timeout
@@ -120,8 +125,8 @@ class Generation:
         remaining = len(self.requests)
         try:
             while remaining:
-                delta = await self._ready.get()
-                self._unread -= _weight(delta)
+                delta, weight = await self._ready.get()
+                self._unread -= weight
                 if self._held is not None and self._unread <= self._max_unread // 4:
                     self._hold(False)
                 remaining -= delta.finished
@@ -152,9 +157,11 @@ class Generation:
                 self._tracker.finish(out.index, delta.finish_reason or "stop")
             if not out.finished:  # a stop string (or a text failure) ended it before the engine did
                 self.engine.abort([self.requests[out.index].request_id])
-        self._ready.put_nowait(delta)
-        self._unread += _weight(delta)
-        self._logprob_entries += sum(1 + len(s.top) for s in delta.samples)
+        entries = _logprob_entries(delta)
+        weight = max(len(delta.token_ids), entries)
+        self._ready.put_nowait((delta, weight))
+        self._unread += weight
+        self._logprob_entries += entries
         if self._held is None and self._unread > self._max_unread // 2 and self._open:
             self._hold(True)
         if self._unread > self._max_unread and self._open:
@@ -194,8 +201,8 @@ class Generation:
         self.engine.abort([self.requests[i].request_id for i in sorted(self._open)])
         for i in sorted(self._open):
             self._tracker.finish(i, "abort")
-            self._ready.put_nowait(Delta(index=i, finished=True, finish_reason="error", error=message,
-                                         error_param=param))
+            self._ready.put_nowait((Delta(index=i, finished=True, finish_reason="error", error=message,
+                                          error_param=param), 0))
         self._open.clear()
 
     def usage(self) -> PromptUsage:

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from v4serve.server import jobs
 from v4serve.server.body import parse_body
 from v4serve.server.errors import ApiError, as_api_error, failure_message, validation_message
-from v4serve.server.framing import SSE_HEADERS, PromptUsage, paced, typed_event
+from v4serve.server.framing import EventStream, PromptUsage, paced, typed_event
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import (
     MAX_MESSAGES,
@@ -402,9 +402,8 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
         return error_response(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return StreamingResponse(paced(_stream(generation, message_id, model, shown(body)),
-                                       front.config.stream_keepalive, lambda: typed_event("ping", {})),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(paced(_stream(generation, message_id, model, shown(body)),
+                                 front.config.stream_keepalive, lambda: typed_event("ping", {})))
     try:
         (deltas,) = await front.collect(generation, raw)
     except Exception as exc:

@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, echo, failure_message
-from v4serve.server.framing import SSE_HEADERS, PromptUsage, paced, typed_event
+from v4serve.server.framing import EventStream, PromptUsage, paced, typed_event
 from v4serve.server.generation import FrontEnd, Generation
 from v4serve.server.protocol import (
     MAX_MESSAGES,
@@ -444,9 +444,8 @@ async def create(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest,
     if body.stream:
         events, opening = _Events(), _response(body, plan, [], None, None)
         stream = _stream(front, stored, body, plan, owner_of(raw), events, opening)
-        return StreamingResponse(paced(stream, front.config.stream_keepalive,
-                                       lambda: events("response.in_progress", response=opening)),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(paced(stream, front.config.stream_keepalive,
+                                 lambda: events("response.in_progress", response=opening)))
     (deltas,) = await front.collect(plan.generation, raw)
     response = _response(body, plan, _output(deltas, plan.thinking), deltas[-1], plan.generation.usage())
     _keep(stored, body, plan, response, deltas, owner_of(raw), front.tokenizer.eos_token_id)
