@@ -6,6 +6,12 @@ gives the engine's output path alone) is read from /proc before and after, divid
 streamed. Each API-server count gets a daemon of its own, measured one after the other in one run.
 
     python bench/bench_frontend.py [--streams 64 256] [--tokens 128] [--prompt 32] [--api-servers 1 2]
+    python bench/bench_frontend.py --count-calls [--streams 64] [--tokens 128]
+
+`--count-calls` counts instead of timing: the Python calls (and calls into C) the front end's
+event-loop thread makes per streamed token, with the daemon's app under uvicorn on a thread of this
+process (its engine in its own process). A count hardly moves with the machine's load, so it compares
+two versions of the front end where this shared machine's CPU times cannot (±10 us per token).
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -24,7 +32,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_results  # noqa: E402
-from tests.daemon import PATIENCE, start_daemon  # noqa: E402
+from tests.daemon import PATIENCE, in_process_server, start_daemon  # noqa: E402
+from v4serve.server.serve import ServeConfig  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -93,13 +102,46 @@ def measure(url: str, pid: int, streams: int, tokens: int, prompt: int, api_serv
             "engine_us_per_token": spent[engine] / made * 1e6}
 
 
+def count_calls(streams: int, tokens: int, prompt: int) -> dict[str, Any]:
+    """Calls per streamed token on the front end's event-loop thread (module-level function calls and
+    calls into C, as `sys.setprofile` reports them)."""
+    counts = {"call": 0, "c_call": 0}
+
+    def profile(_frame: FrameType, event: str, _arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    def on_loop(loop: asyncio.AbstractEventLoop, fn: Any) -> None:
+        applied = threading.Event()
+        loop.call_soon_threadsafe(lambda: (fn(), applied.set()))
+        assert applied.wait(PATIENCE)
+
+    cfg = ServeConfig(max_num_seqs=streams, max_model_len=1024, max_waiting=4 * streams, no_kv_store=True)
+    with in_process_server(cfg) as (url, engine):
+        loop = engine._loop  # noqa: SLF001 - the loop the app runs on
+        asyncio.run(load(url, 2, 8, prompt))  # warm: connections, first compiles
+        on_loop(loop, lambda: sys.setprofile(profile))
+        made, _ = asyncio.run(load(url, streams, tokens, prompt))
+        on_loop(loop, lambda: sys.setprofile(None))
+    return {"streams": streams, "tokens": made, "calls_per_token": counts["call"] / made,
+            "c_calls_per_token": counts["c_call"] / made}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--api-servers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--count-calls", action="store_true", help="count the front end's calls per token instead")
     args = parser.parse_args()
+    if args.count_calls:
+        counted = [count_calls(n, args.tokens, args.prompt) for n in args.streams]
+        print_table(f"Front-end calls per streamed token (tiny model; {args.prompt}-token prompts, {args.tokens} "
+                    "tokens a stream)", ["streams", "tokens", "Python calls per token", "calls into C per token"],
+                    [[r["streams"], r["tokens"], r["calls_per_token"], r["c_calls_per_token"]] for r in counted])
+        write_results("frontend_calls", {"tokens": args.tokens, "prompt": args.prompt, "rows": counted})
+        return
     rows = []
     for count in args.api_servers:
         running = start_daemon("--max-num-seqs", str(max(args.streams)), "--max-model-len", "1024",
