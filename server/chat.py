@@ -18,8 +18,19 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from v4serve.server import jobs
-from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, paced, sse, stream_chunker, usage
-from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.framing import (
+    DONE,
+    KEEPALIVE,
+    Chunker,
+    Lazy,
+    error_event,
+    json_reply,
+    paced,
+    sse,
+    stream_chunker,
+    usage,
+)
+from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.output import Delta
 from v4serve.server.text.tool_calls import ToolCallDelta
@@ -46,7 +57,8 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
                                body.stream_options, lambda: [generation.usage()])
         events = _stream(front, chunk, generation, body.logprobs, body.include_reasoning)
         return sse(paced(events, front.config.stream_keepalive,
-                         lambda: chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}])))
+                         lambda: chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]),
+                         generation.wake))
     per_choice = await front.collect(generation, raw)
     reasoning = thinking and body.include_reasoning  # the model reasons either way; the reply may leave it out
     choices = Lazy(_choice(front, i, deltas, reasoning, body.logprobs) for i, deltas in enumerate(per_choice))
@@ -122,6 +134,9 @@ async def _stream(front: FrontEnd, chunk: Chunker, generation: Generation, logpr
                       "finish_reason": None}])
     async with contextlib.aclosing(generation.deltas()) as deltas:
         async for delta in deltas:
+            if delta is WAKE:
+                yield KEEPALIVE
+                continue
             if delta.error:
                 yield error_event(delta.error, delta.error_param)
                 break

@@ -15,8 +15,19 @@ from fastapi.responses import Response
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, failure_message
-from v4serve.server.framing import DONE, Chunker, Lazy, error_event, json_reply, paced, sse, stream_chunker, usage
-from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.framing import (
+    DONE,
+    KEEPALIVE,
+    Chunker,
+    Lazy,
+    error_event,
+    json_reply,
+    paced,
+    sse,
+    stream_chunker,
+    usage,
+)
+from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import CompletionRequest
 from v4serve.server.text.output import Delta
 
@@ -48,7 +59,8 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
         chunk = stream_chunker(rid, "text_completion", created, model, body.stream_options,
                                lambda: [g.usage() for g in generations])
         return sse(paced(_stream(front, chunk, generations, body), front.config.stream_keepalive,
-                         lambda: chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}])))
+                         lambda: chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]),
+                         lambda: [g.wake() for g in generations]))
     results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
     choices = Lazy(_choice(front, p * body.n + j, generation, j, deltas, body)
                    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True))
@@ -138,6 +150,9 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
     offsets: dict[int, int] = {}  # per choice: text offset of its next logprob entry
     try:
         async for p, delta in deltas:
+            if delta is WAKE:
+                yield KEEPALIVE
+                continue
             if delta.error:
                 yield error_event(delta.error, delta.error_param)
                 failed = True

@@ -75,64 +75,48 @@ def sse(events: AsyncIterator[str]) -> StreamingResponse:
     return EventStream(_guarded(events))
 
 
-async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[], str]) -> AsyncIterator[str]:
+class _Marker(str):
+    """A string told apart by identity, not value."""
+
+
+# Where an API's stream yields this, `paced` sends that API's keep-alive event.
+KEEPALIVE: str = _Marker()
+
+
+async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[], str],
+                wake: Callable[[], None]) -> AsyncIterator[str]:
     """`events`, and `keepalive()` whenever `every` seconds pass without one: a request that waits or
     prefills for minutes sends nothing else, and agent clients abort a stream idle for a few minutes
     (Claude Code's watchdog, Codex's idle timeout, which SSE comments do not reset: hence each API's own
     event). Closing this (the client went away) closes `events`, which aborts the work.
 
-    One task runs `events` for the whole stream and hands each item over through a one-item queue, and
-    one timer per stream puts a keepalive there when nothing came for `every` seconds (a task and a
-    timed wait per item cost more than the rest of a streamed token's path here)."""
-    handoff: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+    The reader drives `events` itself (no task between them, nothing handed over per token): one timer
+    per stream calls `wake()` when nothing came for `every` seconds, which has the generation behind
+    `events` give its stream a wake-up in place of output (`Generation.wake`); the stream yields
+    KEEPALIVE for it, in order with its events (a Responses keep-alive carries the next sequence number),
+    and this sends the API's keep-alive there. Several generations woken at once give one keep-alive."""
     loop = asyncio.get_running_loop()
-    last = loop.time()  # when the reader last took an item
-
-    async def produce() -> None:
-        try:
-            async for item in events:
-                await handoff.put(item)
-        except Exception as exc:  # raised to the reader, where it would have been raised before
-            await handoff.put(_Failed(exc))
-            return
-        await handoff.put(_END)
+    last = loop.time()  # when the reader last sent something
 
     def tick() -> None:
         nonlocal timer
         now = loop.time()
-        if now - last >= every and handoff.empty():
-            handoff.put_nowait(_KEEPALIVE)
+        if now - last >= every:
+            wake()
         timer = loop.call_at(max(last + every, now + every / 8), tick)
 
-    producer = asyncio.ensure_future(produce())
     timer = loop.call_at(last + every, tick)
     try:
-        while True:
-            item = await handoff.get()
+        async for item in events:
+            if item is KEEPALIVE:
+                if loop.time() - last < every:
+                    continue  # something was sent since the wake-up
+                item = keepalive()
             last = loop.time()
-            if item is _KEEPALIVE:
-                yield keepalive()
-            elif item is _END:
-                return
-            elif isinstance(item, _Failed):
-                raise item.error
-            else:
-                yield item
+            yield item
     finally:
         timer.cancel()
-        producer.cancel()
-        with contextlib.suppress(BaseException):
-            await producer
         await events.aclose()  # type: ignore[attr-defined]
-
-
-_END = object()  # `paced`'s events are over
-_KEEPALIVE = object()  # `paced`'s reader is to send a keepalive
-
-
-@dataclass(frozen=True)
-class _Failed:
-    error: Exception
 
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from v4serve.server import jobs
 from v4serve.server.body import parse_body
 from v4serve.server.errors import ApiError, as_api_error, failure_message, validation_message
-from v4serve.server.framing import EventStream, PromptUsage, paced, typed_event
-from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.framing import KEEPALIVE, EventStream, PromptUsage, paced, typed_event
+from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import (
     MAX_MESSAGES,
     MAX_STOPS,
@@ -403,7 +403,7 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         return EventStream(paced(_stream(generation, message_id, model, shown(body)),
-                                 front.config.stream_keepalive, lambda: typed_event("ping", {})))
+                                 front.config.stream_keepalive, lambda: typed_event("ping", {}), generation.wake))
     try:
         (deltas,) = await front.collect(generation, raw)
     except Exception as exc:
@@ -551,6 +551,9 @@ async def _stream(generation: Generation, message_id: str, model: str, show_thin
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
+                if delta is WAKE:
+                    yield KEEPALIVE
+                    continue
                 if not opened:
                     opened = True
                     yield typed_event("message_start", {"message": {

@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, echo, failure_message
-from v4serve.server.framing import EventStream, PromptUsage, paced, typed_event
-from v4serve.server.generation import FrontEnd, Generation
+from v4serve.server.framing import KEEPALIVE, EventStream, PromptUsage, paced, typed_event
+from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -445,7 +445,7 @@ async def create(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest,
         events, opening = _Events(), _response(body, plan, [], None, None)
         stream = _stream(front, stored, body, plan, owner_of(raw), events, opening)
         return EventStream(paced(stream, front.config.stream_keepalive,
-                                 lambda: events("response.in_progress", response=opening)))
+                                 lambda: events("response.in_progress", response=opening), plan.generation.wake))
     (deltas,) = await front.collect(plan.generation, raw)
     response = _response(body, plan, _output(deltas, plan.thinking), deltas[-1], plan.generation.usage())
     _keep(stored, body, plan, response, deltas, owner_of(raw), front.tokenizer.eos_token_id)
@@ -682,6 +682,9 @@ async def _stream(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest
     try:
         async with contextlib.aclosing(plan.generation.deltas()) as stream:
             async for delta in stream:
+                if delta is WAKE:
+                    yield KEEPALIVE
+                    continue
                 if delta.error:
                     failed = {**opening, "status": "failed", "output": events.items,
                               "error": {"code": "invalid_prompt" if delta.error_param else "server_error",
