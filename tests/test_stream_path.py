@@ -56,3 +56,26 @@ def test_a_streams_tasks_do_not_grow_with_its_tokens(path: str) -> None:
 
 async def _set_factory(loop: asyncio.AbstractEventLoop, factory: Callable[..., asyncio.Task]) -> None:
     loop.set_task_factory(factory)
+
+
+def test_a_pipe_hands_over_in_order_and_a_cancelled_get_loses_nothing() -> None:
+    from v4serve.server.generation import Pipe
+
+    async def scenario() -> list[object]:
+        pipe: Pipe[int] = Pipe()
+        pipe.put(1)
+        got: list[object] = [await pipe.get()]  # waiting nowhere: it was there
+        waiting = asyncio.ensure_future(pipe.get())
+        await asyncio.sleep(0)  # parked on its waiter
+        pipe.put(2)
+        got.append(await waiting)
+        cancelled = asyncio.ensure_future(pipe.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        pipe.put(3)  # put after a reader gave up: kept for the next one
+        pipe.put(4)
+        got += [pipe.empty(), await pipe.get(), await pipe.get(), pipe.empty()]
+        return got
+
+    assert asyncio.run(asyncio.wait_for(scenario(), PATIENCE)) == [1, 2, False, 3, 4, True]  # a lost wake-up: a hang
