@@ -180,10 +180,13 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
     """Every prompt's deltas as they come, each with its prompt's place; a prompt whose stream fails
     gives one error delta."""
-    if len(generations) == 1:  # the common case: no task, no queue between the deltas and the stream
-        async with contextlib.aclosing(_failing_as_delta(generations[0])) as deltas:
-            async for delta in deltas:
-                yield 0, delta
+    if len(generations) == 1:  # the common case: no task, no queue, no layer between the deltas and the stream
+        try:
+            async with contextlib.aclosing(generations[0].deltas()) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
+        except Exception as exc:
+            yield 0, _failure(exc)
         return
     # Bounded: a pump waits while the client is not reading, so unread output stays in its Generation,
     # which bounds it (--max-unread-tokens), and not here.
@@ -216,9 +219,14 @@ async def _failing_as_delta(generation: Generation) -> AsyncIterator[Delta]:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
                 yield delta
-    except Exception as exc:  # e.g. the engine stopped between the check and the submission
-        message = failure_message(exc, "a prompt's stream failed")
-        yield Delta(index=0, finished=True, finish_reason="error", error=message)
+    except Exception as exc:
+        yield _failure(exc)
+
+
+def _failure(exc: Exception) -> Delta:
+    """A prompt's stream that failed (e.g. the engine stopped between the check and the submission)
+    as one error delta."""
+    return Delta(index=0, finished=True, finish_reason="error", error=failure_message(exc, "a prompt's stream failed"))
 
 
 def _echo_chunk(front: FrontEnd, chunk: Chunker, generation: Generation, j: int, index: int,

@@ -4,7 +4,6 @@ event, the final `[DONE]`, and the usage block; and whole JSON replies written p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -52,10 +51,12 @@ class EventStream(StreamingResponse):
     goes through the middleware chain as any reply's does (the headers they add, the start they note);
     its events, one per token, skip the chain's wrappers of `send`, none of which looks at a body part
     of a reply that started normally (a middleware that must see them has to change this). A client
-    that goes away ends it as it ends a StreamingResponse."""
+    that goes away ends it as it ends a StreamingResponse. `failed(exc)`: the events that end it when
+    `events` raises once it has begun (None: the error propagates)."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], failed: Callable[[Exception], list[str]] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._events, self._failed = events, failed
         self._body_send: Any = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -65,14 +66,28 @@ class EventStream(StreamingResponse):
     async def stream_response(self, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         body = self._body_send
-        async for chunk in self.body_iterator:
-            await body({"type": "http.response.body", "body": chunk.encode() if isinstance(chunk, str) else chunk,
-                        "more_body": True})
+        try:
+            try:
+                async for chunk in self._events:
+                    await body({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            except Exception as exc:
+                if self._failed is None:
+                    raise
+                for chunk in self._failed(exc):
+                    await body({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]  # its work ends whatever ended this
         await body({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return EventStream(_guarded(events))
+    """Chat and completions' streams: whatever fails once one has begun, the client still gets an error
+    event and [DONE]."""
+    return EventStream(events, _stream_failed)
+
+
+def _stream_failed(exc: Exception) -> list[str]:
+    return [error_event(f"the stream failed: {failure_message(exc, 'a stream failed')}"), DONE]
 
 
 class _Marker(str):
@@ -117,17 +132,6 @@ async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[]
     finally:
         timer.cancel()
         await events.aclose()  # type: ignore[attr-defined]
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Whatever fails once the stream has begun, the client still gets an error event and [DONE]."""
-    try:
-        async with contextlib.aclosing(events) as stream:
-            async for item in stream:
-                yield item
-    except Exception as exc:
-        yield error_event(f"the stream failed: {failure_message(exc, 'a stream failed')}")
-        yield DONE
 
 
 # A reply body is written in pieces of about this many characters (a larger one goes out chunked).

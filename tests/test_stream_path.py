@@ -79,3 +79,33 @@ def test_a_pipe_hands_over_in_order_and_a_cancelled_get_loses_nothing() -> None:
         return got
 
     assert asyncio.run(asyncio.wait_for(scenario(), PATIENCE)) == [1, 2, False, 3, 4, True]  # a lost wake-up: a hang
+
+
+def test_a_stream_that_fails_once_begun_ends_with_an_error_event_and_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in the front end after the first event (injected where a completion's echo is made):
+    the client still gets an error event and [DONE], the work is aborted, and the server serves on."""
+    from v4serve.server import completions
+
+    def broken(*_args: object, **_kwargs: object) -> str:
+        raise RuntimeError("injected: the echo cannot be made")
+
+    monkeypatch.setattr(completions, "_echo_chunk", broken)
+    with in_process_server(ServeConfig(no_kv_store=True)) as (url, engine):
+        body = {"model": "v4serve-tiny", "prompt": "fail", "max_tokens": 500, "ignore_eos": True, "stream": True,
+                "echo": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=PATIENCE) as reply:
+            assert reply.status_code == 200
+            events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "generation_failed" and "the stream failed" in error["message"]
+        assert engine.stats.running == 0 or asyncio.run(_settled(engine))  # its request was aborted
+        assert streamed(url, "/v1/completions", 4) == 4
+
+
+async def _settled(engine: object) -> bool:
+    for _ in range(int(PATIENCE / 0.05)):
+        if engine.stats.running == 0:  # type: ignore[attr-defined]
+            return True
+        await asyncio.sleep(0.05)
+    return False
