@@ -338,12 +338,25 @@ def test_idle_and_slow_header_connections_are_closed_and_others_served(url: str,
     assert closed_connections(http) >= before + 30
 
 
-def test_idle_connections_at_the_cap_never_shut_anyone_out(url: str, http: httpx.Client, greedy_text: str) -> None:
-    """--max-connections 40 here: with more idle connections open than that, a new connection closes the
-    one idle longest instead of being refused, so /health, /metrics and requests are all served (they
-    were all 503 until --header-timeout closed the idle ones)."""
+@pytest.fixture(scope="module")
+def capped() -> Iterator[Daemon]:
+    """--max-connections 2, and idle connections kept for a minute (a connection is evicted once idle for a
+    second: the minute between leaves the tests time however slow this machine is)."""
+    served = start_daemon("--max-connections", "2", "--header-timeout", "60", "--keep-alive-timeout", "60",
+                          "--max-unread-tokens", "3000", "--unread-timeout", str(PATIENCE))
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def test_idle_connections_at_the_cap_never_shut_anyone_out(capped: Daemon, greedy_text: str) -> None:
+    """With more idle connections open than --max-connections, a new connection closes the one idle
+    longest instead of being refused, so /health, /metrics and requests are all served (they were all 503
+    until --header-timeout closed the idle ones)."""
+    url = capped.url
     before = metric(url, "v4serve_connections_closed_total", reason="idle_evicted")
-    idle = [open_connection(url) for _ in range(MAX_CONNECTIONS + 10)]
+    idle = [open_connection(url) for _ in range(2 + 10)]
     try:
         assert httpx.get(url + "/health", timeout=PATIENCE).status_code == 200
         assert httpx.get(url + "/metrics", headers=KEY, timeout=PATIENCE).status_code == 200
@@ -359,30 +372,26 @@ def test_idle_connections_at_the_cap_never_shut_anyone_out(url: str, http: httpx
             sock.close()
 
 
-def test_requests_past_the_cap_get_503_but_the_probes_are_answered() -> None:
+def test_requests_past_the_cap_get_503_but_the_probes_are_answered(capped: Daemon) -> None:
     """--max-connections 2: two streams running (held: their clients read nothing), a third request gets
     503 with Retry-After while /health and /metrics still answer; once the streams go it is served."""
-    served = start_daemon("--max-connections", "2", "--max-unread-tokens", "3000", "--unread-timeout", str(PATIENCE))
-    try:
-        url = served.url
-        with httpx.Client(base_url=url, timeout=PATIENCE) as http:
-            streams = [never_reading(url, {**NEVER_READ, "n": 1}, CHAT) for _ in range(2)]
-            try:
-                # Running, each past the cap's count (the engine has them), and for minutes yet: 20000
-                # tokens, held at 1500 unread until --unread-timeout (PATIENCE).
-                wait_until(lambda: engine_running(http) == 2, "both streams to run")
-                third = http.post("/v1/completions", json=GREEDY)
-                assert third.status_code == 503 and third.headers["retry-after"] == "1"
-                assert third.json()["error"]["code"] == "server_overloaded" and "--max-connections" in third.text
-                assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
-            finally:
-                for sock in streams:
-                    sock.close()
-            wait_until(lambda: http.post("/v1/completions", json=GREEDY).status_code == 200,
-                       "a request once the streams are gone")
-            assert limited(http, "requests_at_once") >= 1
-    finally:
-        served.stop()
+    url = capped.url
+    with httpx.Client(base_url=url, timeout=PATIENCE) as http:
+        streams = [never_reading(url, {**NEVER_READ, "n": 1}, CHAT) for _ in range(2)]
+        try:
+            # Running, each past the cap's count (the engine has them), and for minutes yet: 20000
+            # tokens, held at 1500 unread until --unread-timeout (PATIENCE).
+            wait_until(lambda: engine_running(http) == 2, "both streams to run")
+            third = http.post("/v1/completions", json=GREEDY)
+            assert third.status_code == 503 and third.headers["retry-after"] == "1"
+            assert third.json()["error"]["code"] == "server_overloaded" and "--max-connections" in third.text
+            assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        finally:
+            for sock in streams:
+                sock.close()
+        wait_until(lambda: http.post("/v1/completions", json=GREEDY).status_code == 200,
+                   "a request once the streams are gone")
+        assert limited(http, "requests_at_once") >= 1
 
 
 def test_pipelined_requests_are_answered_in_order(url: str) -> None:
