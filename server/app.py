@@ -253,6 +253,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}, **error_responses(401)})
     async def prometheus() -> Response:
+        metrics.tally.flush()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), responses=text_routes)

@@ -23,9 +23,9 @@ from v4serve.server.framing import (
     KEEPALIVE,
     Chunker,
     Lazy,
+    Pacing,
     error_event,
     json_reply,
-    paced,
     sse,
     stream_chunker,
     usage,
@@ -56,9 +56,9 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
         chunk = stream_chunker(rid, "chat.completion.chunk", created, model,
                                body.stream_options, lambda: [generation.usage()])
         events = _stream(front, chunk, generation, body.logprobs, body.include_reasoning)
-        return sse(paced(events, front.config.stream_keepalive,
-                         lambda: chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]),
-                         generation.wake))
+        return sse(events, Pacing(front.config.stream_keepalive,
+                                  lambda: chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]),
+                                  generation.wake))
     per_choice = await front.collect(generation, raw)
     reasoning = thinking and body.include_reasoning  # the model reasons either way; the reply may leave it out
     choices = Lazy(_choice(front, i, deltas, reasoning, body.logprobs) for i, deltas in enumerate(per_choice))

@@ -20,9 +20,9 @@ from v4serve.server.framing import (
     KEEPALIVE,
     Chunker,
     Lazy,
+    Pacing,
     error_event,
     json_reply,
-    paced,
     sse,
     stream_chunker,
     usage,
@@ -58,9 +58,10 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     if body.stream:
         chunk = stream_chunker(rid, "text_completion", created, model, body.stream_options,
                                lambda: [g.usage() for g in generations])
-        return sse(paced(_stream(front, chunk, generations, body), front.config.stream_keepalive,
-                         lambda: chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]),
-                         lambda: [g.wake() for g in generations]))
+        return sse(_stream(front, chunk, generations, body),
+                   Pacing(front.config.stream_keepalive,
+                          lambda: chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]),
+                          lambda: [g.wake() for g in generations]))
     results = await asyncio.gather(*(front.collect(g, raw) for g in generations))
     choices = Lazy(_choice(front, p * body.n + j, generation, j, deltas, body)
                    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True))
@@ -145,11 +146,15 @@ def _lazy_logprobs(front: FrontEnd, tokens: list[int], entries: list[Any], offse
 
 async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation],
                   body: CompletionRequest) -> AsyncIterator[str]:
-    deltas = _merged(generations)
+    # One prompt (the common case): its deltas read here, no layer between (a layer is a call per token);
+    # its stream failing ends this as a chat stream's does (`sse`).
+    single = len(generations) == 1
+    deltas = generations[0].deltas() if single else _merged(generations)
     failed = False
     offsets: dict[int, int] = {}  # per choice: text offset of its next logprob entry
     try:
-        async for p, delta in deltas:
+        async for item in deltas:
+            p, delta = (0, item) if single else item
             if delta is WAKE:
                 yield KEEPALIVE
                 continue
@@ -180,14 +185,6 @@ async def _stream(front: FrontEnd, chunk: Chunker, generations: list[Generation]
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
     """Every prompt's deltas as they come, each with its prompt's place; a prompt whose stream fails
     gives one error delta."""
-    if len(generations) == 1:  # the common case: no task, no queue, no layer between the deltas and the stream
-        try:
-            async with contextlib.aclosing(generations[0].deltas()) as deltas:
-                async for delta in deltas:
-                    yield 0, delta
-        except Exception as exc:
-            yield 0, _failure(exc)
-        return
     # Bounded: a pump waits while the client is not reading, so unread output stays in its Generation,
     # which bounds it (--max-unread-tokens), and not here.
     merged: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue(maxsize=MERGED_DELTAS)

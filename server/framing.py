@@ -46,29 +46,81 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SERVER_SEND = "v4serve.server_send"
 
 
+class _Marker(str):
+    """A string told apart by identity, not value."""
+
+
+# Where an API's stream yields this, `EventStream` sends that API's keep-alive event (`Pacing`).
+KEEPALIVE: str = _Marker()
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """A stream's keep-alive: `keepalive()` is sent whenever `every` seconds pass without an event. A request
+    that waits or prefills for minutes sends nothing else, and agent clients abort a stream idle for a few
+    minutes (Claude Code's watchdog, Codex's idle timeout, which SSE comments do not reset: hence each API's
+    own event).
+
+    The reply drives its events itself (no task between them, nothing handed over per token): one timer per
+    stream calls `wake()` when nothing was sent for `every` seconds, which has the generation behind the
+    events give its stream a wake-up in place of output (`Generation.wake`); the stream yields KEEPALIVE for
+    it, in order with its events (a Responses keep-alive carries the next sequence number), and the reply
+    sends the API's keep-alive there. Several generations woken at once give one keep-alive."""
+
+    every: float
+    keepalive: Callable[[], str]
+    wake: Callable[[], None]
+
+
 class EventStream(StreamingResponse):
     """A stream of server-sent events whose body parts go straight to the server's `send`. Its start
     goes through the middleware chain as any reply's does (the headers they add, the start they note);
     its events, one per token, skip the chain's wrappers of `send`, none of which looks at a body part
     of a reply that started normally (a middleware that must see them has to change this). A client
-    that goes away ends it as it ends a StreamingResponse. `failed(exc)`: the events that end it when
-    `events` raises once it has begun (None: the error propagates)."""
+    that goes away ends it as it ends a StreamingResponse, and closing `events` ends their work.
+    `failed(exc)`: the events that end it when `events` raises once it has begun (None: the error
+    propagates). `pacing`: its keep-alive (None: a KEEPALIVE from `events` is skipped)."""
 
-    def __init__(self, events: AsyncIterator[str], failed: Callable[[Exception], list[str]] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[str], failed: Callable[[Exception], list[str]] | None = None,
+                 pacing: Pacing | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._events, self._failed = events, failed
+        self._events, self._failed, self._pacing = events, failed, pacing
         self._body_send: Any = None
+        self._last = 0.0  # when the last event was sent (the loop's clock)
+        self._timer: asyncio.TimerHandle | None = None  # the next keep-alive check
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """What StreamingResponse does on ASGI 2.3 (uvicorn's): the events are sent while a second task waits
+        for the client to go away, which cancels them. Here the events' task runs `stream_response` itself:
+        the frames resumed for each token are only its own (anyio's task group adds two)."""
         self._body_send = scope.get(SERVER_SEND, send)
-        await super().__call__(scope, receive, send)
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((streaming, listening), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (listening, streaming):
+                task.cancel()  # nothing, once done
+            # Both end (the events closed, their work aborted) before the reply does, however it ended.
+            await asyncio.gather(listening, streaming, return_exceptions=True)
+        if not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()  # type: ignore[misc]
 
     async def stream_response(self, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body = self._body_send
+        body, pacing = self._body_send, self._pacing
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        if pacing is not None:
+            self._timer = loop.call_at(self._last + pacing.every, self._tick, loop, pacing)
         try:
             try:
                 async for chunk in self._events:
+                    if chunk is KEEPALIVE:
+                        if pacing is None or loop.time() - self._last < pacing.every:
+                            continue  # something was sent since the wake-up
+                        chunk = pacing.keepalive()
+                    self._last = loop.time()
                     await body({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             except Exception as exc:
                 if self._failed is None:
@@ -76,62 +128,26 @@ class EventStream(StreamingResponse):
                 for chunk in self._failed(exc):
                     await body({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             await self._events.aclose()  # type: ignore[attr-defined]  # its work ends whatever ended this
         await body({"type": "http.response.body", "body": b"", "more_body": False})
 
+    def _tick(self, loop: asyncio.AbstractEventLoop, pacing: Pacing) -> None:
+        now = loop.time()
+        if now - self._last >= pacing.every:
+            pacing.wake()
+        self._timer = loop.call_at(max(self._last + pacing.every, now + pacing.every / 8), self._tick, loop, pacing)
 
-def sse(events: AsyncIterator[str]) -> StreamingResponse:
+
+def sse(events: AsyncIterator[str], pacing: Pacing) -> StreamingResponse:
     """Chat and completions' streams: whatever fails once one has begun, the client still gets an error
     event and [DONE]."""
-    return EventStream(events, _stream_failed)
+    return EventStream(events, _stream_failed, pacing)
 
 
 def _stream_failed(exc: Exception) -> list[str]:
     return [error_event(f"the stream failed: {failure_message(exc, 'a stream failed')}"), DONE]
-
-
-class _Marker(str):
-    """A string told apart by identity, not value."""
-
-
-# Where an API's stream yields this, `paced` sends that API's keep-alive event.
-KEEPALIVE: str = _Marker()
-
-
-async def paced(events: AsyncIterator[str], every: float, keepalive: Callable[[], str],
-                wake: Callable[[], None]) -> AsyncIterator[str]:
-    """`events`, and `keepalive()` whenever `every` seconds pass without one: a request that waits or
-    prefills for minutes sends nothing else, and agent clients abort a stream idle for a few minutes
-    (Claude Code's watchdog, Codex's idle timeout, which SSE comments do not reset: hence each API's own
-    event). Closing this (the client went away) closes `events`, which aborts the work.
-
-    The reader drives `events` itself (no task between them, nothing handed over per token): one timer
-    per stream calls `wake()` when nothing came for `every` seconds, which has the generation behind
-    `events` give its stream a wake-up in place of output (`Generation.wake`); the stream yields
-    KEEPALIVE for it, in order with its events (a Responses keep-alive carries the next sequence number),
-    and this sends the API's keep-alive there. Several generations woken at once give one keep-alive."""
-    loop = asyncio.get_running_loop()
-    last = loop.time()  # when the reader last sent something
-
-    def tick() -> None:
-        nonlocal timer
-        now = loop.time()
-        if now - last >= every:
-            wake()
-        timer = loop.call_at(max(last + every, now + every / 8), tick)
-
-    timer = loop.call_at(last + every, tick)
-    try:
-        async for item in events:
-            if item is KEEPALIVE:
-                if loop.time() - last < every:
-                    continue  # something was sent since the wake-up
-                item = keepalive()
-            last = loop.time()
-            yield item
-    finally:
-        timer.cancel()
-        await events.aclose()  # type: ignore[attr-defined]
 
 
 # A reply body is written in pieces of about this many characters (a larger one goes out chunked).
@@ -212,7 +228,7 @@ class Chunker:
                                    "model": self.model, "choices": choices}
         if self.include_usage:
             payload["usage"] = usage if usage is not None or self.usage_so_far is None else self.usage_so_far()
-        return event(payload)
+        return f"data: {_encode(payload).decode()}\n\n"  # `event`, one call fewer per token
 
 
 def stream_chunker(response_id: str, obj: str, created: int, model: str, options: Any,

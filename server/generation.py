@@ -90,14 +90,14 @@ class Pipe(Generic[T]):
     get()` from the reader. What asyncio.Queue does for a stream's every token in ~15 Python calls,
     in 3: no size bound, one reader (a cancelled `get` loses nothing: its items stay)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: deque[T] = deque()
+        self.items: deque[T] = deque()  # what `get` returns next, first on the left
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: T) -> None:
-        self._items.append(item)
+        self.items.append(item)
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -105,13 +105,18 @@ class Pipe(Generic[T]):
                 waiter.set_result(None)
 
     async def get(self) -> T:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self._items.popleft()
+        while not self.items:
+            await self.arrival()
+        return self.items.popleft()
+
+    def arrival(self) -> asyncio.Future[None]:
+        """A future done when the next item is put (a reader that pops `items` itself awaits this when
+        they are empty: a call per item fewer than `get`)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
 
     def empty(self) -> bool:
-        return not self._items
+        return not self.items
 
 
 def _logprob_entries(delta: Delta) -> int:
@@ -160,8 +165,12 @@ class Generation:
         self.engine.submit(self.requests, self._on_output)
         remaining = len(self.requests)
         try:
+            ready, items = self._ready, self._ready.items
             while remaining:
-                delta, weight = await self._ready.get()
+                if not items:
+                    await ready.arrival()
+                    continue
+                delta, weight = items.popleft()
                 if delta is WAKE:
                     yield delta
                     continue
@@ -182,7 +191,7 @@ class Generation:
 
     def wake(self) -> None:
         """Have `deltas` yield WAKE now, unless output is waiting to be read (a stream's keep-alive
-        timer: `framing.paced`)."""
+        timer: `framing.Pacing`)."""
         if self._ready.empty():
             self._ready.put((WAKE, 0))
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from v4serve.server import jobs
 from v4serve.server.body import parse_body
 from v4serve.server.errors import ApiError, as_api_error, failure_message, validation_message
-from v4serve.server.framing import KEEPALIVE, EventStream, PromptUsage, paced, typed_event
+from v4serve.server.framing import KEEPALIVE, EventStream, Pacing, PromptUsage, typed_event
 from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import (
     MAX_MESSAGES,
@@ -402,8 +402,9 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
         return error_response(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return EventStream(paced(_stream(generation, message_id, model, shown(body)),
-                                 front.config.stream_keepalive, lambda: typed_event("ping", {}), generation.wake))
+        return EventStream(_stream(generation, message_id, model, shown(body)),
+                           pacing=Pacing(front.config.stream_keepalive, lambda: typed_event("ping", {}),
+                                         generation.wake))
     try:
         (deltas,) = await front.collect(generation, raw)
     except Exception as exc:
@@ -546,7 +547,7 @@ class _Blocks:
 async def _stream(generation: Generation, message_id: str, model: str, show_thinking: bool) -> AsyncIterator[str]:
     """Anthropic's events. `message_start` waits for the engine's first output, which says how much of the
     prompt the cache held: its usage is then what a non-streamed reply says (pings keep the stream alive
-    until then: `paced`)."""
+    until then: `framing.Pacing`)."""
     blocks, started, opened = _Blocks(), time.monotonic(), False
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from v4serve.server import jobs
 from v4serve.server.errors import ApiError, echo, failure_message
-from v4serve.server.framing import KEEPALIVE, EventStream, PromptUsage, paced, typed_event
+from v4serve.server.framing import KEEPALIVE, EventStream, Pacing, PromptUsage, typed_event
 from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import (
     MAX_MESSAGES,
@@ -444,8 +444,9 @@ async def create(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest,
     if body.stream:
         events, opening = _Events(), _response(body, plan, [], None, None)
         stream = _stream(front, stored, body, plan, owner_of(raw), events, opening)
-        return EventStream(paced(stream, front.config.stream_keepalive,
-                                 lambda: events("response.in_progress", response=opening), plan.generation.wake))
+        return EventStream(stream, pacing=Pacing(front.config.stream_keepalive,
+                                                 lambda: events("response.in_progress", response=opening),
+                                                 plan.generation.wake))
     (deltas,) = await front.collect(plan.generation, raw)
     response = _response(body, plan, _output(deltas, plan.thinking), deltas[-1], plan.generation.usage())
     _keep(stored, body, plan, response, deltas, owner_of(raw), front.tokenizer.eos_token_id)

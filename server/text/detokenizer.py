@@ -20,7 +20,7 @@ of ids twice, with and without the newest tokens, and emitting what they added.
 
 from __future__ import annotations
 
-import codecs
+from codecs import utf_8_decode
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -50,15 +50,23 @@ class _ByteText:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        # errors="replace" with final=False holds an incomplete trailing sequence (it may still be
-        # completed) but turns bytes that can never be valid into U+FFFD straight away.
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = b""  # the start of a character the next token's bytes may complete
 
     def push(self, token_id: int) -> str:
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id, skip_special_tokens=self._skip))
+        # What an incremental UTF-8 decoder does, without its Python layer (this runs for every token):
+        # errors="replace" with final=False holds an incomplete trailing sequence (it may still be
+        # completed) but turns bytes that can never be valid into U+FFFD straight away.
+        data = self._tokenizer.token_bytes(token_id, skip_special_tokens=self._skip)
+        if self._partial:
+            data = self._partial + data
+        text, used = utf_8_decode(data, "replace", False)
+        self._partial = data[used:]
+        return text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        text, _ = utf_8_decode(self._partial, "replace", True)
+        self._partial = b""
+        return text
 
 
 class _WindowText:
@@ -145,6 +153,7 @@ class IncrementalDetokenizer:
         self._pending = ""
         self._chunks: list[str] = []
         self._stop_reason: str | None = None
+        self.stopped = False  # a stop string has matched; later tokens are then ignored
         self._flushed = False
 
     @property
@@ -154,11 +163,6 @@ class IncrementalDetokenizer:
             # Joined lazily and kept joined, so repeated reads do not re-join every chunk.
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
-
-    @property
-    def stopped(self) -> bool:
-        """True once a stop string has matched; later tokens are then ignored."""
-        return self._stop_reason is not None
 
     @property
     def stop_reason(self) -> str | None:
@@ -171,7 +175,13 @@ class IncrementalDetokenizer:
             raise RuntimeError("push() after flush(): the sequence has already finished")
         if self.stopped:
             return ""
-        new = self._visible(self._tokens.push(token_id), final=False)
+        new = self._tokens.push(token_id)
+        if self._filter is not None:
+            new = self._filter(new, False)
+        if not self._stops:  # the common case, and one call per token fewer: nothing to match or hold
+            if new:
+                self._chunks.append(new)
+            return new
         if self._unstoppable > 0:
             self._unstoppable -= 1
             return self._emit(new)
@@ -215,7 +225,7 @@ class IncrementalDetokenizer:
         return None if best is None else (best[1], best[2])
 
     def _finish_at(self, window: str, start: int, stop: str) -> str:
-        self._stop_reason = stop
+        self._stop_reason, self.stopped = stop, True
         self._pending = ""
         end = start + len(stop) if self._include_stop else start
         return self._emit(window[:end])

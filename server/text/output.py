@@ -70,13 +70,18 @@ class ChoiceText:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        content = self.content
+        plain = self.reasoning is None and self.tools is None  # text straight from the detokenizer
         for token, sample in zip(out.token_ids, out.samples, strict=True):
-            if self.content.stopped:
+            if content.stopped:
                 break
             self.num_tokens += 1
             delta.token_ids.append(token)
             delta.samples.append(sample)
-            self._route(token, delta)
+            if plain:
+                delta.text += content.push(token)
+            else:
+                self._route(token, delta)
         if out.finished or self.content.stopped:
             self._flush(delta, cut_off=out.finish_reason == "length" and not self.content.stopped)
             self.finished = delta.finished = True

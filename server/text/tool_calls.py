@@ -198,6 +198,8 @@ class MarkupFilter:
         self._held = ""
 
     def push(self, text: str, final: bool = False) -> str:
+        if not self._held and not final and "<" not in text and DSML[0] not in text:
+            return text  # nothing that is or may become markup (most text: no call below)
         text, self._held = self._held + text, ""
         if not final:  # an unclosed tag at the end waits whole; then part of a lone marker does
             keep = _open_tag(text)
