@@ -95,7 +95,11 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint prometheus agents
+# What the tests need is installed side by side (the agent CLIs beside torch and the packages: a minute or
+# more less on a fresh clone than one after the other), then linted, then run.
+test:
+	@$(MAKE) --no-print-directory -j3 $(STAMP) prometheus agents
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 bench: $(STAMP)
