@@ -910,8 +910,8 @@ def test_an_unexpected_failure_is_a_500_with_an_id_and_no_text(monkeypatch: pyte
     assert any(error_id in r.getMessage() for r in caplog.records)
 
 
-# Each: a single request of at most 4 MiB that costs seconds to prepare (a tool schema of 10,000
-# properties), or that the front end must refuse without building a reply of tens of MB.
+# Each: a single request of at most 4 MiB that is costly to prepare (a tool schema of 10,000 properties to
+# check, render and tokenize), or that the front end must refuse without building a reply of tens of MB.
 BIG_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}
                                                for i in range(10_000)}}
 BIG_TOOL = {"type": "function", "function": {"name": "big", "parameters": BIG_SCHEMA}}
@@ -947,32 +947,37 @@ def test_a_costly_request_is_answered_while_everyone_else_is_served(url: str, gr
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[Daemon]:
-    """A daemon with small bounds: 0.3 s of CPU to prepare a request, 250,000 bytes of stored responses."""
-    served = start_daemon("--max-preprocess-seconds", "0.3", "--responses-store-bytes", "250000")
+    """A daemon keeping at most 250,000 bytes of stored responses."""
+    served = start_daemon("--responses-store-bytes", "250000")
     try:
         yield served
     finally:
         served.stop()
 
 
-def test_preprocessing_past_its_cpu_bound_is_a_400_and_the_front_end_answers_meanwhile(bounded: Daemon) -> None:
-    """--max-preprocess-seconds 0.3: a tool of 16,000 properties (seconds of schema checks on this
-    machine) is refused after 0.3 s of a worker's CPU time. Meanwhile /health keeps answering: polls sent
-    during it come back before it ends (with the work on the event loop none could)."""
+def test_preprocessing_past_its_cpu_bound_is_a_400_and_the_front_end_answers_meanwhile() -> None:
+    """--max-preprocess-seconds 0.05: a call forced to a tool of 16,000 properties (about 0.5 s of a worker's
+    CPU time here to render and build its grammar: ten times the bound) is refused once it has used the
+    bound. Meanwhile /health keeps answering: polls sent during it come back before it ends (with the work
+    on the event loop none could)."""
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(16_000)}}
     tool = {"type": "function", "function": {"name": "big", "parameters": schema}}
-    with httpx.Client(base_url=bounded.url, timeout=PATIENCE) as client:
-        greedy_text = completion_text(client)
-        with Beside(bounded.url, greedy_text, headers={}) as beside:
-            started = time.monotonic()
-            response = client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="none"))
-            ended = time.monotonic()
-        assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_costly"
-        assert "--max-preprocess-seconds" in response.json()["error"]["message"]
-        during = [p for p in beside.health if started + 0.05 < p[0] and p[1] < ended]
-        assert during, (started, ended, beside.health[:5])
-        assert metric(bounded.url, "v4serve_requests_limited_total", limit="preprocess_cpu") == 1
-        assert completion_text(client) == greedy_text  # its worker was replaced; serving goes on
+    bounded = start_daemon("--max-preprocess-seconds", "0.05")
+    try:
+        with httpx.Client(base_url=bounded.url, timeout=PATIENCE) as client:
+            greedy_text = completion_text(client)
+            with Beside(bounded.url, greedy_text, headers={}) as beside:
+                started = time.monotonic()
+                response = client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required"))
+                ended = time.monotonic()
+            assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_costly"
+            assert "--max-preprocess-seconds" in response.json()["error"]["message"]
+            during = [p for p in beside.health if started + 0.05 < p[0] and p[1] < ended]
+            assert during, (started, ended, beside.health[:5])
+            assert metric(bounded.url, "v4serve_requests_limited_total", limit="preprocess_cpu") == 1
+            assert completion_text(client) == greedy_text  # its worker was replaced; serving goes on
+    finally:
+        bounded.stop()
 
 
 # ---- credentials mean one thing ------------------------------------------------------------------------------------
@@ -1106,3 +1111,65 @@ def test_a_schema_nested_past_what_the_checker_can_walk_is_a_400() -> None:
     with pytest.raises(ApiError) as refused:
         plan_tools([tool], "auto", None)
     assert refused.value.status == 400 and "nests too deeply" in refused.value.message
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"not": schema}
+    return schema
+
+
+def test_schema_nesting_is_bounded_at_its_limit() -> None:
+    """MAX_SCHEMA_DEPTH levels are checked; one more is refused before the (native) checker walks it."""
+    from v4serve.server.errors import ApiError
+    from v4serve.server.tools import MAX_SCHEMA_DEPTH, plan_tools
+
+    def tool(parameters: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    for levels in (MAX_SCHEMA_DEPTH - 1, MAX_SCHEMA_DEPTH):
+        plan_tools([tool({"type": "object", **_nested(levels)})], "auto", None)  # the tool's schema is level 1
+    with pytest.raises(ApiError) as refused:
+        plan_tools([tool({"type": "object", **_nested(MAX_SCHEMA_DEPTH + 1)})], "auto", None)
+    assert refused.value.status == 400 and "nests too deeply" in refused.value.message
+    with pytest.raises(ApiError) as deeper:  # past where a native walk would crash the worker
+        plan_tools([tool({"type": "object", **_nested(50_000)})], "auto", None)
+    assert "nests too deeply" in deeper.value.message
+
+
+def test_a_schemas_own_meta_schema_url_is_never_fetched() -> None:
+    """A `$schema` naming any URL but the drafts the checker has built in is not fetched (a request must not
+    make the server send requests): the schema is checked against the default draft instead."""
+    import http.server
+
+    from v4serve.server.errors import ApiError
+    from v4serve.server.tools import plan_tools
+
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            asked.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "object"}')
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    meta = f"http://127.0.0.1:{server.server_address[1]}/meta"
+    try:
+        good = {"$schema": meta, "type": "object", "properties": {"a": {"type": "string"}}}
+        plan_tools([{"type": "function", "function": {"name": "f", "parameters": good}}], "auto", None)
+        bad = {"$schema": meta, "type": "object", "properties": {"a": {"type": 12}}}
+        with pytest.raises(ApiError) as refused:
+            plan_tools([{"type": "function", "function": {"name": "f", "parameters": bad}}], "auto", None)
+        assert "is not a valid JSON schema" in refused.value.message
+        draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "minimum": "x"}
+        with pytest.raises(ApiError):  # a built-in draft is used as named
+            plan_tools([{"type": "function", "function": {"name": "f", "parameters": draft7}}], "auto", None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == []
