@@ -133,6 +133,36 @@ def _check_schema(schema: Any, param: str) -> None:
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError) as exc:
         message = exc.message if isinstance(exc, jsonschema_rs.ValidationError) else str(exc)
         raise ApiError(400, f"{param} is not a valid JSON schema: {message}", param=param) from None
+    bad = _bad_regex(schema)
+    if bad is not None:
+        raise ApiError(400, f"{param} is not a valid JSON schema: {bad!r} is not a 'regex'", param=param)
+
+
+# Keywords whose values are data, not schemas: a "pattern" key in them is not a regex.
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
+
+
+def _bad_regex(schema: dict[str, Any]) -> str | None:
+    """The first `pattern` or `patternProperties` key that is not a regex (the meta-schemas' `format: regex`,
+    which `jsonschema_rs.meta` does not check)."""
+    stack: list[Any] = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        regexes = [item["pattern"]] if isinstance(item.get("pattern"), str) else []
+        if isinstance(item.get("patternProperties"), dict):
+            regexes += list(item["patternProperties"])
+        for regex in regexes:
+            try:
+                re.compile(regex)
+            except re.error:
+                return regex
+        stack.extend(v for k, v in item.items() if k not in _DATA_KEYWORDS and isinstance(v, (dict, list)))
+    return None
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

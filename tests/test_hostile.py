@@ -173,6 +173,22 @@ def test_an_invalid_pattern_is_a_400(http: httpx.Client, greedy_text: str, patte
     assert completion_text(http) == greedy_text
 
 
+def test_patterns_are_checked_where_they_are_regexes_only() -> None:
+    """`pattern` values and `patternProperties` keys must compile; the same words inside data (a `default`,
+    an `enum`) are not regexes."""
+    from v4serve.server.errors import ApiError
+    from v4serve.server.tools import plan_tools
+
+    def tool(parameters: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    plan_tools([tool({"type": "object", "default": {"pattern": "(ab"}, "properties": {
+        "pattern": {"type": "string", "enum": [{"pattern": "a{2,1}"}]}}})], "auto", None)
+    with pytest.raises(ApiError) as refused:
+        plan_tools([tool({"type": "object", "patternProperties": {"(ab": {"type": "string"}}})], "auto", None)
+    assert "'(ab' is not a 'regex'" in refused.value.message
+
+
 def test_a_pattern_written_to_inject_rules_only_constrains_its_value(http: httpx.Client) -> None:
     """The pattern is one regex: it neither ends the literal nor adds rules, and the forced call's
     value matches it."""
