@@ -135,7 +135,7 @@ def _check_schema(schema: Any, param: str) -> None:
         raise ApiError(400, f"{param} is not a valid JSON schema: {message}", param=param) from None
     bad = _bad_regex(schema)
     if bad is not None:
-        raise ApiError(400, f"{param} is not a valid JSON schema: {bad!r} is not a 'regex'", param=param)
+        raise ApiError(400, f"{param} is not a valid JSON schema: {echo(bad)} is not a 'regex'", param=param)
 
 
 # Keywords whose values are data, not schemas: a "pattern" key in them is not a regex.
