@@ -21,6 +21,7 @@ m = compress ratio, P = entries per block, k = indexer top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -128,23 +129,25 @@ class RaggedBatch:
     row_pos: torch.Tensor  # [T] position of each row
     seq_info: torch.Tensor  # [B, 5]: slot, start, offset, window_from, num_new (int64, for kernels)
     decodes: DecodeRows
-    _memo: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
     buffer: torch.Tensor | None = field(default=None, compare=False, repr=False)  # what every tensor views
     slot_tables: SlotTables | None = field(default=None, compare=False, repr=False)  # where `tables` came from
+    rows: RowWrites | None = field(default=None, compare=False, repr=False)  # a row-wise step (see `RowWrites`)
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
               block_tables: list[list[int]], device: torch.device | str,
               frozen_until: list[int] | None = None, table_width: int | None = None,
-              slot_tables: SlotTables | None = None) -> RaggedBatch:
+              slot_tables: SlotTables | None = None, rowwise: RowLayout | None = None) -> RaggedBatch:
         """Every tensor of the step from one host buffer in one copy: pinned and non-blocking on a
         GPU, so the host goes on building the step instead of waiting for the bus. `table_width`
         pads every block table to that many blocks (default: the longest in the batch); at a fixed
         width a decode step's shapes no longer depend on the context. With `slot_tables` (brought up
-        to `block_tables` by the caller) the tables are gathered on the device instead of sent."""
-        parts, offsets, width = _host_parts(slots, starts, num_new, window_from,
-                                            block_tables, frozen_until, table_width, sent=slot_tables is None)
+        to `block_tables` by the caller) the tables are gathered on the device instead of sent.
+        `rowwise`: run the step row by row (`RowWrites`)."""
+        parts, offsets, width = _host_parts(slots, starts, num_new, window_from, block_tables, frozen_until,
+                                            table_width, sent=slot_tables is None, rowwise=rowwise)
         on = upload([x for values in parts.values() for x in values], torch.device(device))
         views, at = {}, 0
         for name, values in parts.items():
@@ -155,26 +158,39 @@ class RaggedBatch:
             tables = views["tables"].view(b, width)
         else:
             tables = slot_tables.rows[:, :width].index_select(0, info[:, 0])
-        decode_tables = tables if len(d) == b else tables[views["decode_seqs"]]
-        decodes = DecodeRows(tuple(d), *views["decodes"].view(5, len(d)).unbind(0), decode_tables)
+        rows = None
+        if rowwise is not None:
+            rows = RowWrites.of(views, rowwise.width, tables, parts)
+            decodes = rows.reads
+        else:
+            decode_tables = tables if len(d) == b else tables[views["decode_seqs"]]
+            decodes = DecodeRows(tuple(d), *views["decodes"].view(5, len(d)).unbind(0), decode_tables)
         return cls(tuple(slots), tuple(starts), tuple(num_new), tuple(offsets), tuple(window_from), tables,
-                   views["row_seq"], views["row_pos"], info, decodes, buffer=on, slot_tables=slot_tables)
+                   views["row_seq"], views["row_pos"], info, decodes, buffer=on, slot_tables=slot_tables, rows=rows)
 
     def refill(self, slots: list[int], starts: list[int], window_from: list[int], block_tables: list[list[int]],
-               frozen_until: list[int]) -> None:
-        """Another step of the same shape (as many sequences, each decoding one token, tables as
-        wide) into this batch's own tensors, in one non-blocking copy (and, from slot tables, one
-        gather on the device): what a replayed CUDA graph reads. The Python tuples keep the values
-        this batch was built with (a replay runs no Python): a forward whose result depended on them
-        would differ from the eager step."""
+               frozen_until: list[int], rowwise: RowLayout | None = None) -> None:
+        """Another step of the same shape (as many sequences, each decoding one token or, `rowwise`,
+        as many rows each; tables as wide) into this batch's own tensors, in one non-blocking copy
+        (and, from slot tables, one gather on the device): what a replayed CUDA graph reads. The
+        Python tuples keep the values this batch was built with (a replay runs no Python): a forward
+        whose result depended on them would differ from the eager step."""
         assert self.buffer is not None and len(slots) == len(self.slots)
+        assert (rowwise is None) == (self.rows is None), "a refill keeps the batch's kind"
         width = self.tables.shape[1]
-        parts, _, _ = _host_parts(slots, starts, [1] * len(slots), window_from, block_tables, frozen_until,
-                                  width, sent=self.slot_tables is None)
+        num_new = self.num_new if rowwise is not None else [1] * len(slots)
+        parts, _, _ = _host_parts(slots, starts, list(num_new), window_from, block_tables, frozen_until,
+                                  width, sent=self.slot_tables is None, rowwise=rowwise)
         upload([x for values in parts.values() for x in values], self.buffer.device, out=self.buffer)
         if self.slot_tables is not None:
             torch.index_select(self.slot_tables.rows[:, :width], 0, self.seq_info[:, 0], out=self.tables)
+        if self.rows is not None:
+            self.rows.refresh(self.tables, self.row_seq)
         self._memo.clear()
+
+    @property
+    def rowwise(self) -> bool:
+        return self.rows is not None
 
     @property
     def num_rows(self) -> int:
@@ -182,7 +198,7 @@ class RaggedBatch:
 
     @property
     def only_decodes(self) -> bool:
-        return len(self.decodes.seqs) == len(self.num_new)
+        return self.rows is None and len(self.decodes.seqs) == len(self.num_new)
 
     def entry_counts(self, ratio: int) -> torch.Tensor:
         """Compressed entries each decoding sequence can see at ratio m, (p + 1) // m [D]: computed
@@ -191,14 +207,87 @@ class RaggedBatch:
             self._memo[ratio] = (self.decodes.positions + 1) // ratio
         return self._memo[ratio]
 
+    def round_targets(self, j: int) -> DecodeRows:
+        """Where round j of a row-wise step writes (`RowWrites.rounds`): computed once per step."""
+        key = -1 - j
+        assert self.rows is not None
+        if key not in self._memo:
+            t, rows = self.rows.targets.decodes, self.rows.rounds[j]
+            self._memo[key] = DecodeRows((), rows, *(x.index_select(0, rows) for x in (
+                t.slots, t.positions, t.window_floor, t.frozen_until, t.tables)))
+        return self._memo[key]
+
     def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows of x [T, ...]: x itself when every row decodes (no gather)."""
-        return x if self.only_decodes else x[self.decodes.rows]
+        return x if self.only_decodes or self.rows is not None else x[self.decodes.rows]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A row-wise step's shape on the host: at most `width` rows per sequence; the last `padding[b]`
+    rows of sequence b are padding (a static step's filler: computed, never kept), which write into
+    the scratch slot and its block `scratch_block` instead of the sequence's own."""
+
+    width: int
+    padding: tuple[int, ...] = ()
+    scratch_slot: int = 0
+    scratch_block: int = 0
+
+
+@dataclass(frozen=True)
+class RowWrites:
+    """A step whose sequences each bring a few rows (a drafted pass: the last token and its drafts;
+    at most `width`), run row by row as decodes are, with no loop over sequences on the host, so it
+    can be captured at fixed shapes: every row attends as a decode of its own position (its window's
+    rows below the sequence's start from the ring, the step's own rows above it from `kv`); the
+    compressors take the rows in rounds (round j: each sequence's j-th row, so the pending rows of a
+    slot are written in order); the window keys go to the rings after attention, since a sequence's
+    later rows replace ring rows its earlier rows still read.
+
+    Writes go where `targets` says: a row's own slot and position, or, for a padding row, the scratch
+    slot at position `lead` (below the width, so its entries land in the scratch block)."""
+
+    width: int
+    lead: torch.Tensor  # [T] the sequence's rows before this one in the step
+    reads: DecodeRows  # every row as a decode of its own sequence (the attention and indexer side)
+    targets: RaggedBatch  # every row as a one-token sequence where it writes (slot, position; tables)
+    padding: torch.Tensor  # [T] 1 on padding rows
+    scratch_table: torch.Tensor  # [nb] the scratch slot's table
+    rounds: tuple[torch.Tensor, ...]  # [rows of round j] for j < width
+
+    @classmethod
+    def of(cls, views: dict[str, torch.Tensor], width: int, tables: torch.Tensor, parts: dict[str, list[int]]
+           ) -> RowWrites:
+        """From `RaggedBatch.build`'s views of its buffer and the host lists they came from."""
+        t = len(parts["row_seq"])
+        reads_at = views["reads"].view(3, t)  # each row's sequence slot, window floor, frozen_until
+        at = views["target_cols"].view(5, t)  # slot, position, row, window floor, frozen_until
+        row_tables = tables.index_select(0, views["row_seq"])
+        reads = DecodeRows(tuple(parts["row_seq"]), at[2], reads_at[0], views["row_pos"], reads_at[1], reads_at[2],
+                           row_tables)
+        padding, scratch_table = views["padding"], views["scratch_table"]
+        target_tables = torch.where(padding[:, None].bool(), scratch_table[None, :], row_tables)
+        host = parts["target_cols"]
+        targets = RaggedBatch(tuple(host[:t]), tuple(host[t:2 * t]), (1,) * t, tuple(range(t)),
+                              tuple(host[3 * t:4 * t]), target_tables, at[2], at[1], views["target_info"].view(t, 5),
+                              DecodeRows(tuple(range(t)), at[2], at[0], at[1], at[3], at[4], target_tables))
+        rounds, at = [], 0
+        for j in range(width):
+            n = parts["lead"].count(j)
+            rounds.append(views["rounds"][at:at + n])
+            at += n
+        return cls(width, views["lead"], reads, targets, padding, scratch_table, tuple(rounds))
+
+    def refresh(self, tables: torch.Tensor, row_seq: torch.Tensor) -> None:
+        """After a refill: the per-row tables again, in place (what a replay reads)."""
+        torch.index_select(tables, 0, row_seq, out=self.reads.tables)
+        torch.where(self.padding[:, None].bool(), self.scratch_table[None, :], self.reads.tables,
+                    out=self.targets.tables)
 
 
 def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_from: list[int],
                 block_tables: list[list[int]], frozen_until: list[int] | None, table_width: int | None,
-                sent: bool = True) -> tuple[dict[str, list[int]], list[int], int]:
+                sent: bool = True, rowwise: RowLayout | None = None) -> tuple[dict[str, list[int]], list[int], int]:
     """RaggedBatch's tensors as host lists, in buffer order → (parts, row offsets, table width); the
     tables only if `sent` (else they come from slot tables on the device)."""
     offsets, total = [], 0
@@ -212,7 +301,7 @@ def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_
         width = table_width
     floor = [max(w, 0) for w in window_from]
     frozen = frozen_until or [0] * b
-    d = [i for i, n in enumerate(num_new) if n == 1]
+    d = [i for i, n in enumerate(num_new) if n == 1] if rowwise is None else []
     parts = {
         "tables": [x for t in block_tables for x in (*t, *[0] * (width - len(t)))] if sent else [],  # [B, nb]
         "row_seq": [i for i, n in enumerate(num_new) for _ in range(n)],  # [T]
@@ -222,7 +311,43 @@ def _host_parts(slots: list[int], starts: list[int], num_new: list[int], window_
                    + [floor[i] for i in d] + [frozen[i] for i in d],  # [5, D]
         "decode_seqs": d,  # [D]
     }
+    if rowwise is not None:
+        parts |= _row_parts(slots, starts, num_new, floor, frozen, width, rowwise)
     return parts, offsets, width
+
+
+def _row_parts(slots: list[int], starts: list[int], num_new: list[int], floor: list[int], frozen: list[int],
+               width: int, layout: RowLayout) -> dict[str, list[int]]:
+    """A row-wise step's own tensors as host lists (`RowWrites`)."""
+    if max(num_new) > layout.width:
+        raise ValueError(f"a row-wise step takes at most {layout.width} rows per sequence, got {max(num_new)}")
+    padding = layout.padding or (0,) * len(slots)
+    lead, reads, cols, pad = [], [[], [], []], [[], [], [], [], []], []
+    row = 0
+    for b, n in enumerate(num_new):
+        real = n - padding[b]
+        for j in range(n):
+            lead.append(j)
+            reads[0].append(slots[b])
+            reads[1].append(floor[b])
+            reads[2].append(frozen[b])
+            # A padding row goes to the scratch slot, below the width (its entries in the scratch block).
+            target = (slots[b], starts[b] + j, row, floor[b], frozen[b]) if j < real else (layout.scratch_slot, j,
+                                                                                           row, 0, 0)
+            for col, x in zip(cols, target, strict=True):
+                col.append(x)
+            pad.append(int(j >= real))
+            row += 1
+    return {
+        "lead": lead,  # [T]
+        "reads": [x for part in reads for x in part],  # [3, T]
+        "target_cols": [x for col in cols for x in col],  # [5, T] slot, position, row, window floor, frozen_until
+        # [T, 5] as `RaggedBatch.seq_info` (every row a one-token sequence at its slot and position)
+        "target_info": [x for s, p, r, f, _ in zip(*cols, strict=True) for x in (s, p, r, f, 1)],
+        "padding": pad,  # [T]
+        "scratch_table": [layout.scratch_block] + [0] * (width - 1),  # [nb]
+        "rounds": sorted(range(row), key=lead.__getitem__),  # [T] rows by their place in their sequence
+    }
 
 
 def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long,
@@ -241,6 +366,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     """q [T, H, d], kv [T, d] (this step's keys), ring [S, W, d], entries [NB, P, d] or None,
     topk [T, k] or None (CSA), sink [H] → out [T, H, d]. With an FP8 `record` layout the ring and
     entries hold records [..., bytes] instead (this step's own keys are read unquantized)."""
+    if batch.rows is not None:  # every row as a decode, its sequence's earlier rows from `kv`
+        return _decodes(q, kv, ring, entries, topk, batch, ratio, sink, scale, record)
     out = torch.empty_like(q)
     if batch.decodes.seqs:
         out[batch.decodes.rows] = _decodes(q, kv, ring, entries, topk, batch, ratio, sink, scale, record)
@@ -292,12 +419,19 @@ def _decodes(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: tor
              scale: float, record: Record | None) -> torch.Tensor:
     """Every sequence decoding one token: its whole ring (with its own new key at row p mod W, which
     held position p − W or, when the step wrote its rings first, already this key) plus its entries,
-    as that query's own keys."""
+    as that query's own keys. In a row-wise step, a row's `lead` earlier rows of its sequence are this
+    step's keys too: the ring rows they go to still hold positions W earlier (written after attention)."""
     dev, w = q.device, ring.shape[1]
     dec = batch.decodes
     rows, t, n = dec.rows, dec.positions, len(dec.seqs)
     keys = loaded(ring[dec.slots], record, q.dtype)  # [D, W, d]
-    keys[torch.arange(n, device=dev), t % w] = kv[rows].to(q.dtype)
+    each = torch.arange(n, device=dev)
+    keys[each, t % w] = kv[rows].to(q.dtype)
+    if batch.rows is not None:
+        lead = batch.rows.lead
+        for i in range(1, batch.rows.width):
+            at, earlier = (t - i) % w, (rows - i).clamp(min=0)
+            keys[each, at] = torch.where((lead >= i)[:, None], kv[earlier].to(q.dtype), keys[each, at])
     ring_row = torch.arange(w, device=dev)
     held = t[:, None] - ((t[:, None] - ring_row[None, :]) % w)  # position held by each ring row
     mask = held >= dec.window_floor[:, None]

@@ -33,6 +33,7 @@ from v4serve.engine.model.packed import PackedFormat, pack_model
 from v4serve.engine.model.parallel import ParallelConfig
 from v4serve.engine.model.plan import checkpoint_tensors, preset_config
 from v4serve.engine.model.resident import can_stay_quantized
+from v4serve.kernels.attention import RowLayout
 from v4serve.kernels.launches import Launch, LaunchRecorder
 from v4serve.kernels.registry import load_kernels
 
@@ -48,6 +49,7 @@ class Step:
     decodes: tuple[int, ...] = ()
     chunks: tuple[tuple[int, int], ...] = ()
     table_width: int | None = None  # block tables padded to this many blocks, as a captured decode step's are
+    rows: int = 0  # the chunks run row-wise, at most this many rows each (a drafted pass: `RowWrites`)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ DECODE_STEPS = (
     Step("decode b256 @1K", decodes=(1024,) * 256),
     # A captured step's tables are as wide as --max-model-len allows (64K tokens: 512 blocks).
     Step("decode b128 @4K, tables padded to 64K", decodes=(4096,) * 128, table_width=512),
+    # A drafted pass (MTP: the last token and one draft per sequence), row-wise as a captured one runs.
+    Step("drafted b64 @8K, 2 rows, tables padded to 64K", chunks=((8192, 2),) * 64, table_width=512, rows=2),
 )
 PREFILL_STEPS = (
     Step("chunk 32 @0", chunks=((0, 32),)),
@@ -145,8 +149,10 @@ def run_step(model: DeepseekV4, kv: DeviceKV, step: Step, table_width: int | Non
         blocks = -(-(start + n) // block)
         table = list(range(len(seqs) * blocks, (len(seqs) + 1) * blocks))  # distinct blocks per sequence
         seqs.append(SeqChunk(slot=len(seqs), block_table=table, start=start, num_new=n))
-    meta = AttentionMetadata.build(seqs)
+    meta = AttentionMetadata.build(seqs, [range(s.num_new) for s in seqs] if step.rows else None)
     meta.table_width = table_width
+    if step.rows:
+        meta.rowwise = RowLayout(step.rows)
     ids = torch.zeros(meta.num_tokens, dtype=torch.long, device="meta")
     model(ids, meta, kv)
 

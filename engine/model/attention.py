@@ -88,8 +88,11 @@ class Attention(nn.Module):
             kv = k.round_keys(kv, record)
         compressions = self._compressions(of_x, layer_kv, record)
         if meta.capture is not None:
+            assert batch.rows is None, "a row-wise step keeps no slot states"
             meta.capture.keep(layer_kv, kv, compressions)
-        if batch.only_decodes:
+        if batch.rows is not None:
+            self._compress_rows(compressions, batch, rotary)
+        elif batch.only_decodes:
             # All of the layer's writes in one call, before anything reads them (decode_writes.py).
             k.write_decode_step(layer_kv.window, kv, batch, record, compressions, rotary.inv_freq)
         else:
@@ -101,8 +104,8 @@ class Attention(nn.Module):
             topk = self._select(self.indexer.queries(of_x, cos, sin, k.rope), meta, batch, layer_kv.index_keys)
         out = k.sparse_attention(q, kv, layer_kv.window, layer_kv.entries, topk, batch, self.ratio,
                                  self.attn_sink, self.head_dim**-0.5, record)
-        if not batch.only_decodes:
-            k.write_window(layer_kv.window, kv, batch, record)  # after attention: a chunk replaces rows it reads
+        if not batch.only_decodes:  # after attention: a chunk replaces rows it reads
+            k.write_window(layer_kv.window, kv, batch if batch.rows is None else batch.rows.targets, record)
         out = k.rope(out, cos, sin, inverse=True, out=q)  # V = K carried RoPE: rotate back; q is dead by now
         groups = out.reshape(t, self.o_groups, -1)  # [T, G, H·d/G]
         wo_a = weight_of(self.wo_a)
@@ -150,6 +153,19 @@ class Attention(nn.Module):
                                             seq.start, seq.frozen_until, batch.tables[b], c.dest, c.ratio, c.overlap,
                                             c.norm_weight, c.eps, rotary.inv_freq, c.ape, c.record)
 
+    def _compress_rows(self, compressions: list[Compression], batch: RaggedBatch, rotary: Rotary) -> None:
+        """A row-wise step's compressor rows in rounds, each sequence's j-th row in round j: a slot's
+        pending rows are then written in order, and an entry is pooled once the rows before it are in."""
+        for j, rows in enumerate(batch.rows.rounds if batch.rows is not None else ()):
+            if not len(rows):
+                continue
+            to = batch.round_targets(j)
+            for c in compressions:
+                self.kernels.compress_decodes(c.kv.index_select(0, rows), c.score.index_select(0, rows), c.ring_kv,
+                                              c.ring_score, to.slots, to.positions, to.frozen_until, to.tables,
+                                              c.dest, c.ratio, c.overlap, c.norm_weight, c.eps, rotary.inv_freq,
+                                              c.ape, c.record)
+
     def _select(self, index_q: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, batch: RaggedBatch,
                 index_keys: torch.Tensor) -> torch.Tensor:
         """The indexer's top-k CSA entries of every query → topk [T, k] (−1 where fewer are visible)."""
@@ -160,7 +176,13 @@ class Attention(nn.Module):
         # Entries scored per row: those the longest row sees, or, at a fixed table width, all a table
         # can address (the step's shapes then do not depend on the contexts).
         fixed = meta.table_width is not None
+        if batch.rows is not None:  # every row as a decode
+            visible = [(s + n) // self.ratio for s, n in zip(batch.starts, batch.num_new, strict=True)]
         n = dec.tables.shape[1] * index_keys.shape[1] if fixed else max(visible + [0])
+        if batch.rows is not None:
+            if not n:
+                return torch.full((iq.shape[0], self.indexer.topk), -1, dtype=torch.long, device=iq.device)
+            return self._top_entries(iq, iw, index_keys, dec.tables, batch.entry_counts(self.ratio), n)
         if batch.only_decodes and n:
             # Every row is a decode: its k-wide top-k (−1 past its count) is the answer, nothing to
             # scatter; `full` when each row is known to see k entries (nothing to pad either).

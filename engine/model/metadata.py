@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from v4serve.cache.state_capture import StateCapture
-from v4serve.kernels.attention import RaggedBatch, SlotTables
+from v4serve.kernels.attention import RaggedBatch, RowLayout, SlotTables
 
 
 @dataclass
@@ -47,6 +47,9 @@ class AttentionMetadata:
     # The slots' block tables kept on the device (`SlotTables`, up to date with `seqs`): the step's tables
     # are gathered there instead of sent. Local, like `capture`.
     slot_tables: SlotTables | None = None
+    # Run the step row by row (kernels/attention.py `RowWrites`): a drafted pass's few rows per sequence
+    # at shapes that do not depend on where its sequences are, as a captured step needs.
+    rowwise: RowLayout | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqChunk], logit_rows: Sequence[Iterable[int]] | None = None) -> AttentionMetadata:
@@ -67,7 +70,7 @@ class AttentionMetadata:
         s = self.seqs
         return RaggedBatch.build([q.slot for q in s], [q.start for q in s], [q.num_new for q in s],
                                  [q.window_from for q in s], [q.block_table for q in s], device,
-                                 [q.frozen_until for q in s], self.table_width, self.slot_tables)
+                                 [q.frozen_until for q in s], self.table_width, self.slot_tables, self.rowwise)
 
     @property
     def num_tokens(self) -> int:
