@@ -46,7 +46,7 @@ from v4serve.engine.step_plan import (
 )
 from v4serve.engine.structured import GRAMMAR_CACHE_TEXT_BYTES, Grammars, RequestGrammar, require
 from v4serve.kernels import kv_fp8
-from v4serve.kernels.attention import SlotTables, upload
+from v4serve.kernels.attention import RowLayout, SlotTables, upload
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,6 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, 
         return "off (--attention-backend torch reads values back on the host)"
     if model.kernels.batch_invariant:
         return "off (--batch-invariant drives its per-row kernels from the host)"
-    if config.speculative is not None and config.speculative.method == "mtp":
-        return "off (MTP drafts read every step's hidden states)"
     return "on"
 
 
@@ -179,14 +177,21 @@ class LLMEngine:
         self.async_scheduling = async_scheduling(config.async_scheduling, device,
                                                  config.speculative is not None)
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
-        graphs = self.cuda_graphs == "on" or (config.uncaptured_graphs and not mtp)
+        graphs = self.cuda_graphs == "on" or config.uncaptured_graphs
+        # Drafted passes (the last token and k drafts per sequence) run row-wise (`RowWrites`): without a
+        # loop over sequences on the host, as their static steps do. Not under --batch-invariant, whose
+        # chunks already go row by row through its own kernels.
+        spec = config.speculative
+        self.row_width = (1 + spec.num_speculative_tokens if spec is not None and not model.kernels.batch_invariant
+                          else 1)
         scratch = int(graphs)  # a slot and a block past the pools for a graph's padding rows
         kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
         self.device_kv = kv_class(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
                                   device)
         if ranks is not None:
-            ranks.start(KVShape(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype))
-        self.mtp = MTPLayer(model, self.device_kv) if mtp else None
+            ranks.start(KVShape(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
+                                self.row_width))
+        self.mtp = MTPLayer(model, self.device_kv, self.row_width) if mtp else None
         self.cache_config = CacheConfig(
             block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
             num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
@@ -233,12 +238,18 @@ class LLMEngine:
         self.slot_tables = SlotTables(config.max_num_seqs + scratch, width, device)
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            spec = GraphSpec(decode_buckets(config.max_num_seqs), width, scratch_slot=config.max_num_seqs,
-                             scratch_block=num_blocks, capture=self.cuda_graphs == "on")
+            graph_spec = GraphSpec(decode_buckets(config.max_num_seqs), width, scratch_slot=config.max_num_seqs,
+                                   scratch_block=num_blocks, capture=self.cuda_graphs == "on",
+                                   row_width=self.row_width, states=mtp)
             if ranks is not None:  # first: each rank's capture runs collectives that meet rank 0's
-                ranks.start_graphs(spec)
-            self.graphs = DecodeGraphs(model, self.device_kv, spec.buckets, width, spec.scratch_slot,
-                                       spec.scratch_block, spec.capture, slot_tables=self.slot_tables)
+                ranks.start_graphs(graph_spec)
+            self.graphs = DecodeGraphs(model, self.device_kv, graph_spec.buckets, width, graph_spec.scratch_slot,
+                                       graph_spec.scratch_block, graph_spec.capture, slot_tables=self.slot_tables,
+                                       row_width=self.row_width, states=mtp)
+            if self.mtp is not None:  # its commits and drafting passes (captured after the main model's)
+                self.mtp.graphs = DecodeGraphs(model, self.device_kv, graph_spec.buckets, width,
+                                               graph_spec.scratch_slot, graph_spec.scratch_block, graph_spec.capture,
+                                               slot_tables=self.slot_tables, row_width=self.row_width, mtp=True)
             if ranks is not None:
                 self.slot_tables.record()  # each step sends the other ranks its tables' changes
         log.info("CUDA graphs: %s; async scheduling: %s", self.cuda_graphs, self.async_scheduling)
@@ -453,12 +464,19 @@ class LLMEngine:
         meta = AttentionMetadata.build(seqs, rows)
         self._step_capture = self._state_capture(chunks, seqs)
         threads = step_threads(len(ids), self._cpu_threads)
+        width = max(seq.num_new for seq in seqs)
+        if 1 < width <= self.row_width and self._step_capture is None:
+            meta.rowwise = RowLayout(self.row_width)  # a drafted pass (or as short): row by row
+        static = (self.graphs is not None and self._step_capture is None
+                  and (self.graphs.width_for(seqs) > 1 or (self.graphs.fits(seqs) and all(len(r) == 1 for r in rows))))
+        # A static drafted step's rows sit `row_width` apart, each sequence padded to as many.
+        offsets = ([i * self.row_width for i in range(len(seqs))] if static and width > 1
+                   else [seq.offset for seq in seqs])
         # Rows without drafts are kept whatever is sampled: the MTP layer takes them right after the
         # pass, before `update` seals blocks and snapshots the slots.
-        kept_rows = ([MTPRows.of(c.request, seq.offset, c.num_new) for c, seq in zip(chunks, seqs, strict=True)
+        kept_rows = ([MTPRows.of(c.request, o, c.num_new) for c, o in zip(chunks, offsets, strict=True)
                       if not c.drafts] if self.mtp is not None else [])
         self.slot_tables.update([seq.slot for seq in seqs], [seq.block_table for seq in seqs])
-        static = self.graphs is not None and self.graphs.fits(seqs) and all(len(r) == 1 for r in rows)
         fill = ahead.input_fill(chunks) if ahead is not None else None
         if self.ranks is not None:
             self._send_step(ids, meta, threads, kept_rows, static, fill)
@@ -469,17 +487,20 @@ class LLMEngine:
         meta.slot_tables = self.slot_tables  # local too: the other ranks keep their own
         if static:
             assert self.graphs is not None
-            return self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill))  # replayed
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
-        self._fill_inputs(input_ids, ahead, fill)
-        if self.device_kv.device.type == "cpu":
-            torch.set_num_threads(threads)
-        if self.mtp is None:
-            return self.model(input_ids, meta, self.device_kv)
-        logits, states = self.model.forward_states(input_ids, meta, self.device_kv)
-        offsets = {c.request.request_id: seq.offset for c, seq in zip(chunks, seqs, strict=True)}
-        self._pass = (states, input_ids, offsets)
-        self.mtp.commit(kept_rows, states, input_ids)
+            out = self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill), rows)  # replayed
+            logits, states, input_ids = out.logits, out.states, out.ids
+        else:
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)
+            self._fill_inputs(input_ids, ahead, fill)
+            if self.device_kv.device.type == "cpu":
+                torch.set_num_threads(threads)
+            if self.mtp is None:
+                return self.model(input_ids, meta, self.device_kv)
+            logits, states = self.model.forward_states(input_ids, meta, self.device_kv)
+        if self.mtp is not None:
+            assert states is not None
+            self._pass = (states, input_ids, {c.request.request_id: o for c, o in zip(chunks, offsets, strict=True)})
+            self.mtp.commit(kept_rows, states, input_ids)
         return logits
 
     def _send_step(self, ids: list[int], meta: AttentionMetadata, threads: int, kept_rows: list[MTPRows],
@@ -490,7 +511,7 @@ class LLMEngine:
         assert self.ranks is not None and isinstance(self.device_kv, MirroredDeviceKV)
         kv_writes, table_writes = self.device_kv.take_writes(), self.slot_tables.take_writes()
         fill = fill or ([], [])
-        if static and not kv_writes and not kept_rows:
+        if static and not kv_writes and not kept_rows and all(q.num_new == 1 for q in meta.seqs):
             s, fill_rows = meta.seqs, [-1] * len(ids)  # a decode step: sequence i's token is place i
             for place, row in zip(*fill, strict=True):
                 fill_rows[place] = row

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from v4serve.cache.device_kv import DeviceKV
+from v4serve.engine.model.decode_graphs import DecodeGraphs
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.model import DeepseekV4
 from v4serve.engine.request import Request
-from v4serve.kernels.attention import upload
+from v4serve.kernels.attention import RowLayout, upload
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,20 @@ class MTPSeed:
 
 
 class MTPLayer:
-    """The first MTP layer over a `DeviceKV` whose last layer is its own: the same on every rank."""
+    """The first MTP layer over a `DeviceKV` whose last layer is its own: the same on every rank.
 
-    def __init__(self, model: DeepseekV4, device_kv: DeviceKV) -> None:
+    `row_width`: a drafted pass's rows per sequence; passes of at most that many rows per sequence run
+    row-wise (kernels/attention.py `RowWrites`), as the main model's drafted passes do. With `graphs`
+    (decode graphs of this layer: `DecodeGraphs(..., mtp=True)`) they and each drafting pass run from
+    static buffers (captured as CUDA graphs on a GPU)."""
+
+    def __init__(self, model: DeepseekV4, device_kv: DeviceKV, row_width: int = 1) -> None:
         self.model, self.device_kv = model, device_kv
         self.kv = device_kv.layers[model.cfg.num_layers]
         assert self.kv.hidden is not None, "the KV layout has no multi-token-prediction layer"
         self.window = self.kv.layout.window
+        self.row_width = row_width
+        self.graphs: DecodeGraphs | None = None
 
     def commit(self, parts: Sequence[MTPRows], states: torch.Tensor, ids: torch.Tensor) -> None:
         """Feed the layer the positions a pass's kept rows complete: states [T, hc, D] and ids [T] of
@@ -113,8 +121,7 @@ class MTPLayer:
                 seqs.append(SeqChunk(slot=part.slot, block_table=list(part.block_table), start=first, num_new=count,
                                      frozen_until=part.frozen_until, window_from=part.window_from))
         if seqs:
-            meta = AttentionMetadata.build(seqs, [range(0)] * len(seqs))
-            self.model.forward_mtp(torch.cat(h_parts), torch.cat(id_parts), meta, self.device_kv)
+            self._forward(torch.cat(h_parts), torch.cat(id_parts), seqs, [range(0)] * len(seqs))
         slots = upload([part.slot for part in parts], states.device)
         last = upload([part.offset + part.count - 1 for part in parts], states.device)
         hidden.index_copy_(0, slots, states.index_select(0, last).to(hidden.dtype))
@@ -134,13 +141,29 @@ class MTPLayer:
         ids = upload([seed.token for seed in seeds], device)
         guesses = []
         for j in range(k):
-            meta = AttentionMetadata.build([seed.chunk(j) for seed in seeds])
-            logits, h = self.model.forward_mtp(h, ids, meta, self.device_kv)
+            logits, h = self._forward(h, ids, [seed.chunk(j) for seed in seeds], None)
             ids = logits.argmax(-1)
             guesses.append(ids)
         if saved is not None:
             window[row_slots, row_rows] = saved
         return torch.stack(guesses, dim=1)
+
+
+    def _forward(self, h: torch.Tensor, ids: torch.Tensor, seqs: list[SeqChunk], logit_rows: list[range] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over rows of `seqs` (h [T, hc, D], ids [T]) → logits of `logit_rows` (default: each
+        sequence's last row) and the output states of the T rows."""
+        if self.graphs is not None and self.graphs.fits(seqs):
+            out = self.graphs.run(ids, seqs, logit_rows=logit_rows, h=h)
+            assert out.states is not None
+            rows = out.states[:len(ids)] if out.offsets == list(range(len(ids))) else out.states.index_select(
+                0, upload([o + j for o, s in zip(out.offsets, seqs, strict=True) for j in range(s.num_new)],
+                          ids.device))
+            return out.logits, rows
+        meta = AttentionMetadata.build(seqs, logit_rows)
+        if 1 < max(s.num_new for s in seqs) <= self.row_width:
+            meta.rowwise = RowLayout(self.row_width)
+        return self.model.forward_mtp(h, ids, meta, self.device_kv)
 
 
 def mtp_drafts(request: Request, most: int) -> list[int]:

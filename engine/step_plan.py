@@ -43,6 +43,7 @@ class KVShape:
     num_slots: int
     num_blocks: int
     dtype: torch.dtype
+    row_width: int = 1  # drafted passes' rows per sequence: the MTP layer's passes that run row-wise
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class GraphSpec:
     scratch_slot: int
     scratch_block: int
     capture: bool
+    row_width: int = 1  # drafted passes' rows per sequence (`DecodeGraphs`), 1 without speculation
+    states: bool = False  # keep every row's last state (for the MTP layer)
 
 
 TableWrites = tuple[list[int], list[int]]  # `SlotTables` entries (flat indices) and their new values

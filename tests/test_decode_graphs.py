@@ -82,7 +82,7 @@ def static_vs_eager(backend: str, batch_invariant: bool = False,
         if rows_on_device is not None:
             rows_on_device.update([q.slot for q in seqs], [q.block_table for q in seqs])
         want = model(torch.tensor(ids), AttentionMetadata.build(copy.deepcopy(seqs)), eager_kv)
-        out.append((graphs.run(ids, seqs).clone(), want))
+        out.append((graphs.run(ids, seqs).logits.clone(), want))
         if not batch_invariant:
             for (name, a), (_, b) in zip(without_scratch(static_kv), without_scratch(eager_kv), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"{rows} {name}")
@@ -113,8 +113,8 @@ def test_the_bucket_alone_is_not_the_step() -> None:
                           scratch_block=kv.num_blocks - 1, capture=False)
     seqs = [SeqChunk(slot=i, block_table=tables[i], start=CONTEXTS[i], num_new=1) for i in range(4)]
     want = model(torch.tensor([1, 2, 3, 4]), AttentionMetadata.build(copy.deepcopy(seqs)), copy.deepcopy(kv))
-    assert not torch.equal(graphs._forward(graphs.buckets[4])[:4], want)
-    assert torch.equal(graphs.run([1, 2, 3, 4], seqs), want)
+    assert not torch.equal(graphs._forward(graphs.buckets[(4, 1)])[0][:4], want)
+    assert torch.equal(graphs.run([1, 2, 3, 4], seqs).logits, want)
 
 
 def test_what_does_not_fit_runs_eagerly() -> None:
@@ -139,6 +139,7 @@ def test_version_says_whether_graphs_run_and_why_not() -> None:
 
 def test_graphs_are_captured_only_where_a_step_is_free_of_host_values() -> None:
     from v4serve.engine.engine import EngineConfig, _cuda_graphs
+    from v4serve.engine.speculative import SpeculativeConfig
 
     cuda = torch.device("cuda")  # a name: nothing runs on it here
     model = build_tiny(tiny_config(**SMALL), seed=11)
@@ -146,6 +147,8 @@ def test_graphs_are_captured_only_where_a_step_is_free_of_host_values() -> None:
     assert _cuda_graphs(cuda, EngineConfig(), model, None) == "on"
     assert _cuda_graphs(cuda, EngineConfig(enforce_eager=True), model, None) == "off (--enforce-eager)"
     assert _cuda_graphs(cuda, EngineConfig(), model, ranks=object()) == "on"  # every rank captures alike
+    mtp = EngineConfig(speculative=SpeculativeConfig("mtp", 2))  # drafted passes and the layer's: buckets too
+    assert _cuda_graphs(cuda, mtp, model, ranks=object()) == "on"
     model.use_kernels(load_kernels("triton", batch_invariant=True))
     assert _cuda_graphs(cuda, EngineConfig(), model, None).startswith("off (--batch-invariant")
     model.use_kernels(load_kernels("torch"))

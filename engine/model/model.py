@@ -319,14 +319,14 @@ class DeepseekV4(nn.Module):
         return self._logits(self._logit_rows(h, meta.logits_rows), self), h
 
     @torch.inference_mode()
-    def forward_mtp(self, h: torch.Tensor, next_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_mtp(self, h: torch.Tensor, next_ids: torch.Tensor, meta: AttentionMetadata, kv: DeviceKV,
+                    batch: RaggedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first multi-token-prediction layer over rows of known states: h [T, hc, D] the state at
         each row's position (`meta`'s positions), next_ids [T] the token after each → logits [R, V] of
         the token after that for `meta.logits_rows`, and the layer's output state [T, hc, D]. It reads
         and writes its own window rows (the first KV layer past the main ones)."""
         block = self.mtp[0]
-        batch = meta.ragged(next_ids.device)
+        batch = batch if batch is not None else meta.ragged(next_ids.device)
         cos, sin = self.rotary_main.cos_sin(batch.row_pos)  # a window-only layer: plain RoPE
         out = block(h, self._embed(next_ids), next_ids, batch.row_pos, meta, batch, kv.layers[len(self.layers)],
                     self.rotary_main, cos, sin)

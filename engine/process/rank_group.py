@@ -362,7 +362,7 @@ class _Worker:
             return False
         if isinstance(message, KVShape):
             self.kv = DeviceKV(message.layout, message.num_slots, message.num_blocks, message.dtype, self.device)
-            self.mtp = MTPLayer(self.model, self.kv) if message.layout.mtp_layers else None
+            self.mtp = MTPLayer(self.model, self.kv, message.row_width) if message.layout.mtp_layers else None
             self.tokens = torch.zeros(message.num_slots, dtype=torch.long, device=self.device)
         elif isinstance(message, GraphSpec):
             self._start_graphs(message)
@@ -386,7 +386,10 @@ class _Worker:
         assert self.kv is not None
         self.tables = SlotTables(self.kv.num_slots, spec.table_width, self.device)
         self.graphs = DecodeGraphs(self.model, self.kv, spec.buckets, spec.table_width, spec.scratch_slot,
-                                   spec.scratch_block, spec.capture, self.tables)
+                                   spec.scratch_block, spec.capture, self.tables, spec.row_width, spec.states)
+        if self.mtp is not None:  # the MTP layer's own graphs, captured after the main model's, as rank 0's are
+            self.mtp.graphs = DecodeGraphs(self.model, self.kv, spec.buckets, spec.table_width, spec.scratch_slot,
+                                           spec.scratch_block, spec.capture, self.tables, spec.row_width, mtp=True)
         self.wire = Wire(max(spec.buckets))
 
     def _threads(self, threads: int) -> None:
@@ -402,7 +405,11 @@ class _Worker:
         fill = self._receive_tokens(plan.fill)
         if plan.static:
             assert self.graphs is not None
-            self.graphs.run(plan.input_ids, plan.meta.seqs, fill)
+            out = self.graphs.run(plan.input_ids, plan.meta.seqs, fill)
+            if self.mtp is not None:
+                assert out.states is not None
+                self.last_pass = (out.states, out.ids)
+                self.mtp.commit(plan.mtp_rows, *self.last_pass)
             return
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
         if fill is not None:
