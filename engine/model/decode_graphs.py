@@ -101,7 +101,10 @@ class DecodeGraphs:
         return RowLayout(width, tuple(padding), self.scratch_slot, self.scratch_block) if width > 1 else None
 
     def _bucket(self, size: int, width: int) -> _Bucket:
-        meta = AttentionMetadata.build(self._scratch(size, width), [range(width)] * size if width > 1 else None)
+        # A drafted pass wants every row's logits; the MTP layer's multi-row passes (what it takes of kept
+        # rows) want none, so their buckets skip the head.
+        wanted = None if width == 1 else [range(0 if self.mtp else width)] * size
+        meta = AttentionMetadata.build(self._scratch(size, width), wanted)
         meta.table_width = self.table_width
         meta.rowwise = self._layout([width] * size, width)
         if self.slot_tables is not None:
@@ -163,6 +166,7 @@ class DecodeGraphs:
         offsets = [i * width for i in range(len(seqs))]
         wanted = [range(s.num_new - 1, s.num_new) for s in seqs] if logit_rows is None else logit_rows
         rows = [o + j for o, part in zip(offsets, wanted, strict=True) for j in part]
+        assert not (rows and self.mtp and width > 1), "the MTP layer's multi-row buckets compute no logits"
         logits = (bucket.logits[:len(rows)] if rows == list(range(len(rows)))
                   else bucket.logits.index_select(0, upload(rows, self.device)))
         return StaticStep(logits, bucket.states, bucket.ids, offsets)
