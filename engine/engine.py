@@ -511,12 +511,14 @@ class LLMEngine:
         assert self.ranks is not None and isinstance(self.device_kv, MirroredDeviceKV)
         kv_writes, table_writes = self.device_kv.take_writes(), self.slot_tables.take_writes()
         fill = fill or ([], [])
-        if static and not kv_writes and not kept_rows and all(q.num_new == 1 for q in meta.seqs):
-            s, fill_rows = meta.seqs, [-1] * len(ids)  # a decode step: sequence i's token is place i
+        if static and not kv_writes and not kept_rows:
+            s, fill_rows = meta.seqs, [-1] * len(meta.seqs)  # a decode step: sequence i's token is place i
             for place, row in zip(*fill, strict=True):
                 fill_rows[place] = row
+            drafted = [q.num_new for q in s] if any(q.num_new > 1 for q in s) else []
+            assert not (drafted and fill[0]), "a drafted pass has no token in flight"
             step = DecodeStep(ids, [q.slot for q in s], [q.start for q in s], [q.window_from for q in s],
-                              [q.frozen_until for q in s], fill_rows, table_writes, threads)
+                              [q.frozen_until for q in s], fill_rows, table_writes, threads, drafted)
             if self.ranks.run_decode(step):
                 return
         self.ranks.run_step(StepPlan(kv_writes, ids, meta, threads, kept_rows, table_writes, static, fill))

@@ -81,7 +81,8 @@ class StepPlan:
 
 @dataclass
 class DecodeStep:
-    """A static decode step with nothing else to mirror: what `Wire` carries."""
+    """A static step with nothing else to mirror: what `Wire` carries. A decode step (one token per
+    sequence) or a drafted pass (`num_new` rows per sequence, their tokens flattened in `input_ids`)."""
 
     input_ids: list[int]
     slots: list[int]
@@ -91,10 +92,16 @@ class DecodeStep:
     fill_rows: list[int]  # each sequence's row of the tokens in flight (rank 0 broadcasts them next), or -1
     table_writes: TableWrites
     threads: int
+    num_new: list[int] = field(default_factory=list)  # rows per sequence (empty: one each)
+
+    @property
+    def rows(self) -> list[int]:
+        return self.num_new or [1] * len(self.slots)
 
     @property
     def fill(self) -> tuple[list[int], list[int]]:
-        """(places in `input_ids`, rows of the tokens in flight), as `StepPlan.fill`."""
+        """(places in `input_ids`, rows of the tokens in flight), as `StepPlan.fill` (decode steps only:
+        a drafted pass never has a token in flight)."""
         places = [i for i, row in enumerate(self.fill_rows) if row >= 0]
         return places, [self.fill_rows[i] for i in places]
 
@@ -102,18 +109,23 @@ class DecodeStep:
 class Wire:
     """The fixed-size message that opens every broadcast from rank 0 (a collective's sizes must
     match on every rank, so it never changes size between `GraphSpec`s): a header — kind, sequences,
-    table entries, threads — then, for a `DecodeStep`, its fields at fixed places. An object message
-    is this header and a pickled object after it."""
+    table entries, threads — then, for a `DecodeStep`, its fields at fixed places: the token ids
+    (room for `row_width` per sequence), then per sequence its rows, slot, start, window floor, frozen
+    entries and token in flight, then the table writes. An object message is this header and a
+    pickled object after it."""
 
     HEADER = 4
     OBJECT, DECODE = 0, 1
+    PER_SEQ = 8  # fields per sequence after the token ids (the table writes' two included)
 
-    def __init__(self, max_seqs: int = 0) -> None:
+    def __init__(self, max_seqs: int = 0, row_width: int = 1) -> None:
         self.max_seqs = max_seqs  # also the table entries it holds: a decode step adds at most a block each
-        self.buffer = torch.zeros(self.HEADER + 8 * max_seqs, dtype=torch.int32)
+        self.row_width = row_width
+        self.buffer = torch.zeros(self.HEADER + (row_width + self.PER_SEQ) * max_seqs, dtype=torch.int32)
 
     def fits(self, step: DecodeStep) -> bool:
-        return len(step.slots) <= self.max_seqs and len(step.table_writes[0]) <= self.max_seqs
+        return (len(step.slots) <= self.max_seqs and len(step.table_writes[0]) <= self.max_seqs
+                and max(step.rows, default=1) <= self.row_width)
 
     def object_header(self) -> torch.Tensor:
         self.buffer[0] = self.OBJECT
@@ -123,7 +135,8 @@ class Wire:
         n, m, c = len(step.slots), len(step.table_writes[0]), self.max_seqs
         assert self.fits(step)
         values = [self.DECODE, n, m, step.threads]
-        for part in (step.input_ids, step.slots, step.starts, step.window_from, step.frozen_until, step.fill_rows):
+        values += step.input_ids + [0] * (c * self.row_width - len(step.input_ids))
+        for part in (step.rows, step.slots, step.starts, step.window_from, step.frozen_until, step.fill_rows):
             values += part + [0] * (c - n)
         values += step.table_writes[0] + [0] * (c - m) + step.table_writes[1]
         self.buffer[:len(values)] = torch.tensor(values, dtype=torch.int32)
@@ -133,9 +146,13 @@ class Wire:
         values, c = self.buffer.tolist(), self.max_seqs
         kind, n, m, threads = values[:self.HEADER]
         assert kind == self.DECODE
-        part = [values[self.HEADER + i * c:self.HEADER + i * c + n] for i in range(6)]
-        where = values[self.HEADER + 6 * c:self.HEADER + 6 * c + m]
-        return DecodeStep(*part, (where, values[self.HEADER + 7 * c:self.HEADER + 7 * c + m]), threads)
+        at = self.HEADER + c * self.row_width
+        part = [values[at + i * c:at + i * c + n] for i in range(6)]
+        rows = part.pop(0)
+        ids = values[self.HEADER:self.HEADER + sum(rows)]
+        where = values[at + 6 * c:at + 6 * c + m]
+        return DecodeStep(ids, *part, (where, values[at + 7 * c:at + 7 * c + m]), threads,
+                          rows if any(r != 1 for r in rows) else [])
 
     @property
     def kind(self) -> int:

@@ -206,7 +206,9 @@ def test_static_drafted_steps_at_two_ranks_are_the_eager_steps(mtp_runs: dict[st
         else:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert drafted > 20 and exact >= 5
-    assert static["sent"]["static plan"] > 20  # the drafted steps: a plan, since they are not on the wire yet
+    # Drafted steps travel on the wire unless the MTP layer takes rows of the same pass (a sequence that
+    # did not draft), which go with a plan.
+    assert static["sent"]["wire"] > 10 and static["sent"]["static plan"] > 5
     assert static["mtp static"] > 40 and eager["mtp static"] == 0  # the layer's commits and drafting passes
     assert len(set(static["digests"])) == 1 and len(set(eager["digests"])) == 1
     assert static["steps"][0] <= first_padded  # the first round: bitwise from end to end
@@ -232,11 +234,19 @@ def test_the_wire_round_trips_exactly() -> None:
     wire.encode(step)
     assert wire.kind == Wire.DECODE and wire.decode() == step
     assert step.fill == ([1, 2], [2, 0])
-    assert wire.buffer.numel() == Wire.HEADER + 8 * 4
+    assert wire.buffer.numel() == Wire.HEADER + 9 * 4
     assert not wire.fits(DecodeStep([1] * 5, [0] * 5, [0] * 5, [0] * 5, [0] * 5, [-1] * 5, ([], []), 1))
     assert not wire.fits(DecodeStep([1], [0], [0], [0], [0], [-1], (list(range(5)), [1] * 5), 1))
     wire.object_header()
     assert wire.kind == Wire.OBJECT
+    # A drafted pass: 1 + k rows per sequence at most (here k = 2), fewer where padded.
+    drafted = Wire(max_seqs=4, row_width=3)
+    step = DecodeStep([5, 6, 7, 128_000, 9, 1, 2, 3], [0, 3, 1], [15, 1_000_000, 0], [0, 8, 0], [0, 16, 32],
+                      [-1, -1, -1], ([17], [40]), 1, [3, 2, 3])
+    drafted.encode(step)
+    assert drafted.decode() == step and drafted.buffer.numel() == Wire.HEADER + (3 + 8) * 4
+    assert not drafted.fits(DecodeStep([1] * 4, [0], [0], [0], [0], [-1], ([], []), 1, [4]))
+    assert not wire.fits(step)  # a wire without room for drafts
 
 
 def test_slot_tables_mirror_through_their_writes() -> None:

@@ -202,7 +202,7 @@ class RankGroup:
     def start_graphs(self, spec: GraphSpec) -> None:
         """Every rank builds (and captures) the same decode graphs as rank 0 is about to."""
         self._broadcast(spec)
-        self._wire = Wire(max(spec.buckets))
+        self._wire = Wire(max(spec.buckets), spec.row_width)
 
     def send_tokens(self, tokens: torch.Tensor) -> None:
         """The tokens in flight the step just sent places (on the device: a broadcast over the model's
@@ -390,7 +390,7 @@ class _Worker:
         if self.mtp is not None:  # the MTP layer's own graphs, captured after the main model's, as rank 0's are
             self.mtp.graphs = DecodeGraphs(self.model, self.kv, spec.buckets, spec.table_width, spec.scratch_slot,
                                            spec.scratch_block, spec.capture, self.tables, spec.row_width, mtp=True)
-        self.wire = Wire(max(spec.buckets))
+        self.wire = Wire(max(spec.buckets), spec.row_width)
 
     def _threads(self, threads: int) -> None:
         if self.device.type == "cpu":
@@ -425,11 +425,14 @@ class _Worker:
         if step.table_writes[0]:
             self.tables.apply(*step.table_writes)
         self._threads(step.threads)
-        seqs = [SeqChunk(slot=slot, block_table=_TABLES_ON_DEVICE, start=start, num_new=1, frozen_until=frozen,
+        seqs = [SeqChunk(slot=slot, block_table=_TABLES_ON_DEVICE, start=start, num_new=n, frozen_until=frozen,
                          window_from=floor)
-                for slot, start, floor, frozen in zip(step.slots, step.starts, step.window_from, step.frozen_until,
-                                                      strict=True)]
-        self.graphs.run(step.input_ids, seqs, self._receive_tokens(step.fill))
+                for slot, start, floor, frozen, n in zip(step.slots, step.starts, step.window_from, step.frozen_until,
+                                                         step.rows, strict=True)]
+        out = self.graphs.run(step.input_ids, seqs, self._receive_tokens(step.fill))
+        if self.mtp is not None:  # what the layer takes of the pass once its drafts are judged (`MTPPass`)
+            assert out.states is not None
+            self.last_pass = (out.states, out.ids)
 
     def _receive_tokens(self, fill: tuple[list[int], list[int]]) -> Callable[[torch.Tensor], None] | None:
         """Receive rank 0's tokens in flight (when the step has any: rank 0 sends them right after the
