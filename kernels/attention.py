@@ -189,10 +189,6 @@ class RaggedBatch:
         self._memo.clear()
 
     @property
-    def rowwise(self) -> bool:
-        return self.rows is not None
-
-    @property
     def num_rows(self) -> int:
         return sum(self.num_new)
 
@@ -271,11 +267,11 @@ class RowWrites:
         targets = RaggedBatch(tuple(host[:t]), tuple(host[t:2 * t]), (1,) * t, tuple(range(t)),
                               tuple(host[3 * t:4 * t]), target_tables, at[2], at[1], views["target_info"].view(t, 5),
                               DecodeRows(tuple(range(t)), at[2], at[0], at[1], at[3], at[4], target_tables))
-        rounds, at = [], 0
+        rounds, first = [], 0
         for j in range(width):
             n = parts["lead"].count(j)
-            rounds.append(views["rounds"][at:at + n])
-            at += n
+            rounds.append(views["rounds"][first:first + n])
+            first += n
         return cls(width, views["lead"], reads, targets, padding, scratch_table, tuple(rounds))
 
     def refresh(self, tables: torch.Tensor, row_seq: torch.Tensor) -> None:
