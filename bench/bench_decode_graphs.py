@@ -7,9 +7,13 @@ through an `LLMEngine` built twice over one model: graphs (the default on CUDA) 
 sampled ids are back on the host, so the wall clock covers the device work); the table gives the
 median ms per decode step of each and their ratio (eager / graphs: above 1, the graphs are
 faster), and whether the two produced the same tokens (greedy: they should, up to near-ties).
+With `--speculative none,mtp` the same runs again with the model's MTP layer drafting two tokens a
+pass (a random layer here, so most drafts are rejected and drafting pauses between; the drafted passes
+still run), which times the drafted passes' and the MTP layer's graphs against eager.
 Written to bench/results/bench_decode_graphs.json.
 
     .venv/bin/python bench/bench_decode_graphs.py [--device cuda] [--batches 1,8,32] [--steps 32] [--smoke]
+        [--speculative none,mtp]
 
 The model has the real attention shapes of bench_gpu.py (4 layers, bf16 on CUDA); `--smoke` shrinks
 it so the script can be tested on a CPU, where graphs are off (the engine says why) and both columns
@@ -33,6 +37,7 @@ from bench.common import print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
+from v4serve.engine.speculative import SpeculativeConfig  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 
 
@@ -57,35 +62,44 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--speculative", default="none", help="comma-separated: none, mtp")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = tiny_config(**(SMOKE if args.smoke else REAL))
+    methods = args.speculative.split(",")
+    if not set(methods) <= {"none", "mtp"}:
+        parser.error(f"--speculative takes none and mtp, got {args.speculative}")
+    cfg = tiny_config(**(SMOKE if args.smoke else REAL), num_nextn_predict_layers=int("mtp" in methods))
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_tiny(cfg, seed=0).to(args.device, dtype)
     model.use_kernels(load_kernels("triton" if args.device == "cuda" else "torch", args.device))
-    gen = torch.Generator().manual_seed(0)
-    rows, results = [], {"device": args.device, "batches": {}}
-    for batch in batches:
-        prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
-        measured = {}
-        for mode in ("graphs", "eager"):
-            config = EngineConfig(max_num_seqs=max(batches), max_model_len=args.prompt + args.steps + 64,
-                                  kv_dtype=dtype, enable_prefix_caching=False, enforce_eager=mode == "eager")
-            engine = LLMEngine(model, config)
-            times, tokens = decode_steps(engine, prompts, args.steps)
-            measured[mode] = {"cuda_graphs": engine.cuda_graphs, "median_s": statistics.median(times),
-                              "steps": len(times), "tokens": tokens}
-            engine.close()
-        g, e = measured["graphs"], measured["eager"]
-        same = g["tokens"] == e["tokens"]
-        results["batches"][batch] = {**{m: {k: v for k, v in measured[m].items() if k != "tokens"} for m in measured},
-                                     "ratio_eager_over_graphs": e["median_s"] / g["median_s"], "same_tokens": same}
-        rows.append([batch, g["cuda_graphs"], f"{g['median_s'] * 1e3:.2f}", f"{e['median_s'] * 1e3:.2f}",
-                     f"{e['median_s'] / g['median_s']:.2f}", "yes" if same else "no"])
+    rows, results = [], {"device": args.device, "batches": {}, "drafted": {}}
+    for method in methods:
+        gen = torch.Generator().manual_seed(0)
+        spec = None if method == "none" else SpeculativeConfig(method, 2)
+        for batch in batches:
+            prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
+            measured = {}
+            for mode in ("graphs", "eager"):
+                config = EngineConfig(max_num_seqs=max(batches), max_model_len=args.prompt + args.steps + 64,
+                                      kv_dtype=dtype, enable_prefix_caching=False, enforce_eager=mode == "eager",
+                                      speculative=spec)
+                engine = LLMEngine(model, config)
+                times, tokens = decode_steps(engine, prompts, args.steps)
+                measured[mode] = {"cuda_graphs": engine.cuda_graphs, "median_s": statistics.median(times),
+                                  "steps": len(times), "drafted_passes": engine.spec.drafts, "tokens": tokens}
+                engine.close()
+            g, e = measured["graphs"], measured["eager"]
+            same = g["tokens"] == e["tokens"]
+            row = {**{m: {k: v for k, v in measured[m].items() if k != "tokens"} for m in measured},
+                   "ratio_eager_over_graphs": e["median_s"] / g["median_s"], "same_tokens": same}
+            (results["batches"] if spec is None else results["drafted"].setdefault(method, {}))[batch] = row
+            rows.append([method, batch, g["cuda_graphs"], g["drafted_passes"], f"{g['median_s'] * 1e3:.2f}",
+                         f"{e['median_s'] * 1e3:.2f}", f"{e['median_s'] / g['median_s']:.2f}", "yes" if same else "no"])
     print_table(f"decode through the engine on {args.device}, {cfg.num_layers} layers, prompt {args.prompt}, "
-                f"{args.steps} steps (median ms per decode step)",
-                ["batch", "graphs", "graphs ms", "eager ms", "eager / graphs", "same tokens"], rows)
+                f"{args.steps} steps (median ms per decode step; drafts: passes with drafts, two each)",
+                ["drafts", "batch", "graphs", "drafted passes", "graphs ms", "eager ms", "eager / graphs",
+                 "same tokens"], rows)
     write_results("bench_decode_graphs", results)
     return results
 

@@ -47,10 +47,10 @@ def test_gpu_check_refuses_a_machine_without_cuda() -> None:
 
 def test_decode_graphs_bench_runs_both_modes_at_smoke_sizes() -> None:
     """bench/bench_decode_graphs.py (gpu_check.sh's graphs-vs-eager timing) on a CPU: graphs are off here
-    and each engine says why; both runs decode the same greedy tokens."""
+    and each engine says why; both runs decode the same greedy tokens, with MTP drafts too."""
     done = subprocess.run([sys.executable, "bench/bench_decode_graphs.py", "--device", "cpu", "--smoke",
-                           "--batches", "1,3", "--steps", "5", "--prompt", "40"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=PATIENCE)
+                           "--batches", "1,3", "--steps", "5", "--prompt", "40", "--speculative", "none,mtp"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((ROOT / "bench" / "results" / "bench_decode_graphs.json").read_text())
     assert set(results["batches"]) == {"1", "3"}
@@ -59,3 +59,7 @@ def test_decode_graphs_bench_runs_both_modes_at_smoke_sizes() -> None:
         assert row["eager"]["cuda_graphs"] == "off (--enforce-eager)"
         assert row["same_tokens"] and row["graphs"]["steps"] == row["eager"]["steps"] == 4
         assert row["ratio_eager_over_graphs"] > 0
+    drafted = results["drafted"]["mtp"]
+    assert set(drafted) == {"1", "3"}
+    for row in drafted.values():
+        assert row["same_tokens"] and row["graphs"]["drafted_passes"] == row["eager"]["drafted_passes"] > 0
