@@ -94,6 +94,10 @@ class EngineConfig:
     # Decode steps from the graphs' static buffers where nothing is captured (the CPU): how tests check,
     # without a GPU, the path a replayed graph takes.
     uncaptured_graphs: bool = False
+    # Eager drafted passes row by row, as static ones run (kernels/attention.py `RowWrites`): None is on
+    # CUDA and wherever decode graphs are; off, a CPU's torch kernels run them as chunks, 3-13% faster
+    # there (each row gathers its own window and entries). Tests set it to compare static with eager.
+    rowwise_drafts: bool | None = None
 
 
 @dataclass
@@ -179,19 +183,22 @@ class LLMEngine:
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
         graphs = self.cuda_graphs == "on" or config.uncaptured_graphs
         # Drafted passes (the last token and k drafts per sequence) run row-wise (`RowWrites`): without a
-        # loop over sequences on the host, as their static steps do. Not under --batch-invariant, whose
-        # chunks already go row by row through its own kernels.
+        # loop over sequences on the host, as their static steps do (eagerly too, per `rowwise_drafts`). Not
+        # under --batch-invariant, whose chunks already go row by row through its own kernels.
         spec = config.speculative
         self.row_width = (1 + spec.num_speculative_tokens if spec is not None and not model.kernels.batch_invariant
                           else 1)
+        rowwise = config.rowwise_drafts if config.rowwise_drafts is not None else graphs or device.type == "cuda"
+        eager_width = self.row_width if rowwise else 1  # an eager drafted pass's rows per sequence, row-wise
         scratch = int(graphs)  # a slot and a block past the pools for a graph's padding rows
         kv_class = MirroredDeviceKV if ranks is not None else DeviceKV
         self.device_kv = kv_class(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
                                   device)
         if ranks is not None:
             ranks.start(KVShape(self.layout, config.max_num_seqs + scratch, num_blocks + scratch, config.kv_dtype,
-                                self.row_width))
-        self.mtp = MTPLayer(model, self.device_kv, self.row_width) if mtp else None
+                                eager_width))
+        self.mtp = MTPLayer(model, self.device_kv, eager_width) if mtp else None
+        self._eager_width = eager_width
         self.cache_config = CacheConfig(
             block_size=block, window=cfg.window, num_layers=cfg.num_layers, num_slots=config.max_num_seqs,
             num_blocks=num_blocks, swa_cache_mode=config.swa_cache_mode,
@@ -465,7 +472,7 @@ class LLMEngine:
         self._step_capture = self._state_capture(chunks, seqs)
         threads = step_threads(len(ids), self._cpu_threads)
         width = max(seq.num_new for seq in seqs)
-        if 1 < width <= self.row_width and self._step_capture is None:
+        if 1 < width <= self._eager_width and self._step_capture is None:
             meta.rowwise = RowLayout(self.row_width)  # a drafted pass (or as short): row by row
         static = (self.graphs is not None and self._step_capture is None
                   and (self.graphs.width_for(seqs) > 1 or (self.graphs.fits(seqs) and all(len(r) == 1 for r in rows))))

@@ -79,7 +79,7 @@ def serve(folder: str, graphs: bool, async_scheduling: str = "off", speculative:
     group, model = CountingGroup.spawn(ParallelConfig(2), functools.partial(load, serve_config), torch.device("cpu"))
     config = EngineConfig(max_num_seqs=4, max_model_len=256, num_blocks=48, uncaptured_graphs=graphs,
                           swa_cache_mode="full", async_scheduling=async_scheduling,
-                          speculative=serve_config.speculative)
+                          speculative=serve_config.speculative, rowwise_drafts=True)
     engine = LogitsEngine(model, config, ranks=group)
     if truth is not None:
         engine.scheduler.drafter = rigged_drafts(truth)
