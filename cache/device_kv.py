@@ -49,6 +49,7 @@ class DeviceKV:
         self.device = torch.device(device)
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.layers = [self._alloc(layer) for layer in layout.layers]
+        self._kept: dict[int, list[torch.Tensor]] = {}  # slots' states before a drafted pass (`keep_slots`)
 
     def _alloc(self, layer: LayerLayout) -> LayerKV:
         def zeros(name: str, lead: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -68,6 +69,15 @@ class DeviceKV:
     def copy_slot(self, slot: int) -> list[torch.Tensor]:
         """A copy of one slot's whole state on its own device (put back with `write_slot`)."""
         return [t[slot].clone() for t in self._slot_parts()]
+
+    def keep_slots(self, slots: list[int]) -> None:
+        """Copy these slots' states on the device before a drafted pass, in place of those kept for the
+        pass before: what `restore_kept` puts back if a draft is rejected. Every rank keeps its own, so
+        a rejection sends no state between ranks."""
+        self._kept = {slot: self.copy_slot(slot) for slot in slots}
+
+    def restore_kept(self, slot: int) -> None:
+        self.write_slot(slot, self._kept.pop(slot))
 
     def slot_nbytes(self) -> int:
         return self.layout.state_bytes_per_slot(self.itemsize)

@@ -229,7 +229,6 @@ class LLMEngine:
         # and token, and each request's first row (what the MTP layer reads of kept rows).
         self._pass: tuple[torch.Tensor, torch.Tensor, dict[str, int]] | None = None
         self.spec = SpecCounters()
-        self._kept_slots: dict[str, list[torch.Tensor]] = {}  # slot states before this step's drafts
         self._step_capture: StateCapture | None = None  # this step's slot states inside its chunks
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
                                     cache=self.cache_config)
@@ -465,8 +464,8 @@ class LLMEngine:
             if r.pending_tokens:  # its token in flight: a place the device fills (`_fill_inputs`)
                 ids.append(0)
             ids.extend(c.drafts)
-            if c.drafts:  # put back if a draft is rejected
-                self._kept_slots[r.request_id] = self.device_kv.copy_slot(kv.slot)
+        keep = [c.request.kv.slot for c in chunks if c.drafts]  # put back if a draft is rejected
+        self.device_kv.keep_slots(keep)  # type: ignore[arg-type]
         rows = [self.logit_rows(c) for c in chunks]
         meta = AttentionMetadata.build(seqs, rows)
         self._step_capture = self._state_capture(chunks, seqs)
@@ -486,7 +485,7 @@ class LLMEngine:
         self.slot_tables.update([seq.slot for seq in seqs], [seq.block_table for seq in seqs])
         fill = ahead.input_fill(chunks) if ahead is not None else None
         if self.ranks is not None:
-            self._send_step(ids, meta, threads, kept_rows, static, fill)
+            self._send_step(ids, meta, threads, kept_rows, static, fill, keep)
             if fill and fill[0]:
                 assert ahead is not None
                 self.ranks.send_tokens(ahead.rows.tokens)
@@ -511,7 +510,7 @@ class LLMEngine:
         return logits
 
     def _send_step(self, ids: list[int], meta: AttentionMetadata, threads: int, kept_rows: list[MTPRows],
-                   static: bool, fill: tuple[list[int], list[int]] | None) -> None:
+                   static: bool, fill: tuple[list[int], list[int]] | None, keep: list[int]) -> None:
         """The step to the other ranks: a static decode step with nothing else to mirror in one
         fixed-size message, anything else as a pickled plan. `fill`: where the tokens in flight go
         (places in `ids`, rows of the tokens `send_tokens` sends next)."""
@@ -524,11 +523,13 @@ class LLMEngine:
                 fill_rows[place] = row
             drafted = [q.num_new for q in s] if any(q.num_new > 1 for q in s) else []
             assert not (drafted and fill[0]), "a drafted pass has no token in flight"
+            kept = set(keep)
             step = DecodeStep(ids, [q.slot for q in s], [q.start for q in s], [q.window_from for q in s],
-                              [q.frozen_until for q in s], fill_rows, table_writes, threads, drafted)
+                              [q.frozen_until for q in s], fill_rows, table_writes, threads, drafted,
+                              [int(q.slot in kept) for q in s] if kept else [])
             if self.ranks.run_decode(step):
                 return
-        self.ranks.run_step(StepPlan(kv_writes, ids, meta, threads, kept_rows, table_writes, static, fill))
+        self.ranks.run_step(StepPlan(kv_writes, ids, meta, threads, kept_rows, table_writes, static, fill, keep))
 
     @staticmethod
     def _fill_inputs(input_ids: torch.Tensor, ahead: InFlight | None, fill: tuple[list[int], list[int]] | None
@@ -588,7 +589,6 @@ class LLMEngine:
                                       else self._accept(chunk.request, _sample_or_raise(samples[0])))
                 except Exception as exc:
                     outputs[place] = self._failed_after_forward(chunk.request, exc)
-        self._kept_slots.clear()
         if self.mtp is not None:
             self.propose_drafts([c.request for _, c, _ in sampled if c.request.request_id in self.requests
                                  and not c.request.draft_pause and mtp_ready(c.request)])
@@ -652,10 +652,9 @@ class LLMEngine:
         sample = _sample_or_raise(samples[kept])
         self.spec.count(len(drafts), kept)
         request.draft_pause, request.draft_backoff = after_pass((request.draft_pause, request.draft_backoff), kept)
-        before = self._kept_slots.pop(request.request_id)
         if kept < len(drafts):
             assert request.kv.slot is not None
-            self.device_kv.write_slot(request.kv.slot, before)
+            self.device_kv.restore_kept(request.kv.slot)
         for token in drafts[:kept]:  # never a stop: the scheduler cut the drafts before any
             if request.grammar is not None:
                 request.grammar.accept(token)

@@ -77,6 +77,7 @@ class StepPlan:
     # Tokens still in flight (async scheduling): their places in `input_ids` and their rows in the
     # tokens rank 0 broadcasts right after this plan.
     fill: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    keep: list[int] = field(default_factory=list)  # slots every rank keeps before the pass (drafted)
 
 
 @dataclass
@@ -93,6 +94,11 @@ class DecodeStep:
     table_writes: TableWrites
     threads: int
     num_new: list[int] = field(default_factory=list)  # rows per sequence (empty: one each)
+    keep: list[int] = field(default_factory=list)  # 1 for each sequence whose slot is kept first (drafted)
+
+    @property
+    def kept_slots(self) -> list[int]:
+        return [slot for slot, kept in zip(self.slots, self.keep, strict=False) if kept]
 
     @property
     def rows(self) -> list[int]:
@@ -110,13 +116,13 @@ class Wire:
     """The fixed-size message that opens every broadcast from rank 0 (a collective's sizes must
     match on every rank, so it never changes size between `GraphSpec`s): a header — kind, sequences,
     table entries, threads — then, for a `DecodeStep`, its fields at fixed places: the token ids
-    (room for `row_width` per sequence), then per sequence its rows, slot, start, window floor, frozen
-    entries and token in flight, then the table writes. An object message is this header and a
-    pickled object after it."""
+    (room for `row_width` per sequence), then per sequence its rows, whether its slot is kept, slot,
+    start, window floor, frozen entries and token in flight, then the table writes. An object message
+    is this header and a pickled object after it."""
 
     HEADER = 4
     OBJECT, DECODE = 0, 1
-    PER_SEQ = 8  # fields per sequence after the token ids (the table writes' two included)
+    PER_SEQ = 9  # fields per sequence after the token ids (the table writes' two included)
 
     def __init__(self, max_seqs: int = 0, row_width: int = 1) -> None:
         self.max_seqs = max_seqs  # also the table entries it holds: a decode step adds at most a block each
@@ -136,7 +142,8 @@ class Wire:
         assert self.fits(step)
         values = [self.DECODE, n, m, step.threads]
         values += step.input_ids + [0] * (c * self.row_width - len(step.input_ids))
-        for part in (step.rows, step.slots, step.starts, step.window_from, step.frozen_until, step.fill_rows):
+        keep = step.keep or [0] * n
+        for part in (step.rows, keep, step.slots, step.starts, step.window_from, step.frozen_until, step.fill_rows):
             values += part + [0] * (c - n)
         values += step.table_writes[0] + [0] * (c - m) + step.table_writes[1]
         self.buffer[:len(values)] = torch.tensor(values, dtype=torch.int32)
@@ -147,12 +154,12 @@ class Wire:
         kind, n, m, threads = values[:self.HEADER]
         assert kind == self.DECODE
         at = self.HEADER + c * self.row_width
-        part = [values[at + i * c:at + i * c + n] for i in range(6)]
-        rows = part.pop(0)
+        part = [values[at + i * c:at + i * c + n] for i in range(7)]
+        rows, keep = part.pop(0), part.pop(0)
         ids = values[self.HEADER:self.HEADER + sum(rows)]
-        where = values[at + 6 * c:at + 6 * c + m]
-        return DecodeStep(ids, *part, (where, values[at + 7 * c:at + 7 * c + m]), threads,
-                          rows if any(r != 1 for r in rows) else [])
+        where = values[at + 7 * c:at + 7 * c + m]
+        return DecodeStep(ids, *part, (where, values[at + 8 * c:at + 8 * c + m]), threads,
+                          rows if any(r != 1 for r in rows) else [], keep if any(keep) else [])
 
     @property
     def kind(self) -> int:
@@ -188,6 +195,12 @@ class MirroredDeviceKV(DeviceKV):
         host = state.to("cpu") if isinstance(state, torch.Tensor) else [t.to("cpu") for t in state]
         self.writes.append(("write_slot", (slot, host)))
         super().write_slot(slot, state)
+
+    def restore_kept(self, slot: int) -> None:
+        # Each rank puts back its own copy (`keep_slots`, which every rank runs before a drafted pass):
+        # the write names the slot, nothing more.
+        self.writes.append(("restore_kept", (slot,)))
+        DeviceKV.write_slot(self, slot, self._kept.pop(slot))
 
     def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
         n = len(block_ids)  # `stacked` are views of a larger host matrix: send only these rows

@@ -21,7 +21,7 @@ from v4serve.engine.model.parallel import ParallelConfig
 from v4serve.engine.model.tiny import build_tiny, tiny_config
 from v4serve.engine.process.rank_group import RankGroup
 from v4serve.engine.request import Request, SamplingParams
-from v4serve.engine.step_plan import DecodeStep, StepPlan, Wire
+from v4serve.engine.step_plan import DecodeStep, MTPPass, StepPlan, Wire
 from v4serve.kernels.attention import SlotTables
 from v4serve.server.config import ServeConfig
 from v4serve.server.model_loading import load
@@ -45,6 +45,7 @@ class CountingGroup(RankGroup):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.sent = {"wire": 0, "static plan": 0, "eager plan": 0}
+        self.writes: set[str] = set()  # the KV writes mirrored, by name
 
     def run_decode(self, step: DecodeStep) -> bool:
         sent = super().run_decode(step)
@@ -53,7 +54,12 @@ class CountingGroup(RankGroup):
 
     def run_step(self, plan: StepPlan) -> None:
         self.sent["static plan" if plan.static else "eager plan"] += 1
+        self.writes.update(name for name, _ in plan.kv_writes)
         super().run_step(plan)
+
+    def run_mtp(self, work: MTPPass) -> None:
+        self.writes.update(name for name, _ in work.kv_writes)
+        super().run_mtp(work)
 
 
 class LogitsEngine(LLMEngine):
@@ -102,7 +108,8 @@ def serve(folder: str, graphs: bool, async_scheduling: str = "off", speculative:
         while engine.has_work():
             tokens += [(o.request_id, o.new_token_ids) for o in engine.step()]
         return {"logits": engine.logits, "steps": steps, "tokens": tokens, "kv": kv, "digests": engine.kv_digests(),
-                "sent": dict(group.sent), "graphs": engine.graphs is not None, "shapes": engine.shapes,
+                "sent": dict(group.sent), "writes": group.writes, "graphs": engine.graphs is not None,
+                "shapes": engine.shapes,
                 "drafts": (engine.spec.drafts, engine.spec.accepted_tokens),
                 "mtp static": engine.mtp.graphs.runs if engine.mtp is not None and engine.mtp.graphs else 0}
     finally:
@@ -211,6 +218,9 @@ def test_static_drafted_steps_at_two_ranks_are_the_eager_steps(mtp_runs: dict[st
     assert static["sent"]["wire"] > 10 and static["sent"]["static plan"] > 5
     assert static["mtp static"] > 40 and eager["mtp static"] == 0  # the layer's commits and drafting passes
     assert len(set(static["digests"])) == 1 and len(set(eager["digests"])) == 1
+    # A rejected draft's slot goes back from each rank's own copy: the write names the slot, no state.
+    for run in (static, eager):
+        assert "restore_kept" in run["writes"] and "write_slot" not in run["writes"]
     assert static["steps"][0] <= first_padded  # the first round: bitwise from end to end
     for r in range(len(MTP_ROUNDS)):
         for got, want in zip(static["kv"][r], eager["kv"][r], strict=True):
@@ -234,7 +244,7 @@ def test_the_wire_round_trips_exactly() -> None:
     wire.encode(step)
     assert wire.kind == Wire.DECODE and wire.decode() == step
     assert step.fill == ([1, 2], [2, 0])
-    assert wire.buffer.numel() == Wire.HEADER + 9 * 4
+    assert wire.buffer.numel() == Wire.HEADER + 10 * 4
     assert not wire.fits(DecodeStep([1] * 5, [0] * 5, [0] * 5, [0] * 5, [0] * 5, [-1] * 5, ([], []), 1))
     assert not wire.fits(DecodeStep([1], [0], [0], [0], [0], [-1], (list(range(5)), [1] * 5), 1))
     wire.object_header()
@@ -242,9 +252,10 @@ def test_the_wire_round_trips_exactly() -> None:
     # A drafted pass: 1 + k rows per sequence at most (here k = 2), fewer where padded.
     drafted = Wire(max_seqs=4, row_width=3)
     step = DecodeStep([5, 6, 7, 128_000, 9, 1, 2, 3], [0, 3, 1], [15, 1_000_000, 0], [0, 8, 0], [0, 16, 32],
-                      [-1, -1, -1], ([17], [40]), 1, [3, 2, 3])
+                      [-1, -1, -1], ([17], [40]), 1, [3, 2, 3], [1, 0, 1])
     drafted.encode(step)
-    assert drafted.decode() == step and drafted.buffer.numel() == Wire.HEADER + (3 + 8) * 4
+    assert drafted.decode() == step and drafted.buffer.numel() == Wire.HEADER + (3 + 9) * 4
+    assert step.kept_slots == [0, 1]  # the drafted sequences' slots, which every rank copies first
     assert not drafted.fits(DecodeStep([1] * 4, [0], [0], [0], [0], [-1], ([], []), 1, [4]))
     assert not wire.fits(step)  # a wire without room for drafts
 

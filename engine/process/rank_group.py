@@ -399,6 +399,7 @@ class _Worker:
     def _step(self, plan: StepPlan) -> None:
         assert self.kv is not None
         replay_writes(self.kv, plan.kv_writes)
+        self.kv.keep_slots(plan.keep)  # after the writes: they may put back the last pass's kept slots
         if self.tables is not None and plan.table_writes[0]:
             self.tables.apply(*plan.table_writes)
         self._threads(plan.threads)
@@ -421,9 +422,10 @@ class _Worker:
             self.mtp.commit(plan.mtp_rows, *self.last_pass)
 
     def _decode(self, step: DecodeStep) -> None:
-        assert self.graphs is not None and self.tables is not None
+        assert self.graphs is not None and self.tables is not None and self.kv is not None
         if step.table_writes[0]:
             self.tables.apply(*step.table_writes)
+        self.kv.keep_slots(step.kept_slots)
         self._threads(step.threads)
         seqs = [SeqChunk(slot=slot, block_table=_TABLES_ON_DEVICE, start=start, num_new=n, frozen_until=frozen,
                          window_from=floor)
