@@ -475,13 +475,16 @@ class LLMEngine:
             meta.rowwise = RowLayout(self.row_width)  # a drafted pass (or as short): row by row
         static = (self.graphs is not None and self._step_capture is None
                   and (self.graphs.width_for(seqs) > 1 or (self.graphs.fits(seqs) and all(len(r) == 1 for r in rows))))
-        # A static drafted step's rows sit `row_width` apart, each sequence padded to as many.
-        offsets = ([i * self.row_width for i in range(len(seqs))] if static and width > 1
-                   else [seq.offset for seq in seqs])
-        # Rows without drafts are kept whatever is sampled: the MTP layer takes them right after the
-        # pass, before `update` seals blocks and snapshots the slots.
-        kept_rows = ([MTPRows.of(c.request, o, c.num_new) for c, o in zip(chunks, offsets, strict=True)
-                      if not c.drafts] if self.mtp is not None else [])
+        offsets: list[int] = []  # each sequence's first row, for the MTP layer
+        kept_rows: list[MTPRows] = []
+        if self.mtp is not None:
+            # A static drafted step's rows sit `row_width` apart, each sequence padded to as many.
+            offsets = ([i * self.row_width for i in range(len(seqs))] if static and width > 1
+                       else [seq.offset for seq in seqs])
+            # Rows without drafts are kept whatever is sampled: the MTP layer takes them right after the
+            # pass, before `update` seals blocks and snapshots the slots.
+            kept_rows = [MTPRows.of(c.request, o, c.num_new) for c, o in zip(chunks, offsets, strict=True)
+                         if not c.drafts]
         self.slot_tables.update([seq.slot for seq in seqs], [seq.block_table for seq in seqs])
         fill = ahead.input_fill(chunks) if ahead is not None else None
         if self.ranks is not None:
@@ -493,7 +496,9 @@ class LLMEngine:
         meta.slot_tables = self.slot_tables  # local too: the other ranks keep their own
         if static:
             assert self.graphs is not None
-            out = self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill), rows)  # replayed
+            # A decode step wants each sequence's one row (the static condition): no rows to name.
+            out = self.graphs.run(ids, seqs, lambda ids: self._fill_inputs(ids, ahead, fill),
+                                  rows if width > 1 else None)  # replayed
             logits, states, input_ids = out.logits, out.states, out.ids
         else:
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device_kv.device)

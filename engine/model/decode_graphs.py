@@ -149,6 +149,8 @@ class DecodeGraphs:
             if h is not None:
                 assert bucket.h is not None
                 bucket.h.index_copy_(0, places, h.to(bucket.h.dtype))
+        elif width == 1:  # decodes: the batch's padding rows go last
+            upload(ids + [0] * (bucket.size - len(ids)), self.device, out=bucket.ids)
         else:
             padded_ids, at = [], 0
             for pad in padding:
@@ -163,7 +165,9 @@ class DecodeGraphs:
         else:
             bucket.logits, bucket.states = self._forward(bucket)
         assert bucket.logits is not None
-        offsets = [i * width for i in range(len(seqs))]
+        offsets = list(range(0, len(seqs) * width, width))
+        if logit_rows is None and width == 1:  # a decode step's one row each: no index to build
+            return StaticStep(bucket.logits[:len(seqs)], bucket.states, bucket.ids, offsets)
         wanted = [range(s.num_new - 1, s.num_new) for s in seqs] if logit_rows is None else logit_rows
         rows = [o + j for o, part in zip(offsets, wanted, strict=True) for j in part]
         assert not (rows and self.mtp and width > 1), "the MTP layer's multi-row buckets compute no logits"
