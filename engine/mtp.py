@@ -148,7 +148,6 @@ class MTPLayer:
             window[row_slots, row_rows] = saved
         return torch.stack(guesses, dim=1)
 
-
     def _forward(self, h: torch.Tensor, ids: torch.Tensor, seqs: list[SeqChunk], logit_rows: list[range] | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer over rows of `seqs` (h [T, hc, D], ids [T]) → logits of `logit_rows` (default: each
