@@ -31,10 +31,11 @@ from v4serve.cache.block_pool import (
 )
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.kv_events import DEVICE, KVEventLog
+from v4serve.cache.kv_transfer import FetchResult, KVSource, fetch
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
-from v4serve.cache.ssd_store import SSDStore, StoreStats
+from v4serve.cache.ssd_store import SSDStore, StoreStats, in_daemon_thread
 from v4serve.cache.state_cache import ResponseEnd, StateCache
 
 
@@ -271,6 +272,57 @@ class KVCacheManager:
         if self._store_writing():
             self.store.put(KIND_SNAPSHOT, key, last_block_tokens, self.device.snapshot_payload(state))
 
+    # ---- prefill and decode apart (cache/kv_transfer.py) ---------------------------------------------
+    def hand_over(self, kv: RequestKV, transfer_id: str, num_computed: int, tokens: TokenSlice,
+                  hold_seconds: float) -> bool:
+        """A prefill replica's side: the prefix [0, num_computed) — its sealed blocks and the slot's state
+        at `num_computed` (the prompt's last token not computed yet, as a decode replica's hit resumes) —
+        written to the store and linked for a decode replica to fetch, whatever the request's window
+        snapshot mode. False if there is no store or the state there is not exact."""
+        store = self.store
+        if store is None or kv.slot is None or not kv.state_exact_at(num_computed):
+            return False
+        b = self.config.block_size
+        sealed = num_computed // b
+        entries = []
+        for i in range(sealed):
+            h = kv.block_hashes[i]
+            if not store.has(KIND_BLOCK, h):  # its write was dropped, or it was evicted since
+                store.put(KIND_BLOCK, h, tokens(i * b, (i + 1) * b), self.device.block_payload(kv.block_table[i]),
+                          kv.block_hashes[i - 1] if i else None)
+            entries.append((KIND_BLOCK, h))
+        if num_computed:
+            if num_computed % b == 0:
+                key = kv.block_hashes[sealed - 1]
+                if not store.has(KIND_SNAPSHOT, key):
+                    store.put(KIND_SNAPSHOT, key, tokens(num_computed - b, num_computed),
+                              self.device.snapshot_payload(self.device.read_slot(kv.slot)))
+                entries.append((KIND_SNAPSHOT, key))
+            else:
+                parent = kv.block_hashes[sealed - 1] if sealed else kv.root
+                tail = tuple(tokens(sealed * b, num_computed))
+                key = chain_hash(parent, tail)
+                block = b"".join(self.device.block_payload(kv.block_table[sealed]))
+                state = self.device.snapshot_payload(self.device.read_slot(kv.slot))
+                store.put(KIND_RESPONSE, key, tail, [*state, block], parent)
+                entries.append((KIND_RESPONSE, key))
+        return store.hand_over(transfer_id, entries, hold_seconds)
+
+    def start_fetch(self, kv: RequestKV, source: KVSource, timeout: float, api_key: str | None) -> bool:
+        """A decode replica's side: fetch a prefill replica's hand-over into the store on a thread of its
+        own (the request waits meanwhile; its prefix then comes from the store as any disk hit does).
+        False without a store."""
+        store = self.store
+        if store is None:
+            return False
+        kv.fetch = in_daemon_thread(lambda: fetch(store, source, timeout, api_key))
+        return True
+
+    def finish_fetch(self, kv: RequestKV) -> FetchResult:
+        assert kv.fetch is not None and kv.fetch.done()
+        future, kv.fetch = kv.fetch, None
+        return future.result()
+
     def _store_writing(self) -> bool:
         return self.store is not None and self.store.writing
 
@@ -286,9 +338,12 @@ class KVCacheManager:
         boundary = first + count
         following_end = min(boundary * b + b, num_tokens) - 1  # as in plan_prefix
         response = False
-        if kv.plan.response_key is None and boundary * b < following_end:
+        # A response end on disk counts if it goes further than the one planned from host memory (a
+        # decode replica's hand-over continues past what an earlier, shorter response left there).
+        planned = kv.plan.hit_tokens - boundary * b if kv.plan.response_key is not None and not count else 0
+        if boundary * b < following_end:
             parent = kv.block_hashes[boundary - 1] if boundary else kv.root
-            response = self.loader.response_on_disk(parent, tokens(boundary * b, following_end))
+            response = self.loader.response_on_disk(parent, tokens(boundary * b, following_end), longer_than=planned)
         if not count and not response:
             return False
         kv.disk_load = self.loader.start(kv.block_hashes, tokens(0, max(following_end, boundary * b)), first, count,

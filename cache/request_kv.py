@@ -56,6 +56,7 @@ class RequestKV:
     disk_checked: bool = False  # the SSD store has been asked (once per request)
     disk_load: Future | None = None  # a store read in flight while the request waits
     disk_tokens: int = 0  # tokens whose entries the SSD store supplied for this request
+    fetch: Future | None = None  # a decode replica's fetch of its prompt's KV from a prefill replica, in flight
     swa_mode: str = "periodic"  # how this request writes window snapshots (the daemon's, or its own)
     hot: bool = False  # auto mode: its prefix was hit (or is known hot), so it snapshots as periodic
 

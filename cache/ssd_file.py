@@ -109,6 +109,12 @@ def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: byt
     return memoryview(data)[offset + n_layout:body]
 
 
+def file_tokens(data: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """The token ids a file holds (its header must have been checked: `decode`)."""
+    n_tok = _HEAD.unpack_from(data)[5]
+    return struct.unpack_from(f"<{n_tok}i", data, _HEAD.size)
+
+
 # ---- temp files: named after their writer, so a starting store never removes a live writer's ---------
 _HOST = socket.gethostname().replace("-", "_")[:64] or "host"
 

@@ -52,11 +52,12 @@ class SSDLoader:
         """How many of `hashes`, from the first, the store holds."""
         return self.store.longest_prefix(hashes)
 
-    def response_on_disk(self, parent: bytes, following: Sequence[int]) -> bool:
+    def response_on_disk(self, parent: bytes, following: Sequence[int], longer_than: int = 0) -> bool:
         """Whether the store holds (and host memory does not) a response end continuing `parent`
-        that `following` (the tokens after that boundary) goes on from."""
+        that `following` (the tokens after that boundary) goes on from, with a tail of more than
+        `longer_than` tokens."""
         match = self._matching_response(parent, following)
-        return match is not None and match[0] not in self.state.snapshots
+        return match is not None and match[1] > longer_than and match[0] not in self.state.snapshots
 
     def _matching_response(self, parent: bytes, following: Sequence[int]) -> tuple[bytes, int] | None:
         """The store's response end with the longest tail that `following` starts with."""

@@ -6,7 +6,9 @@ file I/O runs on the store's own threads (one writer, readers), never on the eng
 HTTP event loop. The file format and its checks are in `ssd_file`.
 
 Layout: `<root>/<namespace>/<h[:2]>/<h[2:4]>/<h>.blk` (a block) and `.snap` (the State Cache slot
-state at the end of that block); `<root>/quarantine/` holds bad files (bounded).
+state at the end of that block); `<root>/quarantine/` holds bad files (bounded); `<root>/handover/<id>/`
+holds a prefill replica's hand-over to a decode replica (links to its files and a manifest, kept
+until fetched or `hold_seconds` old).
 
 - Writes: on a background thread, through a temp file named after its writer (host and pid) and
   a rename; a present file is never rewritten. A full disk stops writing, not serving, and writing
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import queue
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from v4serve.cache.block_pool import chain_hash
 from v4serve.cache.kv_events import DISK, KVEventLog
 from v4serve.cache.ssd_file import (
     HEADER_BYTES,
@@ -50,6 +54,7 @@ from v4serve.cache.ssd_file import (
     decode,
     encode,
     expected_size,
+    file_tokens,
     temp_is_stale,
     temp_name,
 )
@@ -58,6 +63,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old has no live writer, whoever wrote it
+HANDOVER_DIR, MANIFEST = "handover", "manifest.json"
 MAX_QUARANTINE_FILES = 256  # the oldest quarantined files go beyond this
 Item = tuple[bytes, Sequence[int] | None]  # (chain hash, the block's token ids or None)
 
@@ -110,8 +116,9 @@ class SSDStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[tuple[int, bytes], StoreEntry] = OrderedDict()  # LRU order
         self._responses: dict[bytes, dict[bytes, int]] = {}  # parent → {response-end key: tail length}
-        self._writes: queue.Queue[tuple | None] = queue.Queue(maxsize=4096)
+        self._writes: queue.Queue[tuple | Callable[[], None] | None] = queue.Queue(maxsize=4096)
         self._full_until: float | None = None  # while the disk is full: when to look for space again
+        self._queued: set[tuple[int, bytes]] = set()  # (kind, key) of the writes waiting in `_writes`
         self.events: KVEventLog | None = None  # told of block files this daemon writes and removes (KV events)
         self.used_bytes = 0
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -245,11 +252,21 @@ class SSDStore:
         with self._lock:  # the index only: a file another daemon wrote is found by the writer thread
             if (kind, block_hash) in self._index:
                 return False
+            self._queued.add((kind, block_hash))  # before the writer can take it (and discard it)
         try:
             self._writes.put_nowait((kind, block_hash, tuple(tokens), payload, parent))
         except queue.Full:
+            with self._lock:
+                self._queued.discard((kind, block_hash))
             return False
         return True
+
+    def has(self, kind: int, key: bytes) -> bool:
+        """On disk, or queued to be written (a block or snapshot file)."""
+        with self._lock:
+            if (kind, key) in self._queued:
+                return True
+        return self.contains(kind, key)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until queued writes are on disk (tests, shutdown)."""
@@ -263,11 +280,17 @@ class SSDStore:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                if callable(item):  # a hand-over, run after the writes queued before it
+                    item()
+                else:
+                    self._write(*item)
             except Exception:  # a writer must never die: count and go on
                 log.exception("SSD store write failed")
                 self._count_error("write")
             finally:
+                if isinstance(item, tuple):
+                    with self._lock:
+                        self._queued.discard((item[0], item[1]))
                 self._writes.task_done()
 
     def _write(self, kind: int, block_hash: bytes, tokens: tuple[int, ...], payload: Sequence[bytes],
@@ -293,16 +316,22 @@ class SSDStore:
                 tmp.unlink()
             self._write_failed(path, exc)
             return
+        self._written(kind, block_hash, path, size, parent, tokens)
+
+    def _written(self, kind: int, key: bytes, path: Path, size: int, parent: bytes | None,
+                 tokens: Sequence[int]) -> None:
+        """A file this daemon has just put in place: indexed, counted, announced; then room is made."""
         with self._lock:
-            self._index[(kind, block_hash)] = StoreEntry(path, size, parent if kind == KIND_RESPONSE else None)
+            self._index[(kind, key)] = StoreEntry(path, size, parent if kind == KIND_RESPONSE else None)
             if kind == KIND_RESPONSE:
-                self._responses.setdefault(parent, {})[block_hash] = len(tokens)
+                assert parent is not None
+                self._responses.setdefault(parent, {})[key] = len(tokens)
             self.used_bytes += size
             self.stats.bytes_written += size
             self.stats.snapshot_bytes_written += size if kind != KIND_BLOCK else 0
             self.stats.files_written += 1
         if kind == KIND_BLOCK and self.events is not None:
-            self.events.stored(DISK, block_hash, parent, tokens)
+            self.events.stored(DISK, key, parent, tokens)
         self._evict()
 
     def _write_file(self, tmp: Path, parts: Sequence[bytes | memoryview]) -> None:
@@ -354,6 +383,103 @@ class SSDStore:
                 self._drop_response(key, entry)
             self._remove(entry.path)
             self._announce_removed(kind, [key])
+
+    # ---- hand-over: prefill and decode on separate replicas --------------------------------------------
+    def handover_dir(self, transfer_id: str) -> Path:
+        return self.root / HANDOVER_DIR / transfer_id
+
+    def hand_over(self, transfer_id: str, entries: Sequence[tuple[int, bytes]], hold_seconds: float) -> bool:
+        """Once the writes queued before it are done, link `entries` ((kind, key): a prefix's blocks in
+        order, then the snapshot where it ends) into `handover/<transfer_id>/` with a manifest, for a
+        decode replica to fetch. Links keep the bytes even if the store evicts its own names meanwhile.
+        The manifest stops at the first file not on disk (a write dropped on a full queue or disk): what
+        it lists is still a valid prefix. False if the writer's queue is full (nothing handed over)."""
+        items = tuple(entries)
+        try:
+            self._writes.put_nowait(lambda: self._write_handover(transfer_id, items, hold_seconds))
+        except queue.Full:
+            return False
+        return True
+
+    def _write_handover(self, transfer_id: str, entries: tuple[tuple[int, bytes], ...], hold_seconds: float) -> None:
+        self._sweep_handovers(hold_seconds)
+        folder = self.handover_dir(transfer_id)
+        tmp = folder.parent / temp_name()
+        manifest: list[dict] = []
+        try:
+            tmp.mkdir(parents=True)
+            for kind, key in entries:
+                item = self._handover_file(kind, key, tmp)
+                if item is None:
+                    break
+                manifest.append(item)
+            (tmp / MANIFEST).write_text(json.dumps({"files": manifest, "complete": len(manifest) == len(entries)}))
+            os.replace(tmp, folder)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("hand-over %s could not be written: %s", transfer_id, exc)
+
+    def _handover_file(self, kind: int, key: bytes, folder: Path) -> dict | None:
+        """Link one file into a hand-over folder → its manifest entry (None: it is not on disk)."""
+        with self._lock:
+            entry = self._index.get((kind, key))
+            tail = self._responses.get(entry.parent, {}).get(key) if entry and entry.parent else None
+        if kind == KIND_RESPONSE and (entry is None or entry.parent is None or tail is None):
+            return None
+        path = entry.path if entry is not None else self.path(kind, key)
+        name = key.hex() + SUFFIX[kind]
+        try:
+            os.link(path, folder / name)
+        except FileNotFoundError:
+            return None
+        except OSError:  # a file system without hard links: a copy
+            try:
+                shutil.copyfile(path, folder / name, follow_symlinks=False)
+            except OSError:
+                return None
+        item = {"kind": kind, "key": key.hex(), "name": name, "size": (folder / name).stat().st_size}
+        if kind == KIND_RESPONSE:
+            assert entry is not None and entry.parent is not None
+            item |= {"parent": entry.parent.hex(), "tail": tail}
+        return item
+
+    def _sweep_handovers(self, hold_seconds: float) -> None:
+        """Hand-overs nobody fetched within `hold_seconds` (and temp folders whose writer is gone) go."""
+        now = time.time()
+        with contextlib.suppress(OSError):
+            for folder in (self.root / HANDOVER_DIR).iterdir():
+                with contextlib.suppress(OSError):
+                    mtime = folder.lstat().st_mtime
+                    stale = (temp_is_stale(folder.name, mtime, hold_seconds, now) if folder.name.startswith(".tmp-")
+                             else now - mtime > hold_seconds)
+                    if stale:
+                        shutil.rmtree(folder, ignore_errors=True)
+
+    def import_file(self, kind: int, key: bytes, data: bytes | bytearray | memoryview,
+                    parent: bytes | None = None) -> int:
+        """A file fetched from another replica's hand-over: checked as a read checks it (StoreFileError
+        if it is not a file this store would serve under that key), then written under this store's
+        own name for it → bytes written (0: the store holds it already)."""
+        decode(data, kind, self.namespace, key, None, self.layout, self.payload_bytes[kind])
+        tokens = file_tokens(data)
+        if kind == KIND_RESPONSE:
+            if parent is None or chain_hash(parent, tokens) != key:
+                raise StoreFileError("collision", "a response end that does not continue the block it names")
+            path = self.response_path(parent, len(tokens), key)
+        else:
+            path = self.path(kind, key)
+        if path.exists():
+            return 0
+        tmp = path.parent / temp_name()
+        try:
+            self._write_file(tmp, [data])
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        self._written(kind, key, path, len(data), parent, tokens)
+        return len(data)
 
     # ---- reading ----------------------------------------------------------------------------------
     def get(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:

@@ -17,6 +17,7 @@ from v4serve.cache.config import CacheConfig
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.kv_events import KVEventLog, KVEventsConfig, ZmqEventPublisher
 from v4serve.cache.kv_manager import KVCacheManager
+from v4serve.cache.kv_transfer import KVTransferConfig
 from v4serve.cache.layout import KVLayout, cache_table, key_record
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
@@ -98,6 +99,8 @@ class EngineConfig:
     # CUDA and wherever decode graphs are; off, a CPU's torch kernels run them as chunks, 3-13% faster
     # there (each row gathers its own window and entries). Tests set it to compare static with eager.
     rowwise_drafts: bool | None = None
+    kv_transfer: KVTransferConfig | None = None  # prefill and decode on separate replicas (None: neither role)
+    kv_transfer_key: str | None = None  # sent to prefill replicas; their hand-overs must be signed with it
 
 
 @dataclass
@@ -218,13 +221,17 @@ class LLMEngine:
                               KIND_RESPONSE: self.device_kv.slot_nbytes() + self.device_kv.block_nbytes()},
                              max_bytes=config.kv_store_max_bytes, read_timeout=config.kv_store_read_timeout,
                              retry_seconds=config.kv_store_retry_seconds)
+        if config.kv_transfer is not None and store is None:
+            raise ValueError("--kv-transfer-config hands KV over as SSD-store files: it needs the store "
+                             "(--kv-store-dir, not --no-kv-store) and prefix caching")
         events = KVEventLog(block) if config.kv_events is not None else None
         self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store, events)
         self.kv_events = ZmqEventPublisher(events, config.kv_events) if events and config.kv_events else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-            max_waiting=config.max_waiting), self.kv, self._drafter(config.speculative), self.eos_token_id)
+            max_waiting=config.max_waiting, kv_transfer=config.kv_transfer, transfer_key=config.kv_transfer_key),
+            self.kv, self._drafter(config.speculative), self.eos_token_id)
         # The pass of this step, while its drafted requests' drafts are judged: each row's last state
         # and token, and each request's first row (what the MTP layer reads of kept rows).
         self._pass: tuple[torch.Tensor, torch.Tensor, dict[str, int]] | None = None
@@ -774,6 +781,9 @@ class LLMEngine:
             store_usage_bytes=cache.store_usage_bytes, store_quarantine_files=cache.store_quarantine_files,
             store_errors=MappingProxyType(dict(io.errors) if io else {}),
             store_read_seconds=s.load_seconds.snapshot(),
+            handovers=s.handovers, handover_failures=s.handover_failures, fetches=s.fetches,
+            fetched_files=s.fetched_files, fetched_bytes=s.fetched_bytes, fetches_local=s.fetches_local,
+            fetch_fallbacks=MappingProxyType(dict(s.fetch_fallbacks)), fetch_seconds=s.fetch_seconds.snapshot(),
             spec_drafts=self.spec.drafts, spec_draft_tokens=self.spec.draft_tokens,
             spec_accepted_tokens=self.spec.accepted_tokens,
             spec_accepted_per_position=tuple(self.spec.accepted_per_position))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from v4serve.cache.config import CacheConfig
+from v4serve.cache.kv_transfer import KVSource
 from v4serve.cache.request_kv import RequestKV
 
 if TYPE_CHECKING:
@@ -137,6 +138,11 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     swa_cache_mode: str | None = None  # how it writes window snapshots (None: the daemon's --swa-cache-mode)
+    # Prefill and decode apart (cache/kv_transfer.py). A prefill replica's request hands its prompt's KV
+    # over under this transfer id once all but the last prompt token are computed; a decode replica's
+    # fetches it from `kv_source` before it is scheduled.
+    handover: str | None = None
+    kv_source: KVSource | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

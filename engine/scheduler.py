@@ -20,6 +20,7 @@ from typing import Any
 
 from v4serve.cache.config import MAX_CAPTURED_STATES
 from v4serve.cache.kv_manager import KVCacheManager
+from v4serve.cache.kv_transfer import KVTransferConfig
 from v4serve.engine.request import Request, RequestStatus
 from v4serve.engine.stats import Histogram
 
@@ -34,6 +35,8 @@ class SchedulerConfig:
     max_model_len: int = 32768
     max_waiting: int = 1024
     max_captured_states: int = MAX_CAPTURED_STATES  # slot states a step may capture inside its chunks
+    kv_transfer: KVTransferConfig | None = None  # prefill and decode apart (None: neither role)
+    transfer_key: str | None = None  # what a decode replica sends prefill replicas (and checks their signatures by)
 
 
 @dataclass
@@ -63,6 +66,17 @@ class SchedulerStats:
     restores: Counter = field(default_factory=Counter)  # how hits restored the window state, by point
     write_modes: Counter = field(default_factory=Counter)  # admissions by how they write snapshots (auto resolved)
     load_seconds: Histogram = field(default_factory=Histogram.for_store_reads)  # per-request store reads
+    # Prefill and decode apart: prompts handed over (prefill side; failed: no store room or queue), and
+    # hand-overs fetched (decode side): files and bytes brought in, how many from a shared store's own
+    # disk, the fetches that fell short by reason (what was missing was computed), and their seconds.
+    handovers: int = 0
+    handover_failures: int = 0
+    fetches: int = 0
+    fetched_files: int = 0
+    fetched_bytes: int = 0
+    fetches_local: int = 0
+    fetch_fallbacks: Counter = field(default_factory=Counter)
+    fetch_seconds: Histogram = field(default_factory=Histogram.for_store_reads)
 
 
 # A decoding request's draft tokens for this step, given the most it may take (speculative decoding).
@@ -86,6 +100,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.kv = self.kv.new_request(request.cache_salt, request.num_tokens, request.token_slice,
                                          request.swa_cache_mode)
+        if request.kv_source is not None and self._start_fetch(request):
+            return
         self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -140,6 +156,8 @@ class Scheduler:
         if not drafts and request.num_tokens + request.pending_tokens - start == 1 and budget > 0:
             return 1, ()  # a decode step: one token, nothing strictly inside it to capture (the common case)
         n = min(request.num_tokens + drafts - start, budget, self.config.max_prefill_chunk)
+        if request.handover is not None and start < request.num_prompt_tokens - 1:
+            n = min(n, request.num_prompt_tokens - 1 - start)  # what is handed over: the state before the last token
         # A drafted pass may be undone, so no state inside it is captured: it ends on snapshot points.
         n = self.kv.chunk_size(request.kv, start, n, request.num_prompt_tokens, capture=not drafts)
         points = () if drafts else self.kv.capture_points(request.kv, start, start + n, request.num_prompt_tokens)
@@ -230,6 +248,7 @@ class Scheduler:
                 self.stats.write_modes[self.kv.snapshot_mode(request.kv)] += 1
             self.stats.recomputed += plan.recompute_tokens
             self.running.append(request)
+            self._hand_over_if_due(request)  # a hit may restore the state the hand-over needs
             chunks.append(self._chunk(request, n, (), points))
             budget -= n
 
@@ -245,18 +264,68 @@ class Scheduler:
         return True
 
     def pending_loads(self) -> list[Future]:
-        return [r.kv.disk_load for r in self.loading if r.kv.disk_load is not None]
+        """The store reads and hand-over fetches the loading requests wait for."""
+        return [f for r in self.loading if (f := r.kv.disk_load or r.kv.fetch) is not None]
 
     def _finish_loads(self) -> None:
-        done = [r for r in self.loading if r.kv.disk_load is not None and r.kv.disk_load.done()]
+        done = [r for r in self.loading if (f := r.kv.disk_load or r.kv.fetch) is not None and f.done()]
         for request in sorted(done, key=lambda r: r.arrival_time, reverse=True):
             self.loading.remove(request)
-            try:
-                self.stats.load_seconds.observe(self.kv.finish_disk_load(request.kv))
-            except Exception:  # a failed read is a miss: the request computes instead
-                log.exception("reading %s's prefix from the SSD store failed", request.request_id)
+            if request.kv.fetch is not None:
+                self._finish_fetch(request)
+            else:
+                try:
+                    self.stats.load_seconds.observe(self.kv.finish_disk_load(request.kv))
+                except Exception:  # a failed read is a miss: the request computes instead
+                    log.exception("reading %s's prefix from the SSD store failed", request.request_id)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+
+    # ---- prefill and decode apart -------------------------------------------------------------------
+    def _start_fetch(self, request: Request) -> bool:
+        """A decode replica's request waits (LOADING) while its prompt's KV is fetched into the store; its
+        admission then reads it as any disk hit. False (it computes its prompt) if this replica is no
+        consumer or has no store."""
+        transfer, source = self.config.kv_transfer, request.kv_source
+        assert source is not None
+        if transfer is None or not transfer.consumer or not self.kv.start_fetch(
+                request.kv, source, transfer.fetch_timeout, self.config.transfer_key):
+            self.stats.fetch_fallbacks["store"] += 1
+            log.warning("%s names a hand-over but this replica cannot fetch one: it computes its prompt",
+                        request.request_id)
+            return False
+        request.status = RequestStatus.LOADING
+        self.loading.append(request)
+        return True
+
+    def _finish_fetch(self, request: Request) -> None:
+        s, source = self.stats, request.kv_source
+        assert source is not None
+        result = self.kv.finish_fetch(request.kv)
+        s.fetches += 1
+        s.fetched_files += result.files
+        s.fetched_bytes += result.bytes
+        s.fetches_local += int(result.local)
+        s.fetch_seconds.observe(result.seconds)
+        if result.fallback is not None:
+            s.fetch_fallbacks[result.fallback] += 1
+            log.warning("%s: the hand-over from %s:%d fell short (%s: %s); what is missing is computed here",
+                        request.request_id, source.host, source.port, result.fallback, result.detail)
+
+    def _hand_over_if_due(self, request: Request) -> None:
+        """A prefill replica's request, once all but its last prompt token are computed (its slot state
+        is then what the decode replica resumes from): its KV is handed over under its transfer id."""
+        transfer, transfer_id = self.config.kv_transfer, request.handover
+        if transfer_id is None or request.num_computed_tokens != request.num_prompt_tokens - 1:
+            return
+        request.handover = None
+        if transfer is not None and self.kv.hand_over(request.kv, transfer_id, request.num_computed_tokens,
+                                                       request.token_slice, transfer.hold_seconds):
+            self.stats.handovers += 1
+        else:
+            self.stats.handover_failures += 1
+            log.warning("%s: its KV could not be handed over (no store, or the store's write queue is full); "
+                        "the decode replica will compute it", request.request_id)
 
     # ---- after the forward ----------------------------------------------------------------------
     def advance(self, chunks: Iterable[ScheduledChunk],
@@ -268,6 +337,8 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_new
             self.kv.advance(request.kv, request.num_computed_tokens, request.num_prompt_tokens, request.token_slice,
                             (captured or {}).get(request.request_id, ()))
+            if request.handover is not None:
+                self._hand_over_if_due(request)
 
     def append_token(self, request: Request, token: int) -> None:
         request.output_token_ids.append(token)

@@ -78,6 +78,15 @@ class EngineStats:
     store_errors: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     store_read_seconds: HistogramSnapshot = field(
         default_factory=lambda: Histogram.for_store_reads().snapshot())
+    # prefill and decode apart (zeros when neither role): see scheduler.SchedulerStats
+    handovers: int = 0
+    handover_failures: int = 0
+    fetches: int = 0
+    fetched_files: int = 0
+    fetched_bytes: int = 0
+    fetches_local: int = 0
+    fetch_fallbacks: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    fetch_seconds: HistogramSnapshot = field(default_factory=lambda: Histogram.for_store_reads().snapshot())
     # speculative decoding (zeros when it is off)
     spec_drafts: int = 0
     spec_draft_tokens: int = 0

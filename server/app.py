@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from v4serve.engine.process.client import EngineClient
@@ -23,6 +24,7 @@ from v4serve.server.connections import RequestCap
 from v4serve.server.errors import ApiError, echo, error_json, error_responses, install_error_handlers
 from v4serve.server.framing import SERVER_SEND
 from v4serve.server.generation import FrontEnd, ServerConfig
+from v4serve.server.handover import PATH, Handovers
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import Preprocessor
@@ -273,6 +275,25 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         jobs.check_length(body.tokens, config.max_model_len + 1, "tokens")
         engine.limits.check_token_ids(body.tokens, "tokens")
         return {"prompt": await front.prep.run(jobs.decode, body.tokens)}
+
+    # Prefill and decode apart: a decode replica fetches this (prefill) replica's hand-overs here.
+    @app.get(PATH + "{transfer_id}", include_in_schema=False)
+    async def kv_transfer_manifest(transfer_id: str) -> dict[str, Any]:
+        return _handovers().manifest(transfer_id)
+
+    @app.post(PATH + "{transfer_id}/files", include_in_schema=False)
+    async def kv_transfer_files(transfer_id: str, raw: Request) -> StreamingResponse:
+        try:
+            names = json.loads(await raw.body())["names"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ApiError(400, 'the body must be {"names": [...]}', param="names") from exc
+        files = _handovers().files(transfer_id, names, metrics.sent, metrics.sent_bytes)
+        return StreamingResponse(files, media_type="application/octet-stream")
+
+    def _handovers() -> Handovers:
+        if config.handovers is None:
+            raise ApiError(404, "this replica hands no KV over (--kv-transfer-config)", code="not_found")
+        return config.handovers
 
     store_param = {"parameters": [{"name": "store", "in": "query", "required": False, "schema": {"type": "boolean"},
                                    "description": "also empty the SSD store"}]}

@@ -62,8 +62,8 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     per_choice = await front.collect(generation, raw)
     reasoning = thinking and body.include_reasoning  # the model reasons either way; the reply may leave it out
     choices = Lazy(_choice(front, i, deltas, reasoning, body.logprobs) for i, deltas in enumerate(per_choice))
-    return json_reply({"id": rid, "object": "chat.completion", "created": created,
-                             "model": model, "choices": choices, "usage": usage([generation.usage()])})
+    return json_reply({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                       "choices": choices, "usage": usage([generation.usage()]), **generation.transfer_reply()})
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -78,6 +78,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-events-config", str, "publish KV-cache events for routers, as vLLM's JSON: '{\"publisher\": \"zmq\", "
                                 "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
                                 "\"\"}' (BlockStored/BlockRemoved/AllBlocksCleared, msgpack over ZeroMQ)"),
+    ("--kv-transfer-config", str, "prefill and decode on separate replicas, as vLLM's JSON: '{\"kv_role\": "
+                                  "\"kv_producer\"}' on prefill replicas, '{\"kv_role\": \"kv_consumer\"}' on decode "
+                                  "replicas (or kv_both); the KV is handed over as store files, over HTTP or through "
+                                  "a shared --kv-store-dir (README: Prefill and decode apart)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),
@@ -151,7 +155,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
 # Flags that take several values: `--served-model-name a b`, "a,b" in the environment, a list in --config.
 LIST_FLAGS = frozenset({"served_model_name"})
 # Flags that take a JSON object: a mapping in --config is written out as JSON.
-JSON_FLAGS = frozenset({"speculative_config", "kv_events_config"})
+JSON_FLAGS = frozenset({"speculative_config", "kv_events_config", "kv_transfer_config"})
 
 
 def _bool(value: Any) -> bool:

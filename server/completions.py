@@ -52,7 +52,8 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     options = front.output_options(body)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     generations = [front.generation(f"{rid}-{p}", prompt, body, front.default_max_tokens(body.max_tokens, len(prompt)),
-                                    body.logprobs, options, prompt_logprobs) for p, prompt in enumerate(prompts)]
+                                    body.logprobs, options, prompt_logprobs, prompts=len(prompts))
+                   for p, prompt in enumerate(prompts)]
     await front.check(generations, raw)
     created = int(time.time())
     if body.stream:
@@ -66,8 +67,9 @@ async def completions(front: FrontEnd, body: CompletionRequest, raw: Request) ->
     choices = Lazy(_choice(front, p * body.n + j, generation, j, deltas, body)
                    for p, (generation, per_choice) in enumerate(zip(generations, results, strict=True))
                    for j, deltas in enumerate(per_choice))
-    return json_reply({"id": rid, "object": "text_completion", "created": created,
-                             "model": model, "choices": choices, "usage": usage([g.usage() for g in generations])})
+    return json_reply({"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": choices, "usage": usage([g.usage() for g in generations]),
+                       **generations[0].transfer_reply()})
 
 
 async def render(front: FrontEnd, body: CompletionRequest) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from v4serve.cache.kv_events import KVEventsConfig
+    from v4serve.cache.kv_transfer import KVTransferConfig
     from v4serve.engine.speculative import SpeculativeConfig
     from v4serve.server.tenants import ApiKeys
 
@@ -90,6 +91,7 @@ class ServeConfig:
     grammar_cache_bytes: int = 8 << 20  # compiled grammars kept per process, weighed by their text
     speculative_config: str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, ...}
     kv_events_config: str | None = None  # vLLM's JSON: {"publisher": "zmq", "endpoint": "tcp://*:5557", ...}
+    kv_transfer_config: str | None = None  # vLLM's JSON: {"kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     responses_store_bytes: int = 256 << 20  # stored Responses API responses, all counted (metadata, tools, ...)
     preprocess_workers: int = 2  # processes that render, tokenize and check tools (0: a thread of the front end)
@@ -157,6 +159,27 @@ class ServeConfig:
         return KVEventsConfig.parse(self.kv_events_config) if self.kv_events_config else None
 
     @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """--kv-transfer-config parsed (ValueError saying what is wrong; None: neither role)."""
+        if not self.kv_transfer_config:
+            return None
+        from v4serve.cache.kv_transfer import KVTransferConfig
+
+        config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.no_kv_store or self.no_prefix_caching:
+            raise ValueError("--kv-transfer-config hands KV over as SSD-store files: it cannot be combined with "
+                             f"--{'no-kv-store' if self.no_kv_store else 'no-prefix-caching'}")
+        return config
+
+    def kv_transfer_address(self, transfer: KVTransferConfig) -> tuple[str, int]:
+        """Where decode replicas reach this prefill replica: kv_ip/kv_port, else --host/--port (a wildcard
+        host is this machine's name)."""
+        import socket
+
+        host = transfer.kv_ip or ("" if self.host in ("0.0.0.0", "::", "") else self.host) or socket.getfqdn()
+        return host, transfer.kv_port or self.port
+
+    @property
     def origins(self) -> tuple[str, ...]:
         """--allowed-origins as a tuple (each an origin as browsers send it: scheme://host[:port])."""
         origins = tuple(o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip())
@@ -170,6 +193,7 @@ class ServeConfig:
         self.origins  # noqa: B018 - parsing them is the check
         self.speculative  # noqa: B018 - so is parsing this
         self.kv_events  # noqa: B018 - and this
+        self.kv_transfer  # noqa: B018 - and this
         for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes", "responses_store_bytes",
                      "max_preprocess_seconds", "stream_keepalive"):

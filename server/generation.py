@@ -32,6 +32,7 @@ from v4serve.server.config import (
 )
 from v4serve.server.errors import ApiError, echo, internal_error
 from v4serve.server.framing import PromptUsage
+from v4serve.server.handover import Handovers, request_transfer
 from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.protocol import SamplingFields
@@ -72,6 +73,7 @@ class ServerConfig:
     stream_keepalive: float = 10.0  # seconds a stream goes without an event before a keep-alive is sent
     # What /version reports beside the package version: device, dtype, kernels, KV cache dtype.
     version_info: dict[str, str | bool | int] = field(default_factory=dict)
+    handovers: Handovers | None = None  # this replica's role with prefill and decode apart (None: neither)
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when the daemon started
 
     @property
@@ -152,6 +154,15 @@ class Generation:
         self._logprob_entries, self._max_logprob_entries = 0, max_logprob_entries
         self._unread_timeout = unread_timeout
         self._held: asyncio.TimerHandle | None = None  # while the engine holds the choices: the deadline
+        # Prefill and decode apart (server/handover.py): asked to hand its KV over; the transfer id it is
+        # handed over under (None: it is not); what the reply says of it, once the request is done.
+        self.handover_asked = False
+        self.handover: str | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+
+    def transfer_reply(self) -> dict[str, Any]:
+        """The reply's `kv_transfer_params` (vLLM's field, which its router hands the decode leg), if asked."""
+        return {"kv_transfer_params": self.kv_transfer_params} if self.handover_asked else {}
 
     @property
     def prompt_logprobs(self) -> tuple:
@@ -327,20 +338,27 @@ class FrontEnd:
 
     def generation(self, request_id: str, prompt: list[int], body: SamplingFields, max_tokens: int,
                    logprobs: int | None, options: OutputOptions, prompt_logprobs: int | None = None,
-                   grammar: GrammarSpec | None = None, thinking_budget: int | None = None) -> Generation:
-        """The n choices of one prompt (not yet submitted). The prompt's logprobs are the same for every
-        choice: only the first computes them (`Generation.prompt_logprobs`); the others start after it
-        and reuse its prefix from the cache like any sibling."""
+                   grammar: GrammarSpec | None = None, thinking_budget: int | None = None,
+                   prompts: int = 1) -> Generation:
+        """The n choices of one prompt (not yet submitted; `prompts`: how many the API request has). The
+        prompt's logprobs are the same for every choice: only the first computes them
+        (`Generation.prompt_logprobs`); the others start after it and reuse its prefix from the cache like
+        any sibling. A hand-over (prefill and decode apart) is made by the first choice too."""
         tenant = CURRENT_TENANT.get()
         salt = scoped_salt(tenant if self.config.isolate_tenants else None, body.cache_salt)
+        handover, source = request_transfer(self.config.handovers, body.kv_transfer_params, body.stream, prompts)
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None,
                                                 choice_index=i, grammar=grammar,
                                                 thinking=self._thinking(thinking_budget)),
-                                  cache_salt=salt, swa_cache_mode=body.swa_cache_mode) for i in range(body.n)]
-        return Generation(self.engine, self.metrics, self.tokenizer, requests, options,
-                          self.config.max_unread_tokens, self.config.max_logprob_entries, self.config.unread_timeout,
-                          tenant or DEFAULT_TENANT)
+                                  cache_salt=salt, swa_cache_mode=body.swa_cache_mode,
+                                  handover=handover if i == 0 else None, kv_source=source) for i in range(body.n)]
+        generation = Generation(self.engine, self.metrics, self.tokenizer, requests, options,
+                                self.config.max_unread_tokens, self.config.max_logprob_entries,
+                                self.config.unread_timeout, tenant or DEFAULT_TENANT)
+        generation.handover_asked = bool(body.kv_transfer_params and body.kv_transfer_params.get("do_remote_decode"))
+        generation.handover = handover
+        return generation
 
     def _thinking(self, budget: int | None) -> tuple[int, int] | None:
         if budget is None:
@@ -405,9 +423,9 @@ class FrontEnd:
                 work.cancel()
                 raise ApiError(499, "client disconnected")
 
-    @staticmethod
-    async def collect(generation: Generation, raw: Request) -> list[list[Delta]]:
-        """All deltas of every choice (non-streaming); aborts if the client disconnects meanwhile."""
+    async def collect(self, generation: Generation, raw: Request) -> list[list[Delta]]:
+        """All deltas of every choice (non-streaming); aborts if the client disconnects meanwhile. A
+        prefill replica's reply waits for its hand-over to be on disk (`Handovers.reply_params`)."""
         per_choice: list[list[Delta]] = [[] for _ in generation.requests]
 
         async def consume() -> None:
@@ -428,4 +446,6 @@ class FrontEnd:
                     await task
                 raise ApiError(499, "client disconnected")
         task.result()
+        if generation.handover is not None and self.config.handovers is not None:
+            generation.kv_transfer_params = await self.config.handovers.reply_params(generation.handover)
         return per_choice

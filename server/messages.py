@@ -200,6 +200,9 @@ class MessagesRequest(Fields):
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
     # v4serve's: how this request writes window-state snapshots for later hits (see --swa-cache-mode).
     swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
+    # vLLM's, which its router sends in prefill/decode mode: the hand-over, and EOS kept off the first tokens.
+    kv_transfer_params: dict[str, Any] | None = None
+    min_tokens: int = Field(0, ge=0)
 
 
 class CountTokensRequest(Fields):
@@ -411,7 +414,7 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
         return error_response(exc)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                          "content": _blocks(deltas, shown(body)), **_stop(generation, deltas[-1]),
-                         "usage": _usage(generation.usage())})
+                         "usage": _usage(generation.usage()), **generation.transfer_reply()})
 
 
 async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request, data: bytes) -> Generation:
@@ -425,7 +428,9 @@ async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request, data
     try:
         fields = SamplingFields.model_validate({"temperature": body.temperature, "top_p": body.top_p,
                                                "top_k": body.top_k, "stop": body.stop_sequences,
-                                               "swa_cache_mode": mode})
+                                               "swa_cache_mode": mode, "stream": body.stream,
+                                               "kv_transfer_params": body.kv_transfer_params,
+                                               "min_tokens": body.min_tokens})
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ApiError(400, message.replace("stop", "stop_sequences", 1),

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from v4serve.cache.kv_transfer import FALLBACK_REASONS
 from v4serve.cache.ssd_file import ERROR_KINDS
 from v4serve.engine.request import Request
 from v4serve.engine.stats import EngineStats, HistogramSnapshot
@@ -142,7 +143,37 @@ class EngineCollector:
         yield grammar_bytes
         yield compiles
         yield _histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time", name, s.store_read_seconds)
+        yield from self._kv_transfer(s)
         yield from self._vllm_names(s)
+
+    def _kv_transfer(self, s: EngineStats) -> Iterator[Metric]:
+        """Prefill and decode apart: hand-overs made (prefill side), fetched (decode side), and fetches that
+        fell short (what was missing was computed on the decode replica)."""
+        name = [self.model_name]
+        handovers = CounterMetricFamily("v4serve_kv_transfer_handovers", "Prompts whose KV a prefill replica handed "
+                                        "over for a decode replica (failed: no store room)",
+                                        labels=["model_name", "outcome"])
+        handovers.add_metric([*name, "ok"], s.handovers)
+        handovers.add_metric([*name, "failed"], s.handover_failures)
+        yield handovers
+        fetches = CounterMetricFamily("v4serve_kv_transfer_requests", "Hand-overs a decode replica fetched, by "
+                                      "where from (the network, or a store it shares with the prefill replica)",
+                                      labels=["model_name", "source"])
+        fetches.add_metric([*name, "network"], s.fetches - s.fetches_local)
+        fetches.add_metric([*name, "shared_store"], s.fetches_local)
+        yield fetches
+        received = CounterMetricFamily("v4serve_kv_transfer_received_bytes", "Store-file bytes a decode replica "
+                                       "brought in from hand-overs", labels=["model_name"])
+        received.add_metric(name, s.fetched_bytes)
+        yield received
+        fallbacks = CounterMetricFamily("v4serve_kv_transfer_fallbacks", "Hand-over fetches that fell short, by "
+                                        "reason: the decode replica computed what was missing",
+                                        labels=["model_name", "reason"])
+        for reason in sorted(set(FALLBACK_REASONS) | set(s.fetch_fallbacks)):
+            fallbacks.add_metric([*name, reason], s.fetch_fallbacks.get(reason, 0))
+        yield fallbacks
+        yield _histogram("v4serve_kv_transfer_fetch_seconds", "Per-request hand-over fetch time (decode side)", name,
+                         s.fetch_seconds)
 
     def _vllm_names(self, s: EngineStats) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
@@ -306,6 +337,11 @@ class Metrics:
                               "room past --max-connections)", [*label, "reason"], registry=r)
         for reason in ("header_timeout", "idle_evicted"):
             self.closed.labels(**self.label, reason=reason)
+        # A prefill replica's side of hand-overs: what its HTTP server sent decode replicas.
+        self.sent_bytes = Counter("v4serve_kv_transfer_sent_bytes", "Store-file bytes a prefill replica sent decode "
+                                  "replicas over HTTP", label, registry=r).labels(**self.label)
+        self.sent = Counter("v4serve_kv_transfer_sent_requests", "Hand-overs a prefill replica sent over HTTP",
+                            label, registry=r).labels(**self.label)
 
     def add_tenant(self, tenant: str) -> None:
         self.prompt_tokens.labels(**self.label, tenant=tenant)

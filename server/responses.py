@@ -190,6 +190,8 @@ class ResponsesRequest(Fields):
     background: Literal[False] | None = None
     # v4serve's: how this request writes window-state snapshots for later hits (see --swa-cache-mode).
     swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
+    # vLLM's prefill/decode hand-over, which its router sends each leg (server/handover.py).
+    kv_transfer_params: dict[str, Any] | None = None
     include: list[str] | None = ignored("reasoning items always carry their text; nothing is encrypted or "
                                         "held back")
     user: str | None = ignored("an end-user id for the provider's abuse monitoring")
@@ -450,7 +452,7 @@ async def create(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest,
     (deltas,) = await front.collect(plan.generation, raw)
     response = _response(body, plan, _output(deltas, plan.thinking), deltas[-1], plan.generation.usage())
     _keep(stored, body, plan, response, deltas, owner_of(raw), front.tokenizer.eos_token_id)
-    return JSONResponse(response)
+    return JSONResponse({**response, **plan.generation.transfer_reply()})
 
 
 async def _plan(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, raw: Request) -> _Plan:
@@ -464,7 +466,8 @@ async def _plan(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, 
                                                      front.config.max_model_len, earlier,
                                                      front.config.unknown_fields)
     prompt = ready.prompt.tolist()
-    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode)
+    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode,
+                            stream=body.stream, kv_transfer_params=body.kv_transfer_params)
     max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
     output = front.output_options(fields, reasoning_end_token=front.think_end_id if thinking else None,
                                   tool_calls=ready.parse_calls, parallel_tool_calls=ready.parallel)

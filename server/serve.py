@@ -10,6 +10,7 @@ manager restarts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -38,11 +39,13 @@ from v4serve.server.config import (
     REQUEST_TOKENS_PER_CONTEXT,
     ServeConfig,
     check_parallel_flags,
+    default_store_dir,
     launched_rank,
 )
 from v4serve.server.connections import protocol_with_header_timeout
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
+from v4serve.server.handover import Handovers
 from v4serve.server.metrics import Metrics, use_multiprocess_values
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -140,8 +143,18 @@ def front_app(cfg: ServeConfig, tokenizer: Tokenizer, engine: EngineClient, info
                           allowed_origins=cfg.origins,
                           stall_timeout=cfg.stall_timeout, unknown_fields=cfg.unknown_fields,
                           stream_keepalive=cfg.stream_keepalive,
-                          version_info=info["version_info"], **({"created": created} if created else {}))
+                          version_info=info["version_info"], handovers=handovers(cfg),
+                          **({"created": created} if created else {}))
     return build_app(engine, tokenizer, server, metrics, prep)
+
+
+def handovers(cfg: ServeConfig) -> Handovers | None:
+    """This replica's role with prefill and decode apart, and where its hand-overs are (None: neither)."""
+    transfer = cfg.kv_transfer
+    if transfer is None:
+        return None
+    host, port = cfg.kv_transfer_address(transfer)
+    return Handovers(transfer, Path(cfg.kv_store_dir or default_store_dir()), host, port, cfg.api_key)
 
 
 def uvicorn_config(cfg: ServeConfig, app: FastAPI, port: int) -> uvicorn.Config:
@@ -364,6 +377,8 @@ def run(cfg: ServeConfig) -> None:
     check_parallel_flags(cfg, launched_rank())
     cfg.check_http_settings()
     sockets = bind_sockets(cfg.host, cfg.port)
+    if cfg.port == 0:  # the port the system picked is the daemon's (hand-overs name it to decode replicas)
+        cfg = dataclasses.replace(cfg, port=sockets[0].getsockname()[1])
     shared = SharedFolder.make() if cfg.api_server_count > 1 else None
     others: ApiServers | None = None
     try:

@@ -38,8 +38,9 @@ def router(command: Sequence[str], workers: Sequence[str], policy: str = "cache_
     for _ in range(5):
         port, metrics_port = free_port(), free_port()
         log = tempfile.NamedTemporaryFile("w+", prefix="v4serve-router-", suffix=".log", delete=False)  # noqa: SIM115
+        listed = ["--worker-urls", *workers] if workers else []  # none: PD mode lists its own in `extra`
         proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-                                 str(metrics_port), "--worker-urls", *workers, "--policy", policy, *extra],
+                                 str(metrics_port), *listed, "--policy", policy, *extra],
                                 stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from v4serve.cache.kv_transfer import KVSource
 from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Request, RequestLimits, SamplingParams
 from v4serve.engine.stats import EngineStats
@@ -47,14 +48,18 @@ class WireRequest(msgspec.Struct, array_like=True):
     cache_salt: str | None
     arrival_time: float  # CLOCK_MONOTONIC: one clock for every process of the machine
     swa_cache_mode: str | None = None
+    handover: str | None = None
+    kv_source: KVSource | None = None
 
     @classmethod
     def of(cls, r: Request) -> WireRequest:
-        return cls(r.request_id, r.prompt_token_ids, r.sampling, r.cache_salt, r.arrival_time, r.swa_cache_mode)
+        return cls(r.request_id, r.prompt_token_ids, r.sampling, r.cache_salt, r.arrival_time, r.swa_cache_mode,
+                   r.handover, r.kv_source)
 
     def request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling, cache_salt=self.cache_salt,
-                       arrival_time=self.arrival_time, swa_cache_mode=self.swa_cache_mode)
+                       arrival_time=self.arrival_time, swa_cache_mode=self.swa_cache_mode, handover=self.handover,
+                       kv_source=self.kv_source)
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):

@@ -1,0 +1,175 @@
+"""Prefill and decode on separate replicas behind vLLM's router (its PD mode, the pinned Rust binary from
+PyPI): one prefill replica and two decode replicas of the tiny model, each with a store of its own, so
+every hand-over crosses the network. Each API surface, streamed and not, answers through the router what
+one replica answers alone; the transfers are counted on both sides; a decode replica that already holds
+part of the prefix fetches only the rest; a hand-over that cannot be fetched is computed, never wrong.
+(tests/test_kv_transfer.py checks the hand-over's state below HTTP, in every SWA mode and at boundaries.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.daemon import PATIENCE, start_daemon
+from tests.routers import VLLM_ROUTER, router
+from tests.test_kv_transfer import dead_port
+
+DOCUMENT = "a long shared document, read once and asked about many times. " * 12
+COMPLETION = {"model": "v4serve-tiny", "prompt": DOCUMENT + "Q: what is it?", "max_tokens": 12, "temperature": 0}
+CHAT = {"model": "v4serve-tiny", "messages": [{"role": "user", "content": DOCUMENT + "what is it?"}],
+        "max_tokens": 12, "temperature": 0}
+RESPONSES = {"model": "v4serve-tiny", "input": DOCUMENT + "and then?", "max_output_tokens": 12, "temperature": 0}
+MESSAGES = {"model": "v4serve-tiny", "messages": [{"role": "user", "content": DOCUMENT + "why?"}], "max_tokens": 12,
+            "temperature": 0}
+
+
+def series(url: str, name: str, **labels: str) -> float:
+    """One sample of a replica's /metrics (0 if absent)."""
+    text = httpx.get(url + "/metrics", timeout=PATIENCE).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
+        if m and all(w in (m.group(1) or "") for w in want):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[dict[str, object]]:
+    root = tmp_path_factory.mktemp("pd")
+    producer = '{"kv_role": "kv_producer"}'
+    consumer = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {"fetch_timeout": PATIENCE}})
+    daemons = {"alone": start_daemon("--kv-store-dir", str(root / "alone"))}
+    try:
+        daemons["prefill"] = start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config", producer)
+        daemons["decode"] = [start_daemon("--kv-store-dir", str(root / f"d{i}"), "--kv-transfer-config", consumer)
+                             for i in range(2)]
+        with router(VLLM_ROUTER, [], policy="round_robin", extra=[
+                "--vllm-pd-disaggregation", "--prefill", daemons["prefill"].url,
+                *[a for d in daemons["decode"] for a in ("--decode", d.url)]]) as url:
+            yield {**daemons, "router": url}
+    finally:
+        for d in [daemons.get("alone"), daemons.get("prefill"), *daemons.get("decode", [])]:
+            if d is not None:
+                d.stop()
+
+
+def received(fleet) -> float:
+    return sum(series(d.url, "v4serve_kv_transfer_requests_total", source="network") for d in fleet["decode"])
+
+
+def text_of(path: str, reply: dict) -> str:
+    if path == "/v1/completions":
+        return reply["choices"][0]["text"]
+    if path == "/v1/chat/completions":
+        return reply["choices"][0]["message"]["content"]
+    if path == "/v1/responses":
+        return "".join(c["text"] for item in reply["output"] if item["type"] == "message" for c in item["content"])
+    return "".join(b["text"] for b in reply["content"] if b["type"] == "text")
+
+
+def streamed_text(path: str, lines: list[str]) -> str:
+    out = []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if path == "/v1/completions":
+            out += [c["text"] for c in event["choices"]]
+        elif path == "/v1/chat/completions":
+            out += [c["delta"].get("content") or "" for c in event["choices"]]
+        elif path == "/v1/responses" and event["type"] == "response.output_text.delta":
+            out.append(event["delta"])
+        elif path == "/v1/messages" and event["type"] == "content_block_delta" and "text" in event["delta"]:
+            out.append(event["delta"]["text"])
+    return "".join(out)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                                            ("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)],
+                         ids=["completions", "chat", "responses", "messages"])
+def test_every_surface_through_the_pd_router_answers_what_one_replica_does(fleet, path, body) -> None:
+    alone = httpx.post(fleet["alone"].url + path, json=body, timeout=PATIENCE).json()
+    handed_before = series(fleet["prefill"].url, "v4serve_kv_transfer_handovers_total", outcome="ok")
+    fetched_before = received(fleet)
+    routed = httpx.post(fleet["router"] + path, json=body, timeout=PATIENCE)
+    assert routed.status_code == 200, routed.text
+    assert text_of(path, routed.json()) == text_of(path, alone)
+    with httpx.stream("POST", fleet["router"] + path, json={**body, "stream": True}, timeout=PATIENCE) as stream:
+        assert stream.status_code == 200
+        lines = list(stream.iter_lines())
+    assert streamed_text(path, lines) == text_of(path, alone)
+    # Both requests were prefilled on the prefill replica and fetched by a decode replica over TCP.
+    assert series(fleet["prefill"].url, "v4serve_kv_transfer_handovers_total", outcome="ok") == handed_before + 2
+    assert received(fleet) == fetched_before + 2
+    for d in fleet["decode"]:
+        assert series(d.url, "v4serve_kv_transfer_fallbacks_total") == 0
+
+
+def test_the_decode_side_hits_all_but_the_last_prompt_token(fleet) -> None:
+    """(The router's reply reports the prefill leg's cached tokens: the decode replicas' own counters say
+    what they took from the hand-over.)"""
+    def hits() -> float:
+        return sum(series(d.url, "v4serve_prefix_cache_hits_total") for d in fleet["decode"])
+
+    before = hits()
+    routed = httpx.post(fleet["router"] + "/v1/completions", json={**COMPLETION, "prompt": DOCUMENT + "Q: how?"},
+                        timeout=PATIENCE).json()
+    assert hits() - before == routed["usage"]["prompt_tokens"] - 1
+
+
+def test_a_decode_replica_holding_part_of_the_prefix_fetches_only_the_rest(fleet) -> None:
+    """Sent leg by leg (as the router sends them) to one decode replica, which first served the document's
+    first half itself: its fetch brings fewer bytes than the same hand-over to its twin, which holds nothing."""
+    first, twin = fleet["decode"]
+    prompt = DOCUMENT * 2 + "Q: the second half?"
+    httpx.post(first.url + "/v1/completions", json={**COMPLETION, "prompt": DOCUMENT * 2, "max_tokens": 1},
+               timeout=PATIENCE).raise_for_status()
+    counts = []
+    for replica in (first, twin):
+        pre = httpx.post(fleet["prefill"].url + "/v1/completions",
+                         json={**COMPLETION, "prompt": prompt, "max_tokens": 1, "min_tokens": 1,
+                               "kv_transfer_params": {"do_remote_decode": True}}, timeout=PATIENCE).json()
+        before = series(replica.url, "v4serve_kv_transfer_received_bytes_total")
+        got = httpx.post(replica.url + "/v1/completions", json={**COMPLETION, "prompt": prompt,
+                                                                 "kv_transfer_params": pre["kv_transfer_params"]},
+                         timeout=PATIENCE).json()
+        counts.append(series(replica.url, "v4serve_kv_transfer_received_bytes_total") - before)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == got["usage"]["prompt_tokens"] - 1
+    assert 0 < counts[0] < counts[1]
+
+
+def test_a_hand_over_that_cannot_be_fetched_is_computed(fleet) -> None:
+    decode = fleet["decode"][0]
+    alone = httpx.post(fleet["alone"].url + "/v1/completions", json=COMPLETION, timeout=PATIENCE).json()
+    before = series(decode.url, "v4serve_kv_transfer_fallbacks_total", reason="unreachable")
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1",
+              "remote_port": dead_port(), "remote_request_id": "0" * 32}
+    got = httpx.post(decode.url + "/v1/completions", json={**COMPLETION, "kv_transfer_params": params},
+                     timeout=PATIENCE)
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert series(decode.url, "v4serve_kv_transfer_fallbacks_total", reason="unreachable") == before + 1
+    # A hand-over fetched already (or never made) is refused by the prefill replica: a fallback too.
+    gone = {**params, "remote_port": int(fleet["prefill"].url.rsplit(":", 1)[1]), "remote_request_id": "1" * 32}
+    got = httpx.post(decode.url + "/v1/completions", json={**COMPLETION, "kv_transfer_params": gone},
+                     timeout=PATIENCE)
+    assert got.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert series(decode.url, "v4serve_kv_transfer_fallbacks_total", reason="refused") >= 1
+
+
+def test_malformed_transfer_params_are_a_400(fleet) -> None:
+    decode = fleet["decode"][0]
+    bad = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "80", "remote_request_id": "x"}
+    reply = httpx.post(decode.url + "/v1/completions", json={**COMPLETION, "kv_transfer_params": bad},
+                       timeout=PATIENCE)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "kv_transfer_params"
+    # The hand-over endpoints take only a hand-over's own id and files.
+    prefill = fleet["prefill"].url
+    assert httpx.get(prefill + "/v4serve/kv_transfer/..%2f..%2fetc", timeout=PATIENCE).status_code == 404
+    assert httpx.post(prefill + "/v4serve/kv_transfer/" + "2" * 32 + "/files", json={"names": ["../x"]},
+                      timeout=PATIENCE).status_code == 404
