@@ -182,3 +182,19 @@ def test_unfetched_hand_overs_are_dropped_after_the_hold(tmp_path) -> None:
     os.utime(folder, (1.0, 1.0))  # written long ago
     newer, _ = prefill(model, tmp_path, tokens(40, 9), "periodic")  # each hand-over sweeps those past the hold
     assert not folder.exists() and (tmp_path / HANDOVER_DIR / newer / MANIFEST).is_file()
+
+
+@pytest.mark.parametrize("length", [32, 33, 34])
+def test_under_batch_invariant_kernels_a_hand_over_is_bitwise_the_cold_run(tmp_path, length) -> None:
+    from tests.helpers import SMALL_ONE_OF_EACH
+    from v4serve.engine.model.tiny import build_tiny, tiny_config
+    from v4serve.kernels.registry import load_kernels
+
+    model = build_tiny(tiny_config(**SMALL_ONE_OF_EACH), seed=11)
+    model.use_kernels(load_kernels("torch", "cpu", batch_invariant=True))
+    prompt = tokens(length, 40 + length)
+    want, want_logits = cold(model, prompt)
+    transfer_id, _ = prefill(model, tmp_path, prompt, "periodic")
+    req, engine = decode(model, tmp_path, prompt, KVSource("127.0.0.1", 9, transfer_id), "periodic")
+    assert req.output_token_ids == want and req.num_cached_tokens == length - 1
+    assert torch_stack(engine.logits["decode"]).equal(torch_stack(want_logits))

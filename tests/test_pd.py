@@ -7,8 +7,11 @@ part of the prefix fetches only the rest; a hand-over that cannot be fetched is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -22,6 +25,11 @@ DOCUMENT = "a long shared document, read once and asked about many times. " * 12
 COMPLETION = {"model": "v4serve-tiny", "prompt": DOCUMENT + "Q: what is it?", "max_tokens": 12, "temperature": 0}
 CHAT = {"model": "v4serve-tiny", "messages": [{"role": "user", "content": DOCUMENT + "what is it?"}],
         "max_tokens": 12, "temperature": 0}
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+CHAT_TOOLS = {**CHAT, "max_tokens": 40, "tools": [LOOKUP], "tool_choice": "required"}
+CHAT_JSON = {**CHAT, "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {
+    "name": "o", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}
 RESPONSES = {"model": "v4serve-tiny", "input": DOCUMENT + "and then?", "max_output_tokens": 12, "temperature": 0}
 MESSAGES = {"model": "v4serve-tiny", "messages": [{"role": "user", "content": DOCUMENT + "why?"}], "max_tokens": 12,
             "temperature": 0}
@@ -67,14 +75,16 @@ def text_of(path: str, reply: dict) -> str:
     if path == "/v1/completions":
         return reply["choices"][0]["text"]
     if path == "/v1/chat/completions":
-        return reply["choices"][0]["message"]["content"]
+        message = reply["choices"][0]["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        return (message["content"] or "") + json.dumps(calls)
     if path == "/v1/responses":
         return "".join(c["text"] for item in reply["output"] if item["type"] == "message" for c in item["content"])
     return "".join(b["text"] for b in reply["content"] if b["type"] == "text")
 
 
 def streamed_text(path: str, lines: list[str]) -> str:
-    out = []
+    out, calls = [], {}
     for line in lines:
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -83,20 +93,29 @@ def streamed_text(path: str, lines: list[str]) -> str:
             out += [c["text"] for c in event["choices"]]
         elif path == "/v1/chat/completions":
             out += [c["delta"].get("content") or "" for c in event["choices"]]
+            for c in event["choices"]:
+                for call in c["delta"].get("tool_calls") or []:
+                    name, args = calls.get(call["index"], ("", ""))
+                    calls[call["index"]] = (name + (call["function"].get("name") or ""),
+                                            args + call["function"].get("arguments", ""))
         elif path == "/v1/responses" and event["type"] == "response.output_text.delta":
             out.append(event["delta"])
         elif path == "/v1/messages" and event["type"] == "content_block_delta" and "text" in event["delta"]:
             out.append(event["delta"]["text"])
+    if path == "/v1/chat/completions":
+        out.append(json.dumps([calls[i] for i in sorted(calls)]))
     return "".join(out)
 
 
 @pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                                            ("/v1/chat/completions", CHAT_TOOLS), ("/v1/chat/completions", CHAT_JSON),
                                             ("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)],
-                         ids=["completions", "chat", "responses", "messages"])
+                         ids=["completions", "chat", "chat-tools", "chat-json-schema", "responses", "messages"])
 def test_every_surface_through_the_pd_router_answers_what_one_replica_does(fleet, path, body) -> None:
     alone = httpx.post(fleet["alone"].url + path, json=body, timeout=PATIENCE).json()
     handed_before = series(fleet["prefill"].url, "v4serve_kv_transfer_handovers_total", outcome="ok")
     fetched_before = received(fleet)
+    assert text_of(path, alone) and ("lookup" in text_of(path, alone) if body is CHAT_TOOLS else True)
     routed = httpx.post(fleet["router"] + path, json=body, timeout=PATIENCE)
     assert routed.status_code == 200, routed.text
     assert text_of(path, routed.json()) == text_of(path, alone)
@@ -173,3 +192,62 @@ def test_malformed_transfer_params_are_a_400(fleet) -> None:
     assert httpx.get(prefill + "/v4serve/kv_transfer/..%2f..%2fetc", timeout=PATIENCE).status_code == 404
     assert httpx.post(prefill + "/v4serve/kv_transfer/" + "2" * 32 + "/files", json={"names": ["../x"]},
                       timeout=PATIENCE).status_code == 404
+
+
+@contextlib.contextmanager
+def cutting_proxy(target_port: int, keep: int) -> Iterator[int]:
+    """A TCP proxy to `target_port` that passes requests whole and then only the first `keep` bytes of
+    what comes back before closing both sides: a hand-over cut mid-transfer (the injected fault)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", target_port))
+            threading.Thread(target=pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, client, keep), daemon=True).start()
+
+    def pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        passed = 0
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if limit is not None and passed + len(data) > limit:
+                    dst.sendall(data[:limit - passed])
+                    break
+                dst.sendall(data)
+                passed += len(data)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+
+
+def test_a_hand_over_cut_mid_transfer_is_computed(fleet) -> None:
+    """The files' reply ends 100 KB in (inside a block file): the files before the cut are kept, the rest
+    is computed, the output is the one a single replica gives."""
+    decode, prefill = fleet["decode"][1], fleet["prefill"].url
+    body = {**COMPLETION, "prompt": DOCUMENT * 3 + "Q: cut?"}
+    alone = httpx.post(fleet["alone"].url + "/v1/completions", json=body, timeout=PATIENCE).json()
+    pre = httpx.post(prefill + "/v1/completions", json={**body, "max_tokens": 1, "min_tokens": 1,
+                                                        "kv_transfer_params": {"do_remote_decode": True}},
+                     timeout=PATIENCE).json()
+    before = series(decode.url, "v4serve_kv_transfer_fallbacks_total")
+    with cutting_proxy(int(prefill.rsplit(":", 1)[1]), keep=100_000) as port:
+        params = {**pre["kv_transfer_params"], "remote_port": port}
+        got = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": params},
+                         timeout=PATIENCE).json()
+    assert got["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert series(decode.url, "v4serve_kv_transfer_fallbacks_total") == before + 1
+    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached < got["usage"]["prompt_tokens"] - 1
