@@ -308,14 +308,15 @@ class KVCacheManager:
                 entries.append((KIND_RESPONSE, key))
         return store.hand_over(transfer_id, entries, hold_seconds)
 
-    def start_fetch(self, kv: RequestKV, source: KVSource, timeout: float, api_key: str | None) -> bool:
+    def start_fetch(self, kv: RequestKV, source: KVSource, timeout: float, api_key: str | None,
+                    trusted: tuple[str, ...] = ()) -> bool:
         """A decode replica's side: fetch a prefill replica's hand-over into the store on a thread of its
         own (the request waits meanwhile; its prefix then comes from the store as any disk hit does).
         False without a store."""
         store = self.store
         if store is None:
             return False
-        kv.fetch = in_daemon_thread(lambda: fetch(store, source, timeout, api_key))
+        kv.fetch = in_daemon_thread(lambda: fetch(store, source, timeout, api_key, trusted))
         return True
 
     def finish_fetch(self, kv: RequestKV) -> FetchResult:

@@ -61,6 +61,9 @@ class KVTransferConfig:
     hold_seconds: float = 120.0  # a hand-over nobody fetched is dropped after this
     fetch_timeout: float = 30.0  # a fetch still running after this is abandoned (what arrived is kept)
     peer_api_key: str | None = None  # the key sent to prefill replicas (default: this daemon's --api-key)
+    # "host:port" of prefill replicas whose hand-overs are fetched unsigned though this daemon has a key
+    # (SGLang's router sends both legs at once: there is no prefill reply to carry a signature).
+    trusted_producers: tuple[str, ...] = ()
 
     @property
     def producer(self) -> bool:
@@ -84,7 +87,7 @@ class KVTransferConfig:
             raise ValueError("--kv-transfer-config: kv_connector_extra_config must be a JSON object")
         for name in VLLM_IGNORED:
             raw.pop(name, None)
-        own = {"hold_seconds", "fetch_timeout", "peer_api_key"}
+        own = {"hold_seconds", "fetch_timeout", "peer_api_key", "trusted_producers"}
         known = {f.name for f in fields(cls)} - own
         unknown = sorted(set(raw) - known) + [f"kv_connector_extra_config.{k}" for k in sorted(set(extra) - own)]
         if unknown:
@@ -92,7 +95,10 @@ class KVTransferConfig:
                              f"and kv_connector_extra_config's {sorted(own)}")
         if raw.get("kv_connector") is None:
             raw.pop("kv_connector", None)
-        config = cls(**raw, **extra)
+        trusted = extra.pop("trusted_producers", [])
+        if not isinstance(trusted, list) or not all(isinstance(t, str) and ":" in t for t in trusted):
+            raise ValueError('--kv-transfer-config: trusted_producers must be a list of "host:port"')
+        config = cls(**raw, **extra, trusted_producers=tuple(trusted))
         config.check()
         return config
 
@@ -140,6 +146,9 @@ class KVSource:
     port: int
     transfer_id: str
     signature: str | None = None  # `signature(key, ...)` by the prefill replica, when it has a key
+    # The hand-over may still be being made (SGLang's router sends both legs at once): the prefill replica
+    # is asked to wait for it. vLLM's sends the decode leg once the prefill leg has answered.
+    wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,14 +167,17 @@ class FetchFailed(Exception):
         self.reason = reason
 
 
-def fetch(store: SSDStore, source: KVSource, timeout: float, api_key: str | None) -> FetchResult:
-    """Bring a hand-over's files this store lacks into it (a reader thread's work; never raises)."""
+def fetch(store: SSDStore, source: KVSource, timeout: float, api_key: str | None,
+          trusted: tuple[str, ...] = ()) -> FetchResult:
+    """Bring a hand-over's files this store lacks into it (a reader thread's work; never raises). With
+    an API key, only from addresses signed with it or listed in `trusted`."""
     t0 = time.perf_counter()
     progress = [0, 0]  # files, bytes written so far
     local = store.handover_dir(source.transfer_id)
     try:
         expected = signature(api_key, source.transfer_id, source.host, source.port)
-        if expected is not None and not hmac.compare_digest(expected, source.signature or ""):
+        if (expected is not None and not hmac.compare_digest(expected, source.signature or "")
+                and f"{source.host}:{source.port}" not in trusted):
             raise FetchFailed("unsigned", f"a hand-over from {source.host}:{source.port} not signed with this "
                                           "daemon's key: its key is not sent there")
         if (local / MANIFEST).is_file():
@@ -234,7 +246,8 @@ def _fetch_remote(store: SSDStore, source: KVSource, timeout: float, api_key: st
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     conn = http.client.HTTPConnection(source.host, source.port, timeout=timeout)
     try:
-        manifest = json.loads(_request(conn, "GET", PATH + source.transfer_id, headers, None).read())
+        wait = f"?wait={0.8 * timeout:g}" if source.wait else ""
+        manifest = json.loads(_request(conn, "GET", PATH + source.transfer_id + wait, headers, None).read())
         wanted, complete = _missing(store, manifest)
         if not wanted:
             return complete

@@ -289,7 +289,7 @@ class Scheduler:
         transfer, source = self.config.kv_transfer, request.kv_source
         assert source is not None
         if transfer is None or not transfer.consumer or not self.kv.start_fetch(
-                request.kv, source, transfer.fetch_timeout, self.config.transfer_key):
+                request.kv, source, transfer.fetch_timeout, self.config.transfer_key, transfer.trusted_producers):
             self.stats.fetch_fallbacks["store"] += 1
             log.warning("%s names a hand-over but this replica cannot fetch one: it computes its prompt",
                         request.request_id)

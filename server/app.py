@@ -278,8 +278,9 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
 
     # Prefill and decode apart: a decode replica fetches this (prefill) replica's hand-overs here.
     @app.get(PATH + "{transfer_id}", include_in_schema=False)
-    async def kv_transfer_manifest(transfer_id: str) -> dict[str, Any]:
-        return _handovers().manifest(transfer_id)
+    async def kv_transfer_manifest(transfer_id: str, wait: float = 0.0) -> dict[str, Any]:
+        handovers = _handovers()
+        return await handovers.manifest_when_made(transfer_id, min(max(wait, 0.0), handovers.config.fetch_timeout))
 
     @app.post(PATH + "{transfer_id}/files", include_in_schema=False)
     async def kv_transfer_files(transfer_id: str, raw: Request) -> StreamingResponse:

@@ -32,7 +32,7 @@ from v4serve.server.config import (
 )
 from v4serve.server.errors import ApiError, echo, internal_error
 from v4serve.server.framing import PromptUsage
-from v4serve.server.handover import Handovers, request_transfer
+from v4serve.server.handover import Handovers, request_transfer, sglang_transfer
 from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.protocol import SamplingFields
@@ -347,6 +347,11 @@ class FrontEnd:
         tenant = CURRENT_TENANT.get()
         salt = scoped_salt(tenant if self.config.isolate_tenants else None, body.cache_salt)
         handover, source = request_transfer(self.config.handovers, body.kv_transfer_params, body.stream, prompts)
+        if body.bootstrap_room is not None:
+            handover, source = sglang_transfer(self.config.handovers, body.bootstrap_host, body.bootstrap_port,
+                                               body.bootstrap_room)
+            if handover is not None:  # SGLang's prefill leg asks for the whole answer; the decode leg gives it
+                max_tokens = 1
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None,
                                                 choice_index=i, grammar=grammar,

@@ -78,6 +78,14 @@ class Handovers:
             raise ApiError(404, f"no hand-over {transfer_id} here (fetched already, or older than "
                                 f"{self.config.hold_seconds:g} s)", code="not_found") from exc
 
+    async def manifest_when_made(self, transfer_id: str, wait: float) -> dict[str, Any]:
+        """The manifest, waiting up to `wait` seconds for it to be made (SGLang's router sends the decode
+        leg as the prefill leg starts; vLLM's only once it has ended, when it is there already)."""
+        deadline = time.monotonic() + wait
+        while not (self.folder(transfer_id) / MANIFEST).is_file() and time.monotonic() < deadline:
+            await asyncio.sleep(MANIFEST_POLL * 4)
+        return self.manifest(transfer_id)
+
     def files(self, transfer_id: str, names: Any, sent: Any, sent_bytes: Any) -> Iterator[bytes]:
         """The named files of a hand-over, back to back in the order asked (each must be in its
         manifest); once all are sent the hand-over is dropped. `sent`/`sent_bytes`: metric series."""
@@ -100,6 +108,28 @@ class Handovers:
                 f.close()
         sent.inc()
         shutil.rmtree(folder, ignore_errors=True)  # fetched: held no longer
+
+
+def sglang_transfer(handovers: Handovers | None, host: str | None, port: int | None,
+                    room: int | None) -> tuple[str | None, KVSource | None]:
+    """SGLang's router sends the same request to the prefill and the decode replica at once, naming the
+    prefill replica (`bootstrap_host`, `bootstrap_port`: give it the prefill replica's own HTTP port) and a
+    room: the prefill replica hands over under the room's id, the decode replica fetches it from there
+    (the prefill replica's manifest request waits until the hand-over is made)."""
+    if room is None:
+        return None, None
+    if handovers is None or host is None or port is None:
+        note_once("sglang-pd-role", "a request names an SGLang bootstrap room, but this replica has no "
+                  "--kv-transfer-config role (or the request names no bootstrap host and port): it is served "
+                  "whole here", level=logging.WARNING)
+        return None, None
+    transfer_id = f"{room:032x}"
+    here = host == handovers.host and port == handovers.port
+    if handovers.config.producer and (here or not handovers.config.consumer):
+        return transfer_id, None
+    if handovers.config.consumer:
+        return None, KVSource(host, port, transfer_id, wait=True)
+    return None, None
 
 
 def request_transfer(handovers: Handovers | None, params: dict[str, Any] | None, stream: bool,
@@ -144,4 +174,4 @@ def source(params: dict[str, Any]) -> KVSource | None:
     return KVSource(host, port, transfer_id, sig)
 
 
-__all__ = ["PATH", "Handovers", "request_transfer", "source"]
+__all__ = ["PATH", "Handovers", "request_transfer", "sglang_transfer", "source"]

@@ -151,8 +151,12 @@ class SamplingFields(Fields):
     cache_salt: str | None = None
     # How this request writes window-state snapshots for later hits (None: the daemon's --swa-cache-mode).
     swa_cache_mode: Literal["full", "periodic", "zero", "auto"] | None = None
-    # vLLM's prefill/decode hand-over (server/handover.py): what its router sends each leg.
+    # vLLM's prefill/decode hand-over (server/handover.py): what its router sends each leg; SGLang's router
+    # sends both legs the same request at once, naming the prefill replica and a room number.
     kv_transfer_params: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, gt=0, lt=65536)
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
     user: str | None = ignored("an end-user id for the provider's abuse monitoring; v4serve keeps no such records")
     # SGLang's extras, which vLLM's and SGLang's routers forward at their defaults: honoured, or refused
     # (naming the field) when a value asks for what v4serve does not do.

@@ -41,6 +41,7 @@ def test_the_config_takes_vllms_shape_and_names_what_is_wrong() -> None:
         ('{"kv_role": "kv_producer", "kv_connector_extra_config": {"hold_seconds": 0}}', "hold_seconds"),
         ('{"kv_role": "kv_producer", "kv_load_failure_policy": "fail"}', "recompute"),
         ('{"kv_role": "kv_producer", "kv_port": 70000}', "kv_port"),
+        ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"trusted_producers": "h:1"}}', "host:port"),
         ("[1]", "JSON object"), ("{", "not JSON"),
     ]:
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -159,6 +160,10 @@ def test_a_fetch_from_nowhere_or_unsigned_is_a_fallback(tmp_path) -> None:
         assert unsigned.fallback == "unsigned" and "not sent" in unsigned.detail
         forged = KVSource("127.0.0.1", 8000, transfer_id, signature("sk-other", transfer_id, "127.0.0.1", 8000))
         assert fetch(store, forged, 5.0, "sk-shared").fallback == "unsigned"
+        # A producer listed as trusted is asked unsigned (SGLang's router carries no signature).
+        port = dead_port()
+        trusted = fetch(store, KVSource("127.0.0.1", port, transfer_id), 5.0, "sk-shared", (f"127.0.0.1:{port}",))
+        assert trusted.fallback == "unreachable"
     finally:
         store.close()
 

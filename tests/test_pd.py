@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.daemon import PATIENCE, start_daemon
-from tests.routers import VLLM_ROUTER, router
+from tests.routers import SGLANG_ROUTER, VLLM_ROUTER, router
 from tests.test_kv_transfer import dead_port
 
 DOCUMENT = "a long shared document, read once and asked about many times. " * 12
@@ -52,9 +52,10 @@ def fleet(tmp_path_factory) -> Iterator[dict[str, object]]:
     root = tmp_path_factory.mktemp("pd")
     producer = '{"kv_role": "kv_producer"}'
     consumer = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {"fetch_timeout": PATIENCE}})
-    daemons = {"alone": start_daemon("--kv-store-dir", str(root / "alone"))}
+    # The prefill replica answers requests without transfer params as any replica does: the truth.
+    daemons = {"prefill": start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config", producer)}
+    daemons["alone"] = daemons["prefill"]
     try:
-        daemons["prefill"] = start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config", producer)
         daemons["decode"] = [start_daemon("--kv-store-dir", str(root / f"d{i}"), "--kv-transfer-config", consumer)
                              for i in range(2)]
         with router(VLLM_ROUTER, [], policy="round_robin", extra=[
@@ -62,13 +63,17 @@ def fleet(tmp_path_factory) -> Iterator[dict[str, object]]:
                 *[a for d in daemons["decode"] for a in ("--decode", d.url)]]) as url:
             yield {**daemons, "router": url}
     finally:
-        for d in [daemons.get("alone"), daemons.get("prefill"), *daemons.get("decode", [])]:
+        for d in [daemons["prefill"], *daemons.get("decode", [])]:
             if d is not None:
                 d.stop()
 
 
 def received(fleet) -> float:
     return sum(series(d.url, "v4serve_kv_transfer_requests_total", source="network") for d in fleet["decode"])
+
+
+def fallbacks(fleet) -> float:
+    return sum(series(d.url, "v4serve_kv_transfer_fallbacks_total") for d in fleet["decode"])
 
 
 def text_of(path: str, reply: dict) -> str:
@@ -114,7 +119,7 @@ def streamed_text(path: str, lines: list[str]) -> str:
 def test_every_surface_through_the_pd_router_answers_what_one_replica_does(fleet, path, body) -> None:
     alone = httpx.post(fleet["alone"].url + path, json=body, timeout=PATIENCE).json()
     handed_before = series(fleet["prefill"].url, "v4serve_kv_transfer_handovers_total", outcome="ok")
-    fetched_before = received(fleet)
+    fetched_before, fell_before = received(fleet), fallbacks(fleet)
     assert text_of(path, alone) and ("lookup" in text_of(path, alone) if body is CHAT_TOOLS else True)
     routed = httpx.post(fleet["router"] + path, json=body, timeout=PATIENCE)
     assert routed.status_code == 200, routed.text
@@ -125,9 +130,7 @@ def test_every_surface_through_the_pd_router_answers_what_one_replica_does(fleet
     assert streamed_text(path, lines) == text_of(path, alone)
     # Both requests were prefilled on the prefill replica and fetched by a decode replica over TCP.
     assert series(fleet["prefill"].url, "v4serve_kv_transfer_handovers_total", outcome="ok") == handed_before + 2
-    assert received(fleet) == fetched_before + 2
-    for d in fleet["decode"]:
-        assert series(d.url, "v4serve_kv_transfer_fallbacks_total") == 0
+    assert received(fleet) == fetched_before + 2 and fallbacks(fleet) == fell_before
 
 
 def test_the_decode_side_hits_all_but_the_last_prompt_token(fleet) -> None:
@@ -251,3 +254,25 @@ def test_a_hand_over_cut_mid_transfer_is_computed(fleet) -> None:
     assert series(decode.url, "v4serve_kv_transfer_fallbacks_total") == before + 1
     cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached < got["usage"]["prompt_tokens"] - 1
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT_TOOLS)],
+                         ids=["completions", "chat-tools"])
+def test_sglang_routers_pd_mode_gets_what_one_replica_gives(fleet, path, body) -> None:
+    """SGLang's router sends both legs at once with a bootstrap room (no Mooncake: the prefill replica's
+    HTTP port is its bootstrap port, and the decode replica's fetch waits for the hand-over to be made)."""
+    prefill = fleet["prefill"].url
+    alone = httpx.post(fleet["alone"].url + path, json=body, timeout=PATIENCE).json()
+    decode_args = [a for d in fleet["decode"] for a in ("--decode", d.url)]
+    with router(SGLANG_ROUTER, [], policy="round_robin", extra=[
+            "--pd-disaggregation", "--prefill", prefill, prefill.rsplit(":", 1)[1], *decode_args]) as url:
+        handed_before = series(prefill, "v4serve_kv_transfer_handovers_total", outcome="ok")
+        fetched_before, fell_before = received(fleet), fallbacks(fleet)
+        routed = httpx.post(url + path, json=body, timeout=PATIENCE)
+        assert routed.status_code == 200, routed.text
+        assert text_of(path, routed.json()) == text_of(path, alone)
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=PATIENCE) as stream:
+            lines = list(stream.iter_lines())
+        assert streamed_text(path, lines) == text_of(path, alone)
+    assert series(prefill, "v4serve_kv_transfer_handovers_total", outcome="ok") == handed_before + 2
+    assert received(fleet) == fetched_before + 2 and fallbacks(fleet) == fell_before
