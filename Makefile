@@ -115,6 +115,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_kv_fp8.py
 	$(PY) bench/bench_weights.py
 	$(PY) bench/bench_host.py --gc
+	$(PY) bench/bench_pd.py
 
 clean:
 	rm -rf $(VENV) $(AGENTS) *.egg-info .pytest_cache .ruff_cache

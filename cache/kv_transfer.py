@@ -193,6 +193,10 @@ def _missing(store: SSDStore, manifest: dict[str, Any]) -> tuple[list[dict[str, 
     """(the manifest's entries this store lacks, in order; whether the hand-over is whole)."""
     try:
         entries = manifest["files"]
+        previous = None
+        for e in entries:  # blocks come in chain order: each continues the one before (KV events name it)
+            if int(e["kind"]) == KIND_BLOCK:
+                e["parent"], previous = previous, e["key"]
         wanted = [e for e in entries if not _present(store, e)]
         return wanted, bool(manifest.get("complete", True))
     except (KeyError, TypeError, ValueError) as exc:

@@ -1,5 +1,6 @@
 """vLLM's and SGLang's routers (the pinned Rust binaries from PyPI) started over replicas on loopback
-ports: shared by tests/test_routers.py, tests/test_fleet.py and bench/bench_fleet.py."""
+ports: shared by tests/test_routers.py, tests/test_fleet.py, tests/test_pd.py, bench/bench_fleet.py and
+bench/bench_pd.py."""
 
 from __future__ import annotations
 

@@ -203,3 +203,29 @@ def test_under_batch_invariant_kernels_a_hand_over_is_bitwise_the_cold_run(tmp_p
     req, engine = decode(model, tmp_path, prompt, KVSource("127.0.0.1", 9, transfer_id), "periodic")
     assert req.output_token_ids == want and req.num_cached_tokens == length - 1
     assert torch_stack(engine.logits["decode"]).equal(torch_stack(want_logits))
+
+
+def test_both_roles_announce_their_blocks_as_kv_events(tmp_path) -> None:
+    """The decode replica announces each block it brings in: on disk as the file is written, on the
+    device once read (parents first, as routers need); the prefill replica its own as always."""
+    from tests.test_kv_events import EVENTS, catch_up, device_hashes, disk_hashes, subscribed
+
+    model = small_model()
+    prompt = tokens(75, 12)
+    transfer_id, _ = prefill(model, tmp_path / "p", prompt, "periodic")
+    shutil.copytree(tmp_path / "p" / HANDOVER_DIR / transfer_id, tmp_path / "d" / HANDOVER_DIR / transfer_id)
+    engine = engine_for(model, kv_store_dir=str(tmp_path / "d"), kv_transfer=CONSUMER, kv_events=EVENTS,
+                        kv_store_read_timeout=PATIENCE)
+    try:
+        with subscribed(engine, model) as sub:
+            req = greedy("decode", prompt, 2)
+            req.kv_source = KVSource("127.0.0.1", 9, transfer_id)
+            engine.generate([req])
+            engine.kv.store.flush()
+            catch_up(engine, sub)
+            assert engine.scheduler.stats.fetched_files == 5 and req.num_cached_tokens == 74
+            handed = set(req.kv.block_hashes[:4])
+            assert handed <= sub.replica.blocks["DISK"] == disk_hashes(engine)
+            assert handed <= sub.replica.blocks["GPU"] == device_hashes(engine)
+    finally:
+        engine.close()

@@ -183,5 +183,7 @@ def gather_vocab(logits: torch.Tensor, vocab: int, chunk: int) -> torch.Tensor:
 
 
 def default_threads(ranks: int) -> int:
-    """CPU threads per rank so N ranks do not oversubscribe the cores."""
-    return max(1, (os.cpu_count() or 1) // ranks)
+    """CPU threads per rank so N ranks do not oversubscribe the cores this process may run on (a cpuset
+    or `taskset` gives fewer than the machine has)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks)
