@@ -16,6 +16,7 @@ need not be computed again; the State Cache's policy says where computation resu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -351,13 +352,16 @@ class KVCacheManager:
                                          kv.root)
         return True
 
-    def finish_disk_load(self, kv: RequestKV) -> float:
-        """Install a finished read (raises what the read raised); returns its seconds."""
+    def finish_disk_load(self, kv: RequestKV) -> DiskLoad:
+        """Install a finished read (raises what the read raised); returns it, its phases complete."""
         assert kv.disk_load is not None and kv.disk_load.done()
         future, kv.disk_load = kv.disk_load, None
         load: DiskLoad = future.result()
+        t0 = time.perf_counter()
         kv.disk_tokens = self._install(load, kv.block_hashes) * self.config.block_size
-        return load.seconds
+        load.phases["wait"] = t0 - load.done_at  # done on its thread, not yet taken up by the engine's
+        load.phases["install"] = time.perf_counter() - t0
+        return load
 
     def _install(self, load: DiskLoad, hashes: Sequence[bytes]) -> int:
         """Copy loaded blocks into free device blocks and make them findable (refcount 0, like any

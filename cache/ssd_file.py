@@ -3,7 +3,8 @@ the temp files it is written through. Plain Python, no torch.
 
 A file is a header — magic, format version, kind (block or snapshot), namespace digest, chain hash,
 token count, layout length, payload length — then the block's token ids (so a hash collision is a
-miss, never wrong tokens), the layout descriptor, the payload and a CRC32 of all of it. A read
+miss, never wrong tokens), the layout descriptor, the payload and an XXH3-64 checksum of all of it
+(~20 GB/s on one core: a hit's checksum costs a fraction of its read; zlib's CRC32 ran at ~1.7). A read
 serves the payload only if every field is what the reader expects: the kind it asked for, its
 namespace, hash, tokens and layout, and exactly the payload length its layout needs.
 """
@@ -15,18 +16,19 @@ import socket
 import struct
 import time
 import uuid
-import zlib
 from collections.abc import Sequence
 
+import xxhash
+
 MAGIC = b"V4KVSTOR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: XXH3-64 instead of CRC32 (a version-1 file is a miss)
 # A sealed block; the slot state at a block boundary; the slot state and open block where a response ended.
 KIND_BLOCK, KIND_SNAPSHOT, KIND_RESPONSE = 1, 2, 3
 KIND_NAMES = {KIND_BLOCK: "block", KIND_SNAPSHOT: "snapshot", KIND_RESPONSE: "response-end"}
 SUFFIX = {KIND_BLOCK: ".blk", KIND_SNAPSHOT: ".snap", KIND_RESPONSE: ".resp"}
 # magic, version, kind, namespace, hash, token count, layout length, payload length
 _HEAD = struct.Struct("<8sHB32s32sIIQ")
-_CRC = struct.Struct("<I")
+_CRC = struct.Struct("<Q")  # the checksum (XXH3-64); the name says where it sits, not which it is
 ERROR_KINDS = ("truncated", "checksum", "namespace", "collision", "format", "unreadable", "timeout", "enospc",
                "write")
 
@@ -43,10 +45,15 @@ def encode(kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int]
     length = sum(len(p) for p in payload)
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, kind, namespace, block_hash, len(tokens), len(layout), length)
     token_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
-    crc = 0
-    for part in (head, token_bytes, layout, *payload):
-        crc = zlib.crc32(part, crc)
-    return [head, token_bytes, layout, *payload, _CRC.pack(crc)]
+    return [head, token_bytes, layout, *payload, _CRC.pack(checksum((head, token_bytes, layout, *payload)))]
+
+
+def checksum(parts: Sequence[bytes | bytearray | memoryview]) -> int:
+    """XXH3-64 of the parts in order, as of their concatenation."""
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
 
 
 HEADER_BYTES = _HEAD.size
@@ -89,7 +96,7 @@ def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: byt
     if len(data) != body + _CRC.size:
         fault = "truncated" if len(data) < body + _CRC.size else "format"
         raise StoreFileError(fault, f"{len(data)} bytes, header says {body + _CRC.size}")
-    if zlib.crc32(memoryview(data)[:body]) != _CRC.unpack_from(data, body)[0]:
+    if xxhash.xxh3_64_intdigest(memoryview(data)[:body]) != _CRC.unpack_from(data, body)[0]:
         raise StoreFileError("checksum", "checksum mismatch")
     if file_kind != kind:
         found = KIND_NAMES.get(file_kind, f"kind {file_kind}")

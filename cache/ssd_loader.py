@@ -11,6 +11,7 @@ the prefix there: a miss.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,6 +42,14 @@ class DiskLoad:
     snapshot: tuple[bytes, Any] | None = None  # (key, host state)
     response: tuple[bytes, ResponseEnd] | None = None  # (key, the end of a response the request continues)
     seconds: float = 0.0
+    # Where the load's time went (LOAD_PHASES): waiting for a reader thread, reading files and checking
+    # them (thread seconds: files are read in parallel), building the host tensors; the engine thread
+    # adds installing them and the wait before it did.
+    phases: Counter = field(default_factory=Counter)
+    done_at: float = 0.0  # perf_counter when the reader finished
+
+
+LOAD_PHASES = ("queue", "read", "verify", "stack", "wait", "install")
 
 
 
@@ -73,42 +82,52 @@ class SSDLoader:
         """Read blocks [first, first+count), the best snapshot and, given the chain's `root`, the
         response end the request continues (if any) on a reader thread → DiskLoad."""
         hashes, tokens = list(hashes), list(tokens)
-        return self.store.submit(lambda: self._read(hashes, tokens, first, count, root))
+        submitted = time.perf_counter()
+        return self.store.submit(lambda: self._read(hashes, tokens, first, count, root, submitted))
 
-    def _read(self, hashes: list[bytes], tokens: list[int], first: int, count: int, root: bytes | None) -> DiskLoad:
+    def _read(self, hashes: list[bytes], tokens: list[int], first: int, count: int, root: bytes | None,
+              submitted: float) -> DiskLoad:
         t0, b = time.perf_counter(), self.block_size
         load = DiskLoad(first=first)
+        load.phases["queue"] = t0 - submitted
         items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
         # The snapshot at the end of the run is read alongside the blocks; if a bad block cuts the
         # run short, a nearer one is looked for afterwards.
-        snapshot = in_daemon_thread(lambda: self._read_snapshot(hashes, tokens, first + count))
-        payloads = self.store.get_many(KIND_BLOCK, items)
+        beside: Counter = Counter()
+        snapshot = in_daemon_thread(lambda: self._read_snapshot(hashes, tokens, first + count, beside))
+        payloads = self.store.get_many(KIND_BLOCK, items, load.phases)
         load.hashes = [h for h, _ in items[: len(payloads)]]
         load.tokens = [tuple(t) for _, t in items[: len(payloads)]]
+        t_stack = time.perf_counter()
         load.stacked = self.codec.stack_block_payloads(payloads) if payloads else []
+        load.phases["stack"] = time.perf_counter() - t_stack
         load.snapshot = snapshot.result()
+        load.phases.update(beside)
         if len(payloads) < count:
-            load.snapshot = self._read_snapshot(hashes, tokens, first + len(payloads))
+            load.snapshot = self._read_snapshot(hashes, tokens, first + len(payloads), load.phases)
         if root is not None:
             boundary = first + len(payloads)
             parent = hashes[boundary - 1] if boundary else root
-            load.response = self._read_response(parent, tokens[boundary * b:boundary * b + b - 1])
-        load.seconds = time.perf_counter() - t0
+            load.response = self._read_response(parent, tokens[boundary * b:boundary * b + b - 1], load.phases)
+        load.done_at = time.perf_counter()
+        load.seconds = load.done_at - t0
         return load
 
-    def _read_response(self, parent: bytes, following: Sequence[int]) -> tuple[bytes, ResponseEnd] | None:
+    def _read_response(self, parent: bytes, following: Sequence[int],
+                       timings: Counter) -> tuple[bytes, ResponseEnd] | None:
         match = self._matching_response(parent, following)
         if match is None or match[0] in self.state.snapshots:
             return None
         key, tail_len = match
         tail = tuple(following[:tail_len])
-        payload = self.store.read(KIND_RESPONSE, key, tail)
+        payload = self.store.read(KIND_RESPONSE, key, tail, timings)
         if payload is None:
             return None
         slot = self.codec.slot_nbytes()
         return key, ResponseEnd(parent, tail, self.codec.snapshot_from_payload(payload[:slot]), bytes(payload[slot:]))
 
-    def _read_snapshot(self, hashes: list[bytes], tokens: list[int], top: int) -> tuple[bytes, Any] | None:
+    def _read_snapshot(self, hashes: list[bytes], tokens: list[int], top: int,
+                       timings: Counter) -> tuple[bytes, Any] | None:
         """The nearest snapshot on disk below block `top` that beats a zero-mode recompute, unless
         host memory already holds a nearer one (then the plan takes that)."""
         b = self.block_size
@@ -117,7 +136,7 @@ class SSDLoader:
             if key in self.state.snapshots:
                 return None
             if self.store.contains(KIND_SNAPSHOT, key):
-                payload = self.store.read(KIND_SNAPSHOT, key, tokens[(k - 1) * b:k * b])
+                payload = self.store.read(KIND_SNAPSHOT, key, tokens[(k - 1) * b:k * b], timings)
                 if payload is not None:
                     return key, self.codec.snapshot_from_payload(payload)
         return None

@@ -482,13 +482,16 @@ class SSDStore:
         return len(data)
 
     # ---- reading ----------------------------------------------------------------------------------
-    def get(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:
+    def get(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None,
+            timings: Counter | None = None) -> memoryview | None:
         """A file's payload, or None (a miss) if absent or bad; bad files are quarantined. Blocks
-        for as long as the file system does: call it on a thread that may be abandoned."""
+        for as long as the file system does: call it on a thread that may be abandoned. `timings`
+        gets the seconds spent reading ("read") and checking ("verify")."""
         key = (kind, block_hash)
         path = self._file(kind, block_hash)
         if path is None:
             return None
+        t0 = time.perf_counter()
         try:
             data = self._read_file(path, kind)
         except FileNotFoundError:
@@ -500,11 +503,15 @@ class SSDStore:
         except StoreFileError as exc:
             self._bad(key, path, exc)
             return None
+        t1 = time.perf_counter()
         try:
             payload = decode(data, kind, self.namespace, block_hash, tokens, self.layout, self.payload_bytes[kind])
         except StoreFileError as exc:
             self._bad(key, path, exc)
             return None
+        if timings is not None:
+            timings["read"] += t1 - t0
+            timings["verify"] += time.perf_counter() - t1
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -528,13 +535,16 @@ class SSDStore:
             n = len(head) + f.readinto(memoryview(data)[len(head):])
             return data[:n] if n < size else data
 
-    def get_many(self, kind: int, items: Sequence[Item]) -> list[memoryview]:
+    def get_many(self, kind: int, items: Sequence[Item], timings: Counter | None = None) -> list[memoryview]:
         """Payloads of consecutive files up to the first miss. A few runs of files are read in
         parallel (an SSD serves several small reads at once faster than one by one); a run still
-        reading after `read_timeout` ends the prefix where it started."""
+        reading after `read_timeout` ends the prefix where it started. `timings` gets each run's
+        seconds of reading and checking (thread seconds: the runs overlap)."""
         size = -(-len(items) // self._io_threads) if items else 1
         runs = [items[i:i + size] for i in range(0, len(items), size)]
-        futures = [in_daemon_thread(lambda run=run: [self.get(kind, h, tokens) for h, tokens in run]) for run in runs]
+        per_run = [Counter() for _ in runs]
+        futures = [in_daemon_thread(lambda run=run, t=t: [self.get(kind, h, tokens, t) for h, tokens in run])
+                   for run, t in zip(runs, per_run, strict=True)]
         deadline = time.monotonic() + self.read_timeout
         out: list[memoryview] = []
         for run, future in zip(runs, futures, strict=True):
@@ -545,15 +555,18 @@ class SSDStore:
                 log.warning("SSD store read of %s did not return in %.1f s: a miss", run[0][0].hex()[:16],
                             self.read_timeout)
                 return out
+            if timings is not None:
+                timings.update(per_run[runs.index(run)])
             for payload in payloads:
                 if payload is None:
                     return out
                 out.append(payload)
         return out
 
-    def read(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None) -> memoryview | None:
+    def read(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None,
+             timings: Counter | None = None) -> memoryview | None:
         """One file's payload, with the read timeout."""
-        found = self.get_many(kind, [(block_hash, tokens)])
+        found = self.get_many(kind, [(block_hash, tokens)], timings)
         return found[0] if found else None
 
     def submit(self, fn: Callable[[], T]) -> Future:

@@ -781,6 +781,7 @@ class LLMEngine:
             store_usage_bytes=cache.store_usage_bytes, store_quarantine_files=cache.store_quarantine_files,
             store_errors=MappingProxyType(dict(io.errors) if io else {}),
             store_read_seconds=s.load_seconds.snapshot(),
+            store_load_phases=MappingProxyType({p: h.snapshot() for p, h in s.load_phases.items()}),
             handovers=s.handovers, handover_failures=s.handover_failures, fetches=s.fetches,
             fetched_files=s.fetched_files, fetched_bytes=s.fetched_bytes, fetches_local=s.fetches_local,
             fetch_fallbacks=MappingProxyType(dict(s.fetch_fallbacks)), fetch_seconds=s.fetch_seconds.snapshot(),

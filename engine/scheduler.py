@@ -21,6 +21,7 @@ from typing import Any
 from v4serve.cache.config import MAX_CAPTURED_STATES
 from v4serve.cache.kv_manager import KVCacheManager
 from v4serve.cache.kv_transfer import KVTransferConfig
+from v4serve.cache.ssd_loader import LOAD_PHASES, DiskLoad
 from v4serve.engine.request import Request, RequestStatus
 from v4serve.engine.stats import Histogram
 
@@ -66,6 +67,9 @@ class SchedulerStats:
     restores: Counter = field(default_factory=Counter)  # how hits restored the window state, by point
     write_modes: Counter = field(default_factory=Counter)  # admissions by how they write snapshots (auto resolved)
     load_seconds: Histogram = field(default_factory=Histogram.for_store_reads)  # per-request store reads
+    # ... and where each one's time went (cache/ssd_loader.LOAD_PHASES)
+    load_phases: dict[str, Histogram] = field(
+        default_factory=lambda: {p: Histogram.for_store_reads() for p in LOAD_PHASES})
     # Prefill and decode apart: prompts handed over (prefill side; failed: no store room or queue), and
     # hand-overs fetched (decode side): files and bytes brought in, how many from a shared store's own
     # disk, the fetches that fell short by reason (what was missing was computed), and their seconds.
@@ -275,11 +279,20 @@ class Scheduler:
                 self._finish_fetch(request)
             else:
                 try:
-                    self.stats.load_seconds.observe(self.kv.finish_disk_load(request.kv))
+                    self._observe_load(request, self.kv.finish_disk_load(request.kv))
                 except Exception:  # a failed read is a miss: the request computes instead
                     log.exception("reading %s's prefix from the SSD store failed", request.request_id)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+
+    def _observe_load(self, request: Request, load: DiskLoad) -> None:
+        self.stats.load_seconds.observe(load.seconds)
+        for phase in LOAD_PHASES:
+            self.stats.load_phases[phase].observe(load.phases.get(phase, 0.0))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %d blocks from the SSD store in %.1f ms (%s; read and verify are thread seconds)",
+                      request.request_id, len(load.hashes), 1000 * load.seconds,
+                      ", ".join(f"{p} {1000 * load.phases.get(p, 0.0):.1f} ms" for p in LOAD_PHASES))
 
     # ---- prefill and decode apart -------------------------------------------------------------------
     def _start_fetch(self, request: Request) -> bool:

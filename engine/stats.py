@@ -78,6 +78,8 @@ class EngineStats:
     store_errors: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     store_read_seconds: HistogramSnapshot = field(
         default_factory=lambda: Histogram.for_store_reads().snapshot())
+    # each store load's seconds by phase (cache/ssd_loader.LOAD_PHASES)
+    store_load_phases: Mapping[str, HistogramSnapshot] = field(default_factory=lambda: MappingProxyType({}))
     # prefill and decode apart (zeros when neither role): see scheduler.SchedulerStats
     handovers: int = 0
     handover_failures: int = 0

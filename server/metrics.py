@@ -24,8 +24,10 @@ from prometheus_client.utils import floatToGoString
 
 from v4serve.cache.kv_transfer import FALLBACK_REASONS
 from v4serve.cache.ssd_file import ERROR_KINDS
+from v4serve.cache.ssd_loader import LOAD_PHASES
 from v4serve.engine.request import Request
 from v4serve.engine.stats import EngineStats, HistogramSnapshot
+from v4serve.engine.stats import Histogram as EngineHistogram
 from v4serve.server.tenants import DEFAULT_TENANT
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -76,6 +78,9 @@ _VLLM_NAMES: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = 
      "(v4serve_prefix_cache_hits)", "counter", lambda s: s.prefix_hits_device + s.prefix_hits_disk),
     ("vllm:num_preemptions", "Requests preempted (v4serve_num_preemptions)", "counter", lambda s: s.preemptions),
 )
+
+
+EMPTY_READS = EngineHistogram.for_store_reads().snapshot()
 
 
 class EngineCollector:
@@ -143,6 +148,15 @@ class EngineCollector:
         yield grammar_bytes
         yield compiles
         yield _histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time", name, s.store_read_seconds)
+        phases = HistogramMetricFamily("v4serve_kv_store_load_phase_seconds", "Where each SSD store load's time went: "
+                                       "queue (for a reader thread), read and verify (file reads and checksums, "
+                                       "thread seconds summed over the parallel reads), stack (host tensors), wait "
+                                       "(for the engine thread), install (the copy to the device)",
+                                       labels=["model_name", "phase"])
+        for phase in LOAD_PHASES:
+            h = s.store_load_phases.get(phase, EMPTY_READS)
+            phases.add_metric([self.model_name, phase], _buckets(h), h.total)
+        yield phases
         yield from self._kv_transfer(s)
         yield from self._vllm_names(s)
 
@@ -195,12 +209,16 @@ class EngineCollector:
 
 def _histogram(metric: str, doc: str, labels: list[str], h: HistogramSnapshot) -> HistogramMetricFamily:
     family = HistogramMetricFamily(metric, doc, labels=["model_name"])
+    family.add_metric(labels, _buckets(h), h.total)
+    return family
+
+
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, int]]:
     cumulative, buckets = 0, []
     for bound, count in zip((*h.buckets, float("inf")), h.counts, strict=True):
         cumulative += count
         buckets.append((floatToGoString(bound), cumulative))
-    family.add_metric(labels, buckets, h.total)
-    return family
+    return buckets
 
 
 class HealthCollector:

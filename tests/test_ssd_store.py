@@ -6,14 +6,13 @@ from __future__ import annotations
 import errno
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import pytest
 
 from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT, decode, encode
+from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT, checksum, decode, encode
 from v4serve.cache.ssd_store import SSDStore
 
 NS = b"n" * 32
@@ -112,8 +111,8 @@ def corrupt(path: Path, how: str) -> None:
     elif how == "garbage":
         path.write_bytes(os.urandom(len(data)))
     elif how == "namespace":  # a well-formed file written for another model (valid checksum)
-        body = data[:11] + bytes(32) + data[43:-4]
-        path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+        body = data[:11] + bytes(32) + data[43:-8]
+        path.write_bytes(body + struct.pack("<Q", checksum([body])))
     elif how == "unreadable":
         path.unlink()
         path.mkdir()
@@ -160,9 +159,9 @@ def test_hash_collision_never_serves_other_tokens(tmp_path):
     dst = engine.kv.store.path(KIND_BLOCK, engine.kv.hashes(prompt, None)[0])
     engine.close()
     data = bytearray(src.read_bytes())
-    data[43:75] = engine.kv.hashes(prompt, None)[0]  # claim the colliding hash (then fix the CRC)
-    body = len(data) - 4
-    data[body:] = struct.pack("<I", zlib.crc32(bytes(data[:body])))
+    data[43:75] = engine.kv.hashes(prompt, None)[0]  # claim the colliding hash (then fix the checksum)
+    body = len(data) - 8
+    data[body:] = struct.pack("<Q", checksum([bytes(data[:body])]))
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes(bytes(data))
     req, engine = restarted_request(model, tmp_path, prompt)
@@ -243,3 +242,25 @@ def test_store_survives_a_foreign_file_layout(tmp_path):
     other = SSDStore(tmp_path, b"z" * 32, b"other-layout", {KIND_BLOCK: 64, KIND_SNAPSHOT: 64})
     assert other.longest_prefix([b"a" * 32]) == 0
     other.close()
+
+
+def test_a_disk_load_says_where_its_time_went(tmp_path, caplog) -> None:
+    """Each load's phases (queue, read, verify, stack, wait, install) are observed once per load and
+    logged at debug: the reads and checks take time, and a hit that reads nothing records no load."""
+    import logging
+
+    from v4serve.cache.ssd_loader import LOAD_PHASES
+
+    model = small_model()
+    prompt = tokens(100, 21)
+    populate(model, tmp_path, prompt)
+    with caplog.at_level(logging.DEBUG, logger="v4serve.engine.scheduler"):
+        req, engine = restarted_request(model, tmp_path, prompt)
+    phases = engine.scheduler.stats.load_phases
+    assert req.num_disk_hit_tokens == 96 and set(phases) == set(LOAD_PHASES)
+    assert all(sum(h.counts) == 1 for h in phases.values())
+    assert phases["read"].total > 0 and phases["verify"].total > 0 and phases["install"].total > 0
+    logged = [r.getMessage() for r in caplog.records if "from the SSD store in" in r.getMessage()]
+    assert len(logged) == 1 and "6 blocks" in logged[0] and "verify" in logged[0]
+    snapshot = engine.stats().store_load_phases
+    assert {p: sum(h.counts) for p, h in snapshot.items()} == dict.fromkeys(LOAD_PHASES, 1)

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import types
-import zlib
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,15 @@ from safetensors.torch import load_file, save_file
 from tests.daemon import PATIENCE
 from tests.helpers import SMALL, engine_for, greedy, small_model, tokens
 from v4serve.cache import ssd_store
-from v4serve.cache.ssd_file import HEADER_BYTES, KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT, temp_is_stale, temp_name
+from v4serve.cache.ssd_file import (
+    HEADER_BYTES,
+    KIND_BLOCK,
+    KIND_RESPONSE,
+    KIND_SNAPSHOT,
+    checksum,
+    temp_is_stale,
+    temp_name,
+)
 from v4serve.cache.ssd_store import SSDStore
 from v4serve.engine.engine import kv_namespace
 from v4serve.engine.model.checkpoint import write_checkpoint
@@ -68,13 +75,13 @@ def restart(root: Path, **kw):
 
 def rewrite_payload_length(path: Path, delta: int) -> None:
     """A well-formed file (valid checksum) whose payload is `delta` bytes off."""
-    data = bytearray(path.read_bytes()[:-4])
+    data = bytearray(path.read_bytes()[:-8])
     head = struct.Struct("<8sHB32s32sIIQ")
     fields = list(head.unpack_from(data))
     fields[-1] += delta
     data[: head.size] = head.pack(*fields)
     data = data[: len(data) + delta] if delta < 0 else data + bytes(delta)
-    path.write_bytes(bytes(data) + struct.pack("<I", zlib.crc32(bytes(data))))
+    path.write_bytes(bytes(data) + struct.pack("<Q", checksum([bytes(data)])))
 
 
 def flip(path: Path, at: int) -> None:
@@ -225,11 +232,11 @@ def test_a_read_that_never_returns_is_a_miss_and_holds_nothing_up(tmp_path: Path
     readers: list[threading.Thread] = []
     real_get = SSDStore.get
 
-    def get(self, kind, block_hash, tokens):  # noqa: ANN001, ANN202
+    def get(self, kind, block_hash, tokens, timings=None):  # noqa: ANN001, ANN202
         if self.path(kind, block_hash) == stuck:
             readers.append(threading.current_thread())
             release.wait(PATIENCE)  # a hung network file system (that gives up only if waited for)
-        return real_get(self, kind, block_hash, tokens)
+        return real_get(self, kind, block_hash, tokens, timings)
 
     monkeypatch.setattr(SSDStore, "get", get)
     try:
