@@ -1,8 +1,9 @@
 """Loading a waiting request's prefix from the SSD store, off the engine thread.
 
 When the store holds blocks past a request's device hit, or the end of an earlier response that the
-request continues, the request waits (LOADING) while a reader thread reads those block files (runs
-of them in parallel) and, alongside, the best snapshot to restore the window state from, then
+request continues, the request waits (LOADING) while a reader thread reads those block files (in
+order, the kernel reading ahead: `SSDStore.get_many`) and, alongside, the best snapshot to restore
+the window state from, then
 stacks the blocks into one host buffer per storage tensor. The engine thread later installs the
 result with one copy per tensor (`KVCacheManager.finish_disk_load`). A bad or vanished file ends
 the prefix there: a miss.
@@ -43,8 +44,8 @@ class DiskLoad:
     response: tuple[bytes, ResponseEnd] | None = None  # (key, the end of a response the request continues)
     seconds: float = 0.0
     # Where the load's time went (LOAD_PHASES): waiting for a reader thread, reading files and checking
-    # them (thread seconds: files are read in parallel), building the host tensors; the engine thread
-    # adds installing them and the wait before it did.
+    # them (the snapshot's on a thread beside the blocks': their seconds add up), building the host
+    # tensors; the engine thread adds installing them and the wait before it did.
     phases: Counter = field(default_factory=Counter)
     done_at: float = 0.0  # perf_counter when the reader finished
 

@@ -521,18 +521,20 @@ class SSDStore:
         """A store file's bytes, read by the rules: never through a symlink (O_NOFOLLOW), never from a
         FIFO or device (non-blocking open, regular files only), and only once its header and size say
         it is the exact size this layout's file has (`expected_size`), into a buffer of that size."""
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
-        with os.fdopen(os.open(path, flags), "rb") as f:
-            st = os.fstat(f.fileno())
+        # Plain descriptor calls: a buffered file object cost more than the read of a 60 KB file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StoreFileError("unreadable", "not a regular file")
-            head = f.read(HEADER_BYTES)
+            head = os.pread(fd, HEADER_BYTES, 0)
             size = expected_size(head, st.st_size, self.layout, self.payload_bytes[kind])
             # A writable buffer: payload tensors are built on it without another copy.
             data = bytearray(size)
-            data[:len(head)] = head
-            n = len(head) + f.readinto(memoryview(data)[len(head):])
+            n = os.preadv(fd, [data], 0)
             return data[:n] if n < size else data
+        finally:
+            os.close(fd)
 
     def get_many(self, kind: int, items: Sequence[Item], timings: Counter | None = None) -> list[memoryview]:
         """Payloads of consecutive files up to the first miss, read in order by one thread once the

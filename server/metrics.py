@@ -149,8 +149,8 @@ class EngineCollector:
         yield compiles
         yield _histogram("v4serve_kv_store_read_seconds", "Per-request SSD store load time", name, s.store_read_seconds)
         phases = HistogramMetricFamily("v4serve_kv_store_load_phase_seconds", "Where each SSD store load's time went: "
-                                       "queue (for a reader thread), read and verify (file reads and checksums, "
-                                       "thread seconds summed over the parallel reads), stack (host tensors), wait "
+                                       "queue (for a reader thread), read and verify (file reads and checksums; "
+                                       "the snapshot's beside the blocks' add up), stack (host tensors), wait "
                                        "(for the engine thread), install (the copy to the device)",
                                        labels=["model_name", "phase"])
         for phase in LOAD_PHASES:
