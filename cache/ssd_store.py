@@ -537,10 +537,9 @@ class SSDStore:
             os.close(fd)
 
     def get_many(self, kind: int, items: Sequence[Item], timings: Counter | None = None) -> list[memoryview]:
-        """Payloads of consecutive files up to the first miss, read in order by one thread once the
-        kernel has been asked to read them all ahead (`posix_fadvise` WILLNEED, by a thread of its own as
-        the reads begin): an SSD serves them
-        in parallel, as it did for several reader threads, without those threads' contention for the
+        """Payloads of consecutive files up to the first miss, read in order by one thread while another
+        asks the kernel to read them all ahead (`posix_fadvise` WILLNEED): an SSD serves them in
+        parallel, as it did for several reader threads, without those threads' contention for the
         interpreter (with the files in the page cache, 4 threads took 2-3x as long as one). A read
         still running after `read_timeout` ends the prefix where it stands. `timings` gets the
         seconds spent reading and checking."""
@@ -554,14 +553,16 @@ class SSDStore:
                     return
                 out.append(payload)
 
-        in_daemon_thread(lambda: self._read_ahead(kind, items[1:]))  # beside the reads: files in the page cache
-        try:                                                           # are read at once, wait for nothing
+        # Beside the reads, not before them: files in the page cache are read at once, waiting for nothing.
+        in_daemon_thread(lambda: self._read_ahead(kind, items[1:]))
+        try:
             in_daemon_thread(read_all).result(timeout=self.read_timeout)
         except FutureTimeout:
             self._count_error("timeout")
-            log.warning("SSD store read of %s did not return in %.1f s: a miss", items[len(out)][0].hex()[:16],
-                        self.read_timeout)
-            return list(out)  # what was read before the stuck file (the thread may still add to `out`)
+            done = list(out)  # what was read before the stuck file (the thread may still add to `out`)
+            stuck = items[min(len(done), len(items) - 1)][0]
+            log.warning("SSD store read of %s did not return in %.1f s: a miss", stuck.hex()[:16], self.read_timeout)
+            return done
         if timings is not None:
             timings.update(spent)
         return out
