@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from v4serve.cache.layout import KVLayout, LayerLayout
@@ -127,21 +126,32 @@ class DeviceKV:
         reads the bytes (the SSD store's writer thread) waits for it, not the engine."""
         return CopyingPayload.of([t[block_id] for t in self._block_parts()])
 
-    def stack_block_payloads(self, payloads: list[memoryview]) -> list[torch.Tensor]:
-        """Host tensors [n, ...] per storage tensor from n block payloads: one byte copy per block
-        into a single matrix, then views (built off the engine thread; pinned when the storage is
-        on a GPU so the copies in can be asynchronous)."""
-        rows = torch.empty((len(payloads), len(payloads[0])), dtype=torch.uint8,
-                           pin_memory=self.device.type == "cuda")
+    def block_rows(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
+        """Host memory for n blocks, one row of bytes per block (pinned when the storage is on a GPU,
+        so the install copies asynchronously), and a writable view of each row: a store file's
+        payload is read straight into its row, with no copy after the read."""
+        rows = torch.empty((n, self._block_nbytes()), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         matrix = rows.numpy()
-        for i, payload in enumerate(payloads):
-            matrix[i] = np.frombuffer(payload, dtype=np.uint8)
+        return rows, [memoryview(matrix[i]) for i in range(n)]
+
+    def blocks_from_rows(self, rows: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """The first n rows as host tensors [n, ...], one per storage tensor: views, not copies."""
         out, offset = [], 0
         for t in self._block_parts():
-            n = _row_bytes(t)
-            out.append(rows[:, offset:offset + n].view(t.dtype).view(len(payloads), *t.shape[1:]))
-            offset += n
+            width = _row_bytes(t)
+            out.append(rows[:n, offset:offset + width].view(t.dtype).view(n, *t.shape[1:]))
+            offset += width
         return out
+
+    def stack_block_payloads(self, payloads: list[memoryview]) -> list[torch.Tensor]:
+        """Host tensors [n, ...] per storage tensor from n block payloads (one byte copy per block)."""
+        rows, views = self.block_rows(len(payloads))
+        for view, payload in zip(views, payloads, strict=True):
+            view[:] = payload
+        return self.blocks_from_rows(rows, len(payloads))
+
+    def _block_nbytes(self) -> int:
+        return sum(_row_bytes(t) for t in self._block_parts())
 
     def install_blocks(self, block_ids: list[int], stacked: list[torch.Tensor]) -> None:
         """Copy blocks read from the store into the Block Cache: one copy per storage tensor."""

@@ -57,6 +57,7 @@ def checksum(parts: Sequence[bytes | bytearray | memoryview]) -> int:
 
 
 HEADER_BYTES = _HEAD.size
+FOOTER_BYTES = _CRC.size
 # No file holds more token ids than this (a block holds block_size of them): a header claiming more is
 # refused before a buffer of its size is allocated.
 MAX_FILE_TOKENS = 1 << 20
@@ -85,18 +86,25 @@ def expected_size(head: bytes | bytearray, file_size: int, layout: bytes, payloa
 
 
 def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int] | None,
-           layout: bytes, payload_bytes: int) -> memoryview:
-    """Check a whole file's bytes and return its payload; raises StoreFileError naming the fault."""
+           layout: bytes, payload_bytes: int, payload: memoryview | None = None) -> memoryview:
+    """Check a whole file's bytes and return its payload; raises StoreFileError naming the fault.
+    Given `payload`, the file was read apart: its payload into `payload` (a row of the buffer it is
+    loaded into) and everything else, in order, into `data`."""
+    apart = len(payload) if payload is not None else 0
+    size = len(data) + apart
     if len(data) < _HEAD.size + _CRC.size:
-        raise StoreFileError("truncated", f"{len(data)} bytes is shorter than a header")
+        raise StoreFileError("truncated", f"{size} bytes is shorter than a header")
     magic, version, file_kind, ns, h, n_tok, n_layout, n_payload = _HEAD.unpack_from(data)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise StoreFileError("format", f"not a v4serve store file (magic {magic!r}, version {version})")
     body = _HEAD.size + 4 * n_tok + n_layout + n_payload
-    if len(data) != body + _CRC.size:
-        fault = "truncated" if len(data) < body + _CRC.size else "format"
-        raise StoreFileError(fault, f"{len(data)} bytes, header says {body + _CRC.size}")
-    if xxhash.xxh3_64_intdigest(memoryview(data)[:body]) != _CRC.unpack_from(data, body)[0]:
+    if size != body + _CRC.size or (payload is not None and n_payload != apart):
+        fault = "truncated" if size < body + _CRC.size else "format"
+        raise StoreFileError(fault, f"{size} bytes, header says {body + _CRC.size}")
+    offset = _HEAD.size + 4 * n_tok
+    view = memoryview(data)
+    parts = [view[:body]] if payload is None else [view[:offset + n_layout], payload]
+    if checksum(parts) != _CRC.unpack_from(data, body - apart)[0]:
         raise StoreFileError("checksum", "checksum mismatch")
     if file_kind != kind:
         found = KIND_NAMES.get(file_kind, f"kind {file_kind}")
@@ -108,12 +116,11 @@ def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: byt
     stored_tokens = struct.unpack_from(f"<{n_tok}i", data, _HEAD.size)
     if tokens is not None and tuple(stored_tokens) != tuple(tokens):
         raise StoreFileError("collision", "same hash, different tokens")
-    offset = _HEAD.size + 4 * n_tok
-    if bytes(data[offset:offset + n_layout]) != layout:
+    if bytes(view[offset:offset + n_layout]) != layout:
         raise StoreFileError("namespace", "another KV layout")
     if n_payload != payload_bytes:
         raise StoreFileError("format", f"a payload of {n_payload} bytes where the layout needs {payload_bytes}")
-    return memoryview(data)[offset + n_layout:body]
+    return payload if payload is not None else view[offset + n_layout:body]
 
 
 def file_tokens(data: bytes | bytearray | memoryview) -> tuple[int, ...]:

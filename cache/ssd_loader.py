@@ -2,11 +2,12 @@
 
 When the store holds blocks past a request's device hit, or the end of an earlier response that the
 request continues, the request waits (LOADING) while a reader thread reads those block files (in
-order, the kernel reading ahead: `SSDStore.get_many`) and, alongside, the best snapshot to restore
-the window state from, then
-stacks the blocks into one host buffer per storage tensor. The engine thread later installs the
-result with one copy per tensor (`KVCacheManager.finish_disk_load`). A bad or vanished file ends
-the prefix there: a miss.
+order, from the page cache without waiting where it can, else with the kernel reading ahead:
+`SSDStore.get_many`) and, alongside, the best snapshot to restore the window state from. Each
+block's payload is read straight into its row of one host buffer (pinned on a GPU), whose views are
+the host tensors: no copy between the read and the install, which the engine thread later does with
+one copy per storage tensor (`KVCacheManager.finish_disk_load`). A bad or vanished file ends the
+prefix there: a miss.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from v4serve.cache.state_cache import ResponseEnd, StateCache
 class PayloadCodec(Protocol):
     """What loading needs from the device tensors: bytes in, host tensors out."""
 
-    def stack_block_payloads(self, payloads: list[memoryview]) -> list[Any]: ...
+    def block_rows(self, n: int) -> tuple[Any, list[memoryview]]: ...
+    def blocks_from_rows(self, rows: Any, n: int) -> list[Any]: ...
     def snapshot_from_payload(self, payload: memoryview) -> Any: ...
     def slot_nbytes(self) -> int: ...
 
@@ -44,8 +46,9 @@ class DiskLoad:
     response: tuple[bytes, ResponseEnd] | None = None  # (key, the end of a response the request continues)
     seconds: float = 0.0
     # Where the load's time went (LOAD_PHASES): waiting for a reader thread, reading files and checking
-    # them (the snapshot's on a thread beside the blocks': their seconds add up), building the host
-    # tensors; the engine thread adds installing them and the wait before it did.
+    # them (the snapshot's on a thread beside the blocks': their seconds add up), allocating the host
+    # buffer the blocks are read into ("stack"); the engine thread adds installing them and the wait
+    # before it did.
     phases: Counter = field(default_factory=Counter)
     done_at: float = 0.0  # perf_counter when the reader finished
 
@@ -96,12 +99,13 @@ class SSDLoader:
         # run short, a nearer one is looked for afterwards.
         beside: Counter = Counter()
         snapshot = in_daemon_thread(lambda: self._read_snapshot(hashes, tokens, first + count, beside))
-        payloads = self.store.get_many(KIND_BLOCK, items, load.phases)
+        t_stack = time.perf_counter()
+        rows, views = self.codec.block_rows(count)
+        load.phases["stack"] = time.perf_counter() - t_stack
+        payloads = self.store.get_many(KIND_BLOCK, items, load.phases, into=views)
         load.hashes = [h for h, _ in items[: len(payloads)]]
         load.tokens = [tuple(t) for _, t in items[: len(payloads)]]
-        t_stack = time.perf_counter()
-        load.stacked = self.codec.stack_block_payloads(payloads) if payloads else []
-        load.phases["stack"] = time.perf_counter() - t_stack
+        load.stacked = self.codec.blocks_from_rows(rows, len(payloads)) if payloads else []
         load.snapshot = snapshot.result()
         load.phases.update(beside)
         if len(payloads) < count:

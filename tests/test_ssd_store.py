@@ -12,7 +12,7 @@ import pytest
 
 from tests.daemon import PATIENCE
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_SNAPSHOT, checksum, decode, encode
+from v4serve.cache.ssd_file import FOOTER_BYTES, KIND_BLOCK, KIND_SNAPSHOT, checksum, decode, encode
 from v4serve.cache.ssd_store import SSDStore
 
 NS = b"n" * 32
@@ -264,3 +264,71 @@ def test_a_disk_load_says_where_its_time_went(tmp_path, caplog) -> None:
     assert len(logged) == 1 and "6 blocks" in logged[0] and "verify" in logged[0]
     snapshot = engine.stats().store_load_phases
     assert {p: sum(h.counts) for p, h in snapshot.items()} == dict.fromkeys(LOAD_PHASES, 1)
+
+
+def _store_with_blocks(tmp_path: Path, n: int) -> tuple[SSDStore, list[tuple[bytes, list[int]]]]:
+    store = SSDStore(tmp_path, b"n" * 32, b"layout", {KIND_BLOCK: 4096})
+    items = [(bytes([i]) * 32, [i, i + 1]) for i in range(n)]
+    for i, (h, toks) in enumerate(items):
+        assert store.put(KIND_BLOCK, h, toks, [bytes([i]) * 4096])
+    store.flush(timeout=PATIENCE)
+    return store, items
+
+
+def test_files_in_the_page_cache_are_read_without_read_ahead(tmp_path, monkeypatch) -> None:
+    """Just written, the files are in the page cache: the read-ahead thread (an extra open and close per
+    file, contending for the interpreter) is not started."""
+    store, items = _store_with_blocks(tmp_path, 6)
+    asked: list[list[bytes]] = []
+    monkeypatch.setattr(store, "_read_ahead", lambda kind, rest: asked.append([h for h, _ in rest]))
+    payloads = store.get_many(KIND_BLOCK, items)
+    store.close()
+    assert [bytes(p) for p in payloads] == [bytes([i]) * 4096 for i in range(6)]
+    assert asked == []
+
+
+@pytest.mark.parametrize("nowait", ["eagain", "short", "unsupported"])
+def test_the_first_file_not_in_the_page_cache_starts_the_read_ahead_of_the_rest(tmp_path, monkeypatch, nowait) -> None:
+    """Injected: from the third file on, a read that may not wait gets nothing (EAGAIN), half a buffer,
+    or is not supported by the file system. The rest of the files are read ahead once, from the one
+    after the first such file; every payload is still read whole and checked."""
+    import v4serve.cache.ssd_store as ssd_store
+
+    store, items = _store_with_blocks(tmp_path, 6)
+    asked: list[list[bytes]] = []
+    monkeypatch.setattr(store, "_read_ahead", lambda kind, rest: asked.append([h for h, _ in rest]))
+    cold = {os.fspath(store.path(KIND_BLOCK, h)) for h, _ in items[2:]}
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int, flags: int = 0) -> int:
+        if flags and os.readlink(f"/proc/self/fd/{fd}") in cold:
+            if nowait == "eagain":
+                raise BlockingIOError(errno.EAGAIN, "would block")
+            if nowait == "unsupported":
+                raise OSError(errno.EOPNOTSUPP, "not supported")
+            half = memoryview(buffers[0])[: len(buffers[0]) // 2]
+            return real_preadv(fd, [half], offset)
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(ssd_store.os, "preadv", preadv)
+    payloads = store.get_many(KIND_BLOCK, items)
+    store.close()
+    assert [bytes(p) for p in payloads] == [bytes([i]) * 4096 for i in range(6)]
+    assert asked == [[h for h, _ in items[3:]]]
+    assert store.stats.errors == {}
+
+
+def test_a_payload_read_into_its_row_is_checked_as_a_whole_file_is(tmp_path) -> None:
+    """Read apart (the payload straight into a row of the loading buffer), a file passes the same
+    checks: a good one fills its row, one flipped payload byte is a quarantined checksum miss."""
+    store, items = _store_with_blocks(tmp_path, 2)
+    rows = bytearray(2 * 4096)
+    views = [memoryview(rows)[:4096], memoryview(rows)[4096:]]
+    path = store.path(KIND_BLOCK, items[1][0])
+    data = bytearray(path.read_bytes())
+    data[-FOOTER_BYTES - 100] ^= 1  # inside the payload
+    path.write_bytes(data)
+    payloads = store.get_many(KIND_BLOCK, items, into=views)
+    store.close()
+    assert len(payloads) == 1 and payloads[0].obj is rows and bytes(rows[:4096]) == bytes([0]) * 4096
+    assert store.stats.errors == {"checksum": 1} and not path.exists()

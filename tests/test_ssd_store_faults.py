@@ -16,6 +16,7 @@ import threading
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,10 +157,10 @@ def test_a_read_that_runs_out_of_memory_is_a_counted_quarantined_miss(tmp_path: 
     paths = populated(tmp_path)
     read_file = SSDStore._read_file
 
-    def no_memory_for_blk2(self: SSDStore, path: Path, kind: int) -> bytearray:
-        if path == paths["blk2"]:
+    def no_memory_for_blk2(self: SSDStore, path: str | Path, kind: int, *rest: Any) -> bytearray:
+        if Path(path) == paths["blk2"]:
             raise MemoryError
-        return read_file(self, path, kind)
+        return read_file(self, path, kind, *rest)
 
     monkeypatch.setattr(SSDStore, "_read_file", no_memory_for_blk2)
     req, engine = restart(tmp_path)
@@ -232,11 +233,11 @@ def test_a_read_that_never_returns_is_a_miss_and_holds_nothing_up(tmp_path: Path
     readers: list[threading.Thread] = []
     real_get = SSDStore.get
 
-    def get(self, kind, block_hash, tokens, timings=None):  # noqa: ANN001, ANN202
+    def get(self, kind, block_hash, tokens, timings=None, **options):  # noqa: ANN001, ANN202, ANN003
         if self.path(kind, block_hash) == stuck:
             readers.append(threading.current_thread())
             release.wait(PATIENCE)  # a hung network file system (that gives up only if waited for)
-        return real_get(self, kind, block_hash, tokens, timings)
+        return real_get(self, kind, block_hash, tokens, timings, **options)
 
     monkeypatch.setattr(SSDStore, "get", get)
     try:
