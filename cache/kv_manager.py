@@ -110,10 +110,12 @@ class KVCacheManager:
         extend_chain(kv.block_hashes, kv.root, tokens, num_tokens, self.config.block_size)
 
     # ---- admission -------------------------------------------------------------------------------
-    def plan_prefix(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice, reuse: bool = True) -> PrefixPlan:
+    def plan_prefix(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice, reuse: bool = True,
+                    admitting: bool = True) -> PrefixPlan:
         """The request's start: the cached blocks it can take and where computation resumes. Kept
         on the handle (its frozen/window bounds shape the first chunk). An end-of-response snapshot
-        continuing the hit (a follow-up turn) resumes exactly where that response ended."""
+        continuing the hit (a follow-up turn) resumes exactly where that response ended. Not
+        `admitting` (a look at arrival), it leaves `auto`'s heat as it was: a hit counts once."""
         kv.plan = NO_HIT
         if not reuse or not self.config.enable_prefix_caching:
             return kv.plan
@@ -128,7 +130,7 @@ class KVCacheManager:
         elif hit:
             resume, key = self.state.restore_point(kv.block_hashes, len(hit))
             kv.plan = PrefixPlan(tuple(hit), hit_end, resume, key)
-        if kv.swa_mode == "auto":
+        if kv.swa_mode == "auto" and admitting:
             if hit:
                 self.state.hot.mark(kv.block_hashes[len(hit) - 1])
             kv.hot = kv.hot or bool(hit) or self.state.hot.any_hot(kv.block_hashes)

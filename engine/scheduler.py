@@ -107,6 +107,10 @@ class Scheduler:
         if request.kv_source is not None and self._start_fetch(request):
             return
         self.waiting.append(request)
+        if request.sampling.prompt_logprobs is None:
+            # Its prefix's files are read from now on, while the requests ahead of it run.
+            self.kv.plan_prefix(request.kv, request.num_tokens, request.token_slice, admitting=False)
+            self._start_disk_load(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Leave the queues and give back the slot and blocks at once; a response that ended
@@ -262,7 +266,7 @@ class Scheduler:
         are read in the background (others keep running)."""
         if not self.kv.start_disk_load(request.kv, request.num_tokens, request.token_slice):
             return False
-        self.waiting.popleft()
+        self.waiting.remove(request)
         request.status = RequestStatus.LOADING
         self.loading.append(request)
         return True
@@ -273,7 +277,7 @@ class Scheduler:
 
     def _finish_loads(self) -> None:
         done = [r for r in self.loading if (f := r.kv.disk_load or r.kv.fetch) is not None and f.done()]
-        for request in sorted(done, key=lambda r: r.arrival_time, reverse=True):
+        for request in done:
             self.loading.remove(request)
             if request.kv.fetch is not None:
                 self._finish_fetch(request)
@@ -283,7 +287,15 @@ class Scheduler:
                 except Exception:  # a failed read is a miss: the request computes instead
                     log.exception("reading %s's prefix from the SSD store failed", request.request_id)
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._rejoin(request)
+
+    def _rejoin(self, request: Request) -> None:
+        """Back in the queue where its arrival puts it: a read started at arrival jumps no one."""
+        later = next((i for i, r in enumerate(self.waiting) if r.arrival_time > request.arrival_time), None)
+        if later is None:
+            self.waiting.append(request)
+        else:
+            self.waiting.insert(later, request)
 
     def _observe_load(self, request: Request, load: DiskLoad) -> None:
         self.stats.load_seconds.observe(load.seconds)

@@ -332,3 +332,31 @@ def test_a_payload_read_into_its_row_is_checked_as_a_whole_file_is(tmp_path) -> 
     store.close()
     assert len(payloads) == 1 and payloads[0].obj is rows and bytes(rows[:4096]) == bytes([0]) * 4096
     assert store.stats.errors == {"checksum": 1} and not path.exists()
+
+
+def test_a_queued_disk_hit_reads_its_files_from_arrival_and_keeps_its_place(tmp_path) -> None:
+    """One request at a time: B, a disk hit, arrives behind A and C (both cold). B's files are read
+    while A runs, and B is still served after C (a read that finished early jumps no one); every
+    output is a cold run's."""
+    model = small_model()
+    doc = tokens(96, 31)
+    populate(model, tmp_path, doc)
+    engine = engine_for(model, kv_store_dir=str(tmp_path), kv_store_read_timeout=PATIENCE, max_num_seqs=1)
+    a, c, b = greedy("a", tokens(70, 32)), greedy("c", tokens(40, 34)), greedy("b", doc + tokens(5, 33))
+    for req in (a, c, b):
+        engine.add_request(req)
+    assert b.kv.disk_load is not None  # reading from arrival, before any step
+    firsts: dict[str, int] = {}
+    step = 0
+    while engine.has_work():
+        engine.step()
+        step += 1
+        for req in (a, b, c):
+            if req.output_token_ids and req.request_id not in firsts:
+                firsts[req.request_id] = step
+    engine.check()
+    engine.close()
+    assert sorted(firsts, key=firsts.get) == ["a", "c", "b"]
+    assert b.num_disk_hit_tokens == 96
+    for req in (a, b, c):
+        assert req.output_token_ids == cold_output(model, req.prompt_token_ids), req.request_id
