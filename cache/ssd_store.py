@@ -50,6 +50,7 @@ from v4serve.cache.ssd_file import (
     HEADER_BYTES,
     KIND_BLOCK,
     KIND_RESPONSE,
+    MAX_FILE_TOKENS,
     SUFFIX,
     StoreFileError,
     decode,
@@ -578,11 +579,21 @@ class SSDStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise StoreFileError("unreadable", "not a regular file")
+            apart = len(into) if into is not None else 0
+            prefix = st.st_size - apart - FOOTER_BYTES
+            if into is not None and HEADER_BYTES <= prefix <= HEADER_BYTES + 4 * MAX_FILE_TOKENS + len(self.layout):
+                # The size a payload read apart implies (every block file's): one read, then the header's
+                # checks on the bytes read (a bounded buffer either way), as below.
+                data = bytearray(prefix + FOOTER_BYTES)
+                n = _read_into(fd, [memoryview(data)[:prefix], into, memoryview(data)[prefix:]], on_cold)
+                size = expected_size(data[:HEADER_BYTES], st.st_size, self.layout, self.payload_bytes[kind])
+                if n < size:
+                    raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
+                return data
             head = bytearray(min(HEADER_BYTES, st.st_size))
             got = _read_into(fd, [head], on_cold)
             size = expected_size(head[:got], st.st_size, self.layout, self.payload_bytes[kind])
             # Writable buffers: payload tensors are built on them without another copy.
-            apart = len(into) if into is not None else 0
             data = bytearray(size - apart)
             data[:got] = head[:got]
             if into is None:
