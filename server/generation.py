@@ -352,6 +352,7 @@ class FrontEnd:
                                                body.bootstrap_room)
             if handover is not None:  # SGLang's prefill leg asks for the whole answer; the decode leg gives it
                 max_tokens = 1
+                body = body.model_copy(update={"min_tokens": min(body.min_tokens, 1)})
         requests = [EngineRequest(f"{request_id}-{i}", list(prompt),
                                   self.sampling(body, max_tokens, logprobs, prompt_logprobs if i == 0 else None,
                                                 choice_index=i, grammar=grammar,

@@ -276,3 +276,19 @@ def test_sglang_routers_pd_mode_gets_what_one_replica_gives(fleet, path, body) -
         assert streamed_text(path, lines) == text_of(path, alone)
     assert series(prefill, "v4serve_kv_transfer_handovers_total", outcome="ok") == handed_before + 2
     assert received(fleet) == fetched_before + 2 and fallbacks(fleet) == fell_before
+
+
+def test_sglangs_prefill_leg_with_min_tokens_answers_its_one_token(fleet) -> None:
+    """The router sends the client's body to both legs: a `min_tokens` above the prefill leg's one
+    token is the decode leg's to honour, not a 400 on the prefill leg (it was)."""
+    prefill = fleet["prefill"].url
+    host, port = prefill.rsplit("//", 1)[1].rsplit(":", 1)
+    body = {**COMPLETION, "prompt": DOCUMENT + "Q: how many?", "min_tokens": 4, "bootstrap_host": host,
+            "bootstrap_port": int(port), "bootstrap_room": 4242}
+    handed_before = series(prefill, "v4serve_kv_transfer_handovers_total", outcome="ok")
+    reply = httpx.post(prefill + "/v1/completions", json=body, timeout=PATIENCE)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 1
+    assert series(prefill, "v4serve_kv_transfer_handovers_total", outcome="ok") == handed_before + 1
+    too_many = httpx.post(prefill + "/v1/completions", json={**COMPLETION, "min_tokens": 13}, timeout=PATIENCE)
+    assert too_many.status_code == 400 and "min_tokens" in too_many.text  # a client's own request: still checked
