@@ -121,8 +121,9 @@ class Wire:
     is this header and a pickled object after it."""
 
     HEADER = 4
-    OBJECT, DECODE = 0, 1
+    OBJECT, DECODE, MTP_COMMIT, MTP_PROPOSE = 0, 1, 2, 3
     PER_SEQ = 9  # fields per sequence after the token ids (the table writes' two included)
+    MTP_FIELDS = 6  # per sequence of an `MTPPass` (fewer than a decode step's: it always fits)
 
     def __init__(self, max_seqs: int = 0, row_width: int = 1) -> None:
         self.max_seqs = max_seqs  # also the table entries it holds: a decode step adds at most a block each
@@ -160,6 +161,42 @@ class Wire:
         where = values[at + 7 * c:at + 7 * c + m]
         return DecodeStep(ids, *part, (where, values[at + 8 * c:at + 8 * c + m]), threads,
                           rows if any(r != 1 for r in rows) else [], keep if any(keep) else [])
+
+    def fits_mtp(self, work: MTPPass, table_width: int) -> bool:
+        """Whether MTP work travels here: nothing to mirror first, and every pass of it one the MTP
+        layer's decode graphs run (so every rank reads its block tables from its slots' rows, never from
+        the message): at most `max_seqs` sequences, tables within `table_width`, rows within the width."""
+        parts = work.rows or work.seeds
+        return (not work.kv_writes and 0 < len(parts) <= self.max_seqs
+                and all(len(p.block_table) <= table_width for p in parts)
+                and all(r.count <= self.row_width for r in work.rows))
+
+    def encode_mtp(self, work: MTPPass) -> torch.Tensor:
+        """Header (kind, sequences, k), then per sequence, field by field: slot, start, the row offset
+        (commit) or the seed's token (propose), the row count, frozen entries and window floor."""
+        parts, c = work.rows or work.seeds, self.max_seqs
+        values = [self.MTP_COMMIT if work.rows else self.MTP_PROPOSE, len(parts), work.k, 0]
+        columns = ([[r.slot for r in work.rows], [r.start for r in work.rows], [r.offset for r in work.rows],
+                    [r.count for r in work.rows]] if work.rows else
+                   [[s.slot for s in work.seeds], [s.start for s in work.seeds], [s.token for s in work.seeds],
+                    [1] * len(work.seeds)])
+        columns += [[p.frozen_until for p in parts], [p.window_from for p in parts]]
+        for column in columns:
+            values += column + [0] * (c - len(parts))
+        self.buffer[:len(values)] = torch.tensor(values, dtype=torch.int32)
+        return self.buffer
+
+    def decode_mtp(self) -> MTPPass:
+        """The MTP work sent, its block tables left empty: the decode graphs read the slots' rows."""
+        values, c = self.buffer.tolist(), self.max_seqs
+        kind, n, k, _ = values[:self.HEADER]
+        slot, start, third, count, frozen, floor = (values[self.HEADER + i * c:self.HEADER + i * c + n]
+                                                    for i in range(self.MTP_FIELDS))
+        fields = list(zip(slot, start, third, count, frozen, floor, strict=True))
+        if kind == self.MTP_COMMIT:
+            return MTPPass([], rows=[MTPRows(a, b, o, n, (), f, w) for a, b, o, n, f, w in fields])
+        assert kind == self.MTP_PROPOSE
+        return MTPPass([], seeds=[MTPSeed(a, b, t, (), f, w) for a, b, t, _, f, w in fields], k=k)
 
     @property
     def kind(self) -> int:

@@ -19,6 +19,7 @@ from v4serve.engine.engine import EngineConfig, LLMEngine
 from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.parallel import ParallelConfig
 from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.mtp import MTPRows, MTPSeed
 from v4serve.engine.process.rank_group import RankGroup
 from v4serve.engine.request import Request, SamplingParams
 from v4serve.engine.step_plan import DecodeStep, MTPPass, StepPlan, Wire
@@ -44,7 +45,7 @@ class CountingGroup(RankGroup):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.sent = {"wire": 0, "static plan": 0, "eager plan": 0}
+        self.sent = {"wire": 0, "static plan": 0, "eager plan": 0, "mtp wire": 0, "mtp object": 0}
         self.writes: set[str] = set()  # the KV writes mirrored, by name
 
     def run_decode(self, step: DecodeStep) -> bool:
@@ -60,6 +61,7 @@ class CountingGroup(RankGroup):
     def run_mtp(self, work: MTPPass) -> None:
         self.writes.update(name for name, _ in work.kv_writes)
         super().run_mtp(work)
+        self.sent["mtp wire" if self._wire.kind in (Wire.MTP_COMMIT, Wire.MTP_PROPOSE) else "mtp object"] += 1
 
 
 class LogitsEngine(LLMEngine):
@@ -217,6 +219,10 @@ def test_static_drafted_steps_at_two_ranks_are_the_eager_steps(mtp_runs: dict[st
     # did not draft), which go with a plan.
     assert static["sent"]["wire"] > 10 and static["sent"]["static plan"] > 5
     assert static["mtp static"] > 40 and eager["mtp static"] == 0  # the layer's commits and drafting passes
+    # Its work travels in the fixed-size message where its graphs run all of it and nothing is mirrored
+    # first (a rejected draft's slot goes back first: that work goes pickled, with the write).
+    assert static["sent"]["mtp wire"] > 20 and eager["sent"]["mtp wire"] == 0
+    assert eager["sent"]["mtp object"] == static["sent"]["mtp wire"] + static["sent"]["mtp object"]
     assert len(set(static["digests"])) == 1 and len(set(eager["digests"])) == 1
     # A rejected draft's slot goes back from each rank's own copy: the write names the slot, no state.
     for run in (static, eager):
@@ -258,6 +264,27 @@ def test_the_wire_round_trips_exactly() -> None:
     assert step.kept_slots == [0, 1]  # the drafted sequences' slots, which every rank copies first
     assert not drafted.fits(DecodeStep([1] * 4, [0], [0], [0], [0], [-1], ([], []), 1, [4]))
     assert not wire.fits(step)  # a wire without room for drafts
+
+
+def test_mtp_work_round_trips_on_the_wire() -> None:
+    """The MTP layer's commits and drafting seeds: every field but the block tables (the graphs read the
+    slots' rows), which must fit the graphs' width for the work to travel here at all."""
+    wire = Wire(max_seqs=4, row_width=3)
+    rows = MTPPass([], rows=[MTPRows(2, 40, 0, 3, (7, 8), 0, 16), MTPRows(0, 1_000_000, 3, 1, (9,), 64, 0)])
+    assert wire.fits_mtp(rows, table_width=2)
+    wire.encode_mtp(rows)
+    assert wire.kind == Wire.MTP_COMMIT
+    sent = [MTPRows(2, 40, 0, 3, (), 0, 16), MTPRows(0, 1_000_000, 3, 1, (), 64, 0)]
+    assert wire.decode_mtp() == MTPPass([], rows=sent)
+    seeds = MTPPass([], seeds=[MTPSeed(1, 99, 128_000, (4, 5, 6), 32, 8)], k=2)
+    wire.encode_mtp(seeds)
+    assert wire.kind == Wire.MTP_PROPOSE
+    assert wire.decode_mtp() == MTPPass([], seeds=[MTPSeed(1, 99, 128_000, (), 32, 8)], k=2)
+    assert not wire.fits_mtp(seeds, table_width=2)  # a table past the graphs': they would not run it
+    assert not wire.fits_mtp(MTPPass([("restore_kept", (1,))], seeds=seeds.seeds, k=2), table_width=8)  # a write
+    assert not wire.fits_mtp(MTPPass([], rows=[MTPRows(0, 0, 0, 4, (), 0, 0)]), table_width=8)  # wider than 3 rows
+    assert not wire.fits_mtp(MTPPass([], seeds=[seeds.seeds[0]] * 5, k=2), table_width=8)  # more than the buckets
+    assert not Wire().fits_mtp(seeds, table_width=8)  # no graphs: no wire
 
 
 def test_slot_tables_mirror_through_their_writes() -> None:

@@ -102,6 +102,7 @@ class RankGroup:
         self._processes = processes  # empty under torchrun: the launcher owns the processes
         self._stopped = False
         self._wire = Wire()  # sized for decode steps once there are graphs
+        self._table_width = 0  # the graphs' (MTP work travels on the wire only where they run it)
         self._num_slots: int | None = None
         self._tokens: torch.Tensor | None = None  # the tokens in flight, padded to a fixed size
         self.broken = False  # a step failed part-way: the ranks may wait in different collectives
@@ -203,6 +204,7 @@ class RankGroup:
         """Every rank builds (and captures) the same decode graphs as rank 0 is about to."""
         self._broadcast(spec)
         self._wire = Wire(max(spec.buckets), spec.row_width)
+        self._table_width = spec.table_width
 
     def send_tokens(self, tokens: torch.Tensor) -> None:
         """The tokens in flight the step just sent places (on the device: a broadcast over the model's
@@ -214,8 +216,12 @@ class RankGroup:
         dist.broadcast(self._tokens, src=0)
 
     def run_mtp(self, work: MTPPass) -> None:
-        """Send MTP work; the caller then does the same as every worker."""
-        self._broadcast(work)
+        """Send MTP work (in the fixed-size message where the MTP layer's graphs run all of it: nothing
+        pickled); the caller then does the same as every worker."""
+        if self._wire.fits_mtp(work, self._table_width):
+            dist.broadcast(self._wire.encode_mtp(work), src=0, group=self._control)
+        else:
+            self._broadcast(work)
 
     def kv_digests(self, kv: MirroredDeviceKV) -> list[str]:
         self._broadcast(DigestKV(kv.take_writes()))
@@ -355,6 +361,9 @@ class _Worker:
         if self.wire.kind == Wire.DECODE:
             self._decode(self.wire.decode())
             return True
+        if self.wire.kind in (Wire.MTP_COMMIT, Wire.MTP_PROPOSE):
+            self._mtp(self.wire.decode_mtp())
+            return True
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         message = box[0]
@@ -369,18 +378,21 @@ class _Worker:
         elif isinstance(message, StepPlan):
             self._step(message)
         elif isinstance(message, MTPPass):
-            assert self.kv is not None and self.mtp is not None
-            replay_writes(self.kv, message.kv_writes)
-            if message.rows:
-                assert self.last_pass is not None
-                self.mtp.commit(message.rows, *self.last_pass)
-            if message.seeds:
-                self.mtp.propose(message.seeds, message.k)
+            self._mtp(message)
         elif isinstance(message, DigestKV):
             assert self.kv is not None
             replay_writes(self.kv, message.kv_writes)
             dist.gather_object(kv_digest(self.kv), None, dst=0, group=self.control)
         return True
+
+    def _mtp(self, work: MTPPass) -> None:
+        assert self.kv is not None and self.mtp is not None
+        replay_writes(self.kv, work.kv_writes)
+        if work.rows:
+            assert self.last_pass is not None
+            self.mtp.commit(work.rows, *self.last_pass)
+        if work.seeds:
+            self.mtp.propose(work.seeds, work.k)
 
     def _start_graphs(self, spec: GraphSpec) -> None:
         assert self.kv is not None
