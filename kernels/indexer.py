@@ -33,7 +33,43 @@ def index_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = 
     score, every entry above t, then as many of those equal to t as it takes, lowest entry first,
     each group in entry order. Ties are real (a score is exactly 0 wherever every head's relu is),
     and a tie broken by the row's shape would let a decode step attend other entries than the same
-    position inside a prefill chunk."""
+    position inside a prefill chunk.
+
+    On the CPU one top-k decides almost every row: unless the next best score equals t, its picks
+    are every entry ≥ t whatever order the top-k found them in, and only their order is left to
+    fix. The few rows whose ties at t run past the picks take the exact form (`_ranked_topk`). On
+    another device, finding those rows would make the host wait for the device (and could not be
+    captured in a graph), so every row takes the exact form there."""
+    if scores.device.type != "cpu" or k == 0:
+        return _ranked_topk(scores, counts, k, full)
+    n = scores.shape[-1]
+    # One score more than the picks, to see whether the ties at t run past them.
+    width = max(n, k + 1)
+    padded = scores if n == width else torch.nn.functional.pad(scores, (0, width - n), value=float("-inf"))
+    values, entries = padded.topk(k + 1, dim=-1)  # [R, k + 1], best first
+    if full:
+        threshold, after = values[:, k - 1:k], values[:, k:]
+    else:
+        picks = counts.clamp(max=k)[:, None]  # [R, 1]
+        threshold, after = values.gather(1, (picks - 1).clamp(min=0)), values.gather(1, picks)
+    # Entry order within each group (above t, then the ties, then what is not picked): one sort of
+    # k keys, not of n.
+    best = values[:, :k]
+    group = (best <= threshold).long() + (best < threshold).long()  # 0 above t, 1 at t, 2 below
+    top = (entries[:, :k] + group * width).sort(-1).values.remainder_(width)
+    crossing = (after == threshold) | values[:, :1].isnan()  # a NaN outranks all: the exact form decides
+    if not full:
+        crossing &= picks > 0  # a row that sees nothing is all −1 anyway
+        top.masked_fill_(torch.arange(k, device=top.device)[None, :] >= picks, -1)
+    exact = crossing.squeeze(1).nonzero().squeeze(1)
+    if len(exact):
+        top[exact] = _ranked_topk(scores[exact], counts[exact], k, full)
+    return top
+
+
+def _ranked_topk(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool) -> torch.Tensor:
+    """`index_topk`'s picks by ranking every entry of every row (above t, then the ties t needs,
+    each in entry order) and taking the k best ranks: no host read, the same ops for every row."""
     if scores.shape[-1] < k:  # fewer entries than picks (early in a sequence): the rest stay −1
         scores = torch.nn.functional.pad(scores, (0, k - scores.shape[-1]), value=float("-inf"))
     n = scores.shape[-1]

@@ -287,6 +287,42 @@ def test_index_scores_equal_their_twin(triton_kernels, heads: int, dim: int) -> 
     close(got.masked_fill(hidden, 0.0), want.masked_fill(hidden, 0.0), tol=1e-5)
 
 
+def unblocked_scores_oracle(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor,
+                            w_scale: float) -> torch.Tensor:
+    """`Indexer.scores` as it was before its blocks (issue #47): the whole tile's logits at once."""
+    logits = torch.bmm(q.flatten(0, 1)[None], keys.t()[None])[0].unflatten(0, q.shape[:2]).relu_()
+    scores = ((w * w_scale).unsqueeze(-2) @ logits).squeeze(-2)
+    return scores.masked_fill(torch.arange(keys.shape[0])[None, :] >= counts[:, None], float("-inf"))
+
+
+@pytest.mark.parametrize(("block_entries", "block_rows"), [(2048, 64), (16, 3), (7, 1), (40, 5)])
+def test_indexer_scores_in_blocks_are_the_whole_tiles(monkeypatch, block_entries: int, block_rows: int) -> None:
+    """The torch scoring of a prefill tile goes in blocks of rows by entries (cache-sized): the
+    scores of the whole tile at once within fp32 noise (a GEMM's rounding depends on its width,
+    as the whole tile's did on the tile's), whatever the blocks (edges inside and past the entries);
+    exact zeros (every head's relu 0) stay exact, and entries every query sees need no mask: −inf
+    exactly where a query does not see."""
+    from v4serve.engine.model import compressor
+    from v4serve.engine.model.tiny import tiny_config
+
+    indexer = compressor.Indexer(tiny_config(), 4)
+    heads, dim = indexer.n_heads, indexer.head_dim
+    monkeypatch.setattr(compressor, "INDEX_BLOCK_ENTRIES", block_entries)
+    monkeypatch.setattr(compressor, "INDEX_BLOCK_LOGITS", block_rows * heads * min(block_entries, 40))
+    gen = torch.Generator().manual_seed(block_entries)
+    q, w = torch.randn(13, heads, dim, generator=gen), torch.randn(13, heads, generator=gen)
+    keys = torch.randn(40, dim, generator=gen)
+    q[2] = -q[2].abs()
+    keys[5] = keys[5].abs()  # every head's q·k < 0 for query 2: its score is exactly 0
+    counts = (torch.arange(148, 161) + 1) // 4  # a chunk's rows at positions 148-160: 37-40 entries each
+    want = unblocked_scores_oracle(q, w, keys, counts, indexer.w_scale)
+    hidden = torch.isinf(want)
+    assert want[2, 5] == 0
+    for seen_by_all in (0, int(counts.min())):
+        got = indexer.scores(q, w, keys, counts, seen_by_all)
+        assert torch.equal(torch.isinf(got), hidden) and torch.equal(got == 0, want == 0)
+        close(got.masked_fill(hidden, 0.0), want.masked_fill(hidden, 0.0), tol=1e-6)
+
 @pytest.mark.parametrize(("n", "k"), [(40, 16), (7, 7), (300, 16), (1500, 64), (33, 32)])
 def test_index_topk_picks_the_twins_entries(triton_kernels, n: int, k: int) -> None:
     """Rows seeing all, some, fewer than k and no entries; scores of both signs and many orders of
@@ -355,6 +391,81 @@ def test_index_topk_breaks_ties_to_exactly_k(triton_kernels) -> None:
     out = torch.full((8,), 99, dtype=torch.long, device=DEVICE)
     _index_topk_kernel[(1,)](scores, torch.tensor([8], device=DEVICE), out, 1, 8, 4, BLOCK_R=1, BLOCK_N=8, BLOCK_K=4)
     assert out[4:].tolist() == [99] * 4
+
+
+def ranked_topk_oracle(scores: torch.Tensor, counts: torch.Tensor, k: int, full: bool = False) -> torch.Tensor:
+    """The torch `index_topk` as it was before its one-top-k form (issue #47), kept as the oracle:
+    every entry of every row ranked (above t, then the ties t needs, each in entry order)."""
+    if scores.shape[-1] < k:
+        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[-1]), value=float("-inf"))
+    n = scores.shape[-1]
+    best = scores.topk(k, dim=-1).values
+    if full:
+        picks, threshold = k, best[:, -1:]
+    else:
+        picks = counts.clamp(max=k)[:, None]
+        threshold = best.gather(1, (picks - 1).clamp(min=0))
+    above, ties = scores > threshold, scores == threshold
+    tied = ties & (ties.cumsum(-1) <= picks - above.sum(-1, keepdim=True))
+    lower_first = torch.arange(n, 0, -1, device=scores.device)
+    rank = above * (n + lower_first) + tied * lower_first
+    top = rank.topk(k, dim=-1).indices
+    return top if full else top.masked_fill(torch.arange(k, device=top.device)[None, :] >= picks, -1)
+
+
+def tie_heavy_scores(kind: str, rows: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Scores whose k-th best is tied with many others: mostly exact zeros (every head's relu 0),
+    a handful of values, one value on a third of the entries, all equal, and −0.0 beside 0.0."""
+    s = torch.randn(rows, n, generator=gen)
+    if kind == "zeros":
+        return s.relu() * (torch.rand(rows, n, generator=gen) < 0.02)
+    if kind == "few values":
+        return torch.randint(-2, 3, (rows, n), generator=gen).float()
+    if kind == "straddling":
+        return torch.where(torch.rand(rows, n, generator=gen) < 0.3, torch.full_like(s, 0.5), s)
+    if kind == "all equal":
+        return torch.zeros(rows, n)
+    if kind == "signed zeros":
+        s = torch.where(torch.rand(rows, n, generator=gen) < 0.5, torch.full_like(s, -0.0), torch.zeros_like(s))
+        s[:, ::7] = 1.0
+        return s
+    return s
+
+
+@pytest.mark.parametrize("kind", ["random", "zeros", "few values", "straddling", "all equal", "signed zeros"])
+@pytest.mark.parametrize(("n", "k"), [(40, 16), (7, 7), (5, 7), (16, 16), (17, 16), (1, 1), (300, 16), (2100, 64)])
+def test_index_topk_picks_what_ranking_every_entry_picked(kind: str, n: int, k: int) -> None:
+    """The torch twin takes one top-k and ranks only the rows whose ties at the k-th pick run past
+    it: bitwise the picks (and their order) of ranking every entry, with and without `full`, for
+    rows seeing all, some, fewer than k and no entries, n below k, ties at and across the k-th."""
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    rows = 41
+    counts = torch.randint(0, n + 1, (rows,), generator=gen)
+    counts[:4] = torch.tensor([n, 0, min(k, n), max(min(k, n) - 1, 0)])
+    scores = tie_heavy_scores(kind, rows, n, gen)
+    scores = scores.masked_fill(torch.arange(n)[None, :] >= counts[:, None], float("-inf"))
+    want = ranked_topk_oracle(scores, counts, k)
+    got = TWIN.index_topk(scores, counts, k)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    seeing_k = counts >= k
+    if seeing_k.any():
+        assert torch.equal(TWIN.index_topk(scores[seeing_k], counts[seeing_k], k, True),
+                           ranked_topk_oracle(scores[seeing_k], counts[seeing_k], k, True))
+    # A row's picks do not depend on the rows beside it (a decode step's row alone, the same
+    # position inside a prefill chunk's tile).
+    for r in (0, 2, 3, rows - 1):
+        assert torch.equal(TWIN.index_topk(scores[r:r + 1], counts[r:r + 1], k), want[r:r + 1])
+
+
+def test_index_topk_rows_whose_ties_cross_the_picks_are_ranked() -> None:
+    """Both paths in one call: rows decided by the top-k alone and rows whose k-th score ties past
+    the picks (which a plain top-k may break either way), beside each other."""
+    scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.5, 2.0, -1.0],  # 2.0 four times, two needed
+                           [3.0, 1.0, 2.0, 2.5, 2.0, 0.5, 0.0, -1.0],  # 2.0 twice, both needed
+                           [0.0] * 8])
+    counts = torch.tensor([8, 8, 8])
+    assert TWIN.index_topk(scores, counts, 4).tolist() == [[0, 2, 3, 4], [0, 3, 2, 4], [0, 1, 2, 3]]
+    assert torch.equal(TWIN.index_topk(scores, counts, 4), ranked_topk_oracle(scores, counts, 4))
 
 
 # ---- sparse attention ------------------------------------------------------------------------------------

@@ -250,6 +250,6 @@ class Attention(nn.Module):
                 continue
             rows = slice(seq.offset + a, seq.offset + z)
             counts = (torch.arange(seq.start + a, seq.start + z, device=iq.device) + 1) // self.ratio
-            scores = self.indexer.scores(iq[rows], iw[rows], keys[:n], counts)
+            scores = self.indexer.scores(iq[rows], iw[rows], keys[:n], counts, (seq.start + a + 1) // self.ratio)
             top = self.kernels.index_topk(scores, counts, self.indexer.topk)
             topk[rows, :top.shape[-1]] = top

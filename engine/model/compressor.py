@@ -23,6 +23,11 @@ from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
 from v4serve.kernels.norm_rope import rope
 from v4serve.kernels.registry import load_kernels
 
+# The torch scoring's blocks (`Indexer.scores`): per-head logits of a few rows by up to this many
+# entries, at most this many fp32 values (4 MiB: stays in a CPU's L3 between the three passes).
+INDEX_BLOCK_ENTRIES = 2048
+INDEX_BLOCK_LOGITS = 1 << 20
+
 
 class Compressor(nn.Module):
     """Pools every m tokens into one entry: softmax over the m slots per channel (plus, with
@@ -87,10 +92,38 @@ class Indexer(nn.Module):
         same entries on every rank, and −inf + −inf stays −inf)."""
         return scores if self.reduce is None else self.reduce(scores)
 
-    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor,
+               seen_by_all: int = 0) -> torch.Tensor:
         """q [n, hI, dI], w [n, hI] (unscaled), keys [N, dI], counts [n] (entries each query sees) →
-        scores [n, N], −inf where not visible (the shared-keys form of `kernels.index_scores`)."""
-        logits = torch.bmm(q.flatten(0, 1)[None], keys.t()[None])[0].unflatten(0, q.shape[:2]).relu_()  # [n, hI, N]
-        scores = self.summed(((w * self.w_scale).unsqueeze(-2) @ logits).squeeze(-2))  # Σ_h w·relu(q·k) [n, N]
-        hidden = torch.arange(keys.shape[0], device=q.device)[None, :] >= counts[:, None]
-        return scores.masked_fill(hidden, float("-inf"))
+        scores [n, N], −inf where not visible (the shared-keys form of `kernels.index_scores`).
+        `seen_by_all`: entries every query sees (known on the host), left unmasked.
+
+        The per-head logits [n, hI, N] of a whole tile are far larger than a CPU's caches, and
+        writing them out, rectifying them and reading them back made scoring memory-bound. So they
+        go in blocks of a few rows by some entries that stay in cache between the three passes. The
+        scores are the whole tile's within fp32 noise (a GEMM's rounding depends on its width, as
+        the whole tile's did on the tile's); exact zeros stay exact, so do the ties among them."""
+        n, heads = q.shape[:2]
+        entries = keys.shape[0]
+        width, rows = max(entries, 1), n
+        if q.device.type == "cpu":  # a GPU streams the whole tile at full speed, and each block is a launch
+            width = min(width, INDEX_BLOCK_ENTRIES)
+            rows = max(1, INDEX_BLOCK_LOGITS // (heads * width))
+        weights = (w * self.w_scale).unsqueeze(-2)  # [n, 1, hI]
+        flat = q.flatten(0, 1)  # [n·hI, dI]
+        scores = q.new_empty(n, entries)
+        # One buffer for every block's logits: a fresh one per block would be a fresh mapping of
+        # pages to fault in each time (allocations this large bypass the allocator's free lists).
+        buffer = q.new_empty(min(rows, n) * heads * width)
+        for a in range(0, n, rows):
+            z = min(a + rows, n)
+            for b in range(0, entries, width):
+                e = min(b + width, entries)
+                logits = buffer[:(z - a) * heads * (e - b)].view((z - a) * heads, e - b)
+                torch.mm(flat[a * heads:z * heads], keys[b:e].t(), out=logits)
+                torch.matmul(weights[a:z], logits.view(z - a, heads, e - b).relu_(), out=scores[a:z, None, b:e])
+        scores = self.summed(scores)
+        # Only the entries some query does not see yet need the mask (a chunk's last few).
+        hidden = torch.arange(seen_by_all, entries, device=q.device)[None, :] >= counts[:, None]
+        scores[:, seen_by_all:].masked_fill_(hidden, float("-inf"))
+        return scores
