@@ -808,6 +808,9 @@ class LLMEngine:
         told, if a step is still running: they may be inside its collectives)."""
         if self.kv.store is not None:
             self.kv.store.close()
+        # Decode steps set the process's intra-op threads to one: an engine built next in this process
+        # (benchmarks, tests) would take that for all it may use.
+        torch.set_num_threads(self._cpu_threads)
         if self.kv_events is not None:  # after the store: its last writes are announced too
             self.kv_events.close()
         if self.ranks is not None:

@@ -203,3 +203,17 @@ def test_a_grammar_compiles_off_the_engine_thread_while_other_requests_run() -> 
     assert outputs["plain"][-1].finish_reason == "length"
     assert outputs["grammar"][-1].finish_reason in ("stop", "length")
     assert [(o.finished, o.finish_reason, o.token_ids) for o in outputs["gone"]] == [(True, "abort", ())]
+
+
+def test_a_closed_engine_leaves_the_process_its_threads() -> None:
+    """Decode steps run on one intra-op thread; an engine built after another closed in the same
+    process (benchmarks, tests) took that one thread for all it may use, so its prefills ran on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = engine_for(small_model())
+        engine.generate([greedy("a", tokens(20, 3))])  # its decode steps set one thread
+        engine.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
