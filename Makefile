@@ -28,7 +28,7 @@ AGENT_NPM ?= @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai
 AIDER_SPEC ?= aider-chat==0.86.2
 AGENTS_STAMP := $(AGENTS)/.installed-$(shell printf '%s' '$(AGENT_NPM) $(AIDER_SPEC)' | cksum | cut -d' ' -f1)
 
-.PHONY: install gpu serve test lint bench clean prometheus agents
+.PHONY: install gpu serve test lint bench clean prometheus agents image-tools
 
 $(TORCH_STAMP):
 	@test -x $(PY) || { echo "==> creating $(VENV) (a virtual environment for everything below)"; $(PYTHON) -m venv $(VENV); }
@@ -74,6 +74,22 @@ prometheus:
 	    || echo "could not install prometheus: tests/test_prometheus.py will skip"; \
 	  else echo "prometheus is not installed and apt-get cannot run as root here: tests/test_prometheus.py will skip"; fi; }
 
+# tests/test_image.py builds the Dockerfile's images without a Docker daemon: Debian's buildah (builds
+# with --isolation chroot), podman and runc (run the CPU image) and debootstrap (makes the stand-in base
+# images), installed when missing and installable (apt-get as root); otherwise that test skips, naming
+# the missing tool. Its bases and layer cache are kept in ~/.cache/v4serve-image (about 2.5 GB).
+IMAGE_TOOLS := buildah podman runc debootstrap
+image-tools:
+	@missing=""; for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "==> installing Debian's$$missing for tests/test_image.py"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(IMAGE_TOOLS) >/dev/null 2>&1 \
+	    || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	         --no-install-recommends $(IMAGE_TOOLS) >/dev/null 2>&1; } \
+	    || echo "could not install$$missing: tests/test_image.py will skip"; \
+	  else echo "$$missing not installed and apt-get cannot run as root here: tests/test_image.py will skip"; fi; fi
+
 # Without npm (Node.js) the npm CLIs are not installed and their tests skip, naming why; a failed
 # install stops here.
 $(AGENTS_STAMP):
@@ -98,7 +114,7 @@ lint: $(STAMP)
 # What the tests need is installed side by side (the agent CLIs beside torch and the packages: a minute or
 # more less on a fresh clone than one after the other), then linted, then run.
 test:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) prometheus agents
+	@$(MAKE) --no-print-directory -j3 $(STAMP) prometheus agents image-tools
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 

@@ -3,8 +3,7 @@ the compose file, Prometheus's config, Grafana's provisioning and the Kubernetes
 same image, port, volumes, health and metrics paths, environment variables and shutdown timing as
 the CLI and the app; README's configuration reference is what the CLI prints.
 
-No container engine runs on the machine these tests were written on, so the image is not built
-here; `docker build --target cpu .` and its health check are for a machine with Docker."""
+The images themselves are built and run (without a Docker daemon) in tests/test_image.py."""
 
 from __future__ import annotations
 
