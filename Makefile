@@ -123,6 +123,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_cache.py
 	$(PY) bench/bench_serve.py
 	$(PY) bench/bench_store.py
+	$(PY) bench/bench_long_context.py
 	$(PY) bench/bench_structured.py
 	$(PY) bench/bench_load.py --hostile
 	$(PY) bench/bench_spec.py
