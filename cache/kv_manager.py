@@ -331,10 +331,15 @@ class KVCacheManager:
         return self.store is not None and self.store.writing
 
     # ---- the SSD store ------------------------------------------------------------------------------
+    @property
+    def reads_from_store(self) -> bool:
+        """Whether a prefix can come from the SSD store (a store, and prefix caching on)."""
+        return self.loader is not None and self.config.enable_prefix_caching
+
     def start_disk_load(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice) -> bool:
         """Once per request: if the store holds blocks past the planned device hit, start reading
         them in the background (the request waits meanwhile); False if there is nothing to read."""
-        if self.loader is None or kv.disk_checked or not self.config.enable_prefix_caching:
+        if not self.reads_from_store or kv.disk_checked:
             return False
         kv.disk_checked = True
         b, first = self.config.block_size, len(kv.plan.hit_blocks)

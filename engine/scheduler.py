@@ -107,7 +107,7 @@ class Scheduler:
         if request.kv_source is not None and self._start_fetch(request):
             return
         self.waiting.append(request)
-        if request.sampling.prompt_logprobs is None:
+        if self.kv.reads_from_store and request.sampling.prompt_logprobs is None:
             # Its prefix's files are read from now on, while the requests ahead of it run.
             self.kv.plan_prefix(request.kv, request.num_tokens, request.token_slice, admitting=False)
             self._start_disk_load(request)
