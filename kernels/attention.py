@@ -186,6 +186,13 @@ class RaggedBatch:
             torch.index_select(self.slot_tables.rows[:, :width], 0, self.seq_info[:, 0], out=self.tables)
         if self.rows is not None:
             self.rows.refresh(self.tables, self.row_seq)
+        self.forget_derived()
+
+    def forget_derived(self) -> None:
+        """Drop what the last forward derived from these tensors (entry counts, a row-wise step's round
+        targets): the next forward derives it again. Every forward starts here, so a CUDA graph
+        captures that work too; a value kept from the warm-up runs before the capture would be replayed
+        frozen, stale from the first step on."""
         self._memo.clear()
 
     @property

@@ -99,6 +99,28 @@ def test_the_static_step_is_the_eager_step(backend: str, slot_tables: bool) -> N
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_a_forward_derives_its_step_from_the_batch_tensors_alone() -> None:
+    """A replay runs no Python, so what the batch derived before the captured forward (entry counts
+    from the warm-up runs, say) would be frozen into the graph: each forward derives it again. Here
+    a batch holds another step's derived values (8 positions back) and still computes its own step."""
+    model, kv, tables, _ = setup("torch")
+    ids = torch.arange(1, len(CONTEXTS) + 1)
+
+    def step(back: int) -> tuple[AttentionMetadata, object]:
+        meta = AttentionMetadata.build([SeqChunk(slot=i, block_table=tables[i], start=c - back, num_new=1)
+                                        for i, c in enumerate(CONTEXTS)])
+        return meta, meta.ragged(kv.device)
+
+    meta, batch = step(0)
+    want = model(ids, meta, copy.deepcopy(kv), batch=batch)
+    other_meta, other = step(8)
+    model(ids, other_meta, copy.deepcopy(kv), batch=other)
+    assert other._memo, "the forward derived nothing: this test no longer tests anything"
+    meta, batch = step(0)
+    batch._memo.update(other._memo)
+    assert torch.equal(model(ids, meta, copy.deepcopy(kv), batch=batch), want)
+
+
 def test_a_forward_driven_from_the_host_is_caught() -> None:
     """The --batch-invariant torch kernels loop over the batch's Python tuples: frozen at the bucket's
     scratch rows, their step is not the eager step (why the engine captures no graphs with them)."""

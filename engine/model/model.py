@@ -308,6 +308,7 @@ class DeepseekV4(nn.Module):
         """`forward`, and the last state of every row before the head, h [T, hc, D] (what the
         multi-token-prediction layer reads)."""
         batch = batch if batch is not None else meta.ragged(input_ids.device)
+        batch.forget_derived()
         positions = batch.row_pos
         cs_main = self.rotary_main.cos_sin(positions)
         cs_comp = self.rotary_compress.cos_sin(positions)
@@ -327,6 +328,7 @@ class DeepseekV4(nn.Module):
         and writes its own window rows (the first KV layer past the main ones)."""
         block = self.mtp[0]
         batch = batch if batch is not None else meta.ragged(next_ids.device)
+        batch.forget_derived()
         cos, sin = self.rotary_main.cos_sin(batch.row_pos)  # a window-only layer: plain RoPE
         out = block(h, self._embed(next_ids), next_ids, batch.row_pos, meta, batch, kv.layers[len(self.layers)],
                     self.rotary_main, cos, sin)
