@@ -80,26 +80,31 @@ def main(argv: list[str] | None = None) -> dict:
         for batch in batches:
             prompts = [torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
             measured = {}
-            for mode in ("graphs", "eager"):
+            for mode in ("graphs", "eager", "graphs, async off")[:2 + (spec is None)]:
                 config = EngineConfig(max_num_seqs=max(batches), max_model_len=args.prompt + args.steps + 64,
                                       kv_dtype=dtype, enable_prefix_caching=False, enforce_eager=mode == "eager",
-                                      speculative=spec)
+                                      speculative=spec, async_scheduling="off" if "async off" in mode else "auto")
                 engine = LLMEngine(model, config)
                 times, tokens = decode_steps(engine, prompts, args.steps)
-                measured[mode] = {"cuda_graphs": engine.cuda_graphs, "median_s": statistics.median(times),
+                measured[mode] = {"cuda_graphs": engine.cuda_graphs, "async_scheduling": engine.async_scheduling,
+                                  "median_s": statistics.median(times),
                                   "steps": len(times), "drafted_passes": engine.spec.drafts, "tokens": tokens}
                 engine.close()
             g, e = measured["graphs"], measured["eager"]
-            same = g["tokens"] == e["tokens"]
+            s = measured.get("graphs, async off", g)
+            same = g["tokens"] == e["tokens"] == s["tokens"]
             row = {**{m: {k: v for k, v in measured[m].items() if k != "tokens"} for m in measured},
-                   "ratio_eager_over_graphs": e["median_s"] / g["median_s"], "same_tokens": same}
+                   "ratio_eager_over_graphs": e["median_s"] / g["median_s"],
+                   "ratio_sync_over_async": s["median_s"] / g["median_s"], "same_tokens": same}
             (results["batches"] if spec is None else results["drafted"].setdefault(method, {}))[batch] = row
-            rows.append([method, batch, g["cuda_graphs"], g["drafted_passes"], f"{g['median_s'] * 1e3:.2f}",
-                         f"{e['median_s'] * 1e3:.2f}", f"{e['median_s'] / g['median_s']:.2f}", "yes" if same else "no"])
+            rows.append([method, batch, g["cuda_graphs"], g["async_scheduling"], g["drafted_passes"],
+                         f"{g['median_s'] * 1e3:.2f}", f"{e['median_s'] * 1e3:.2f}",
+                         f"{e['median_s'] / g['median_s']:.2f}",
+                         f"{s['median_s'] / g['median_s']:.2f}" if s is not g else "-", "yes" if same else "no"])
     print_table(f"decode through the engine on {args.device}, {cfg.num_layers} layers, prompt {args.prompt}, "
                 f"{args.steps} steps (median ms per decode step; drafts: passes with drafts, two each)",
-                ["drafts", "batch", "graphs", "drafted passes", "graphs ms", "eager ms", "eager / graphs",
-                 "same tokens"], rows)
+                ["drafts", "batch", "graphs", "async scheduling", "drafted passes", "graphs ms", "eager ms",
+                 "eager / graphs", "async off / on", "same tokens"], rows)
     write_results("bench_decode_graphs", results)
     return results
 

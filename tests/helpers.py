@@ -60,6 +60,16 @@ class RecordingEngine(LLMEngine):
             self.logits.setdefault(rid, []).extend(r.clone() for r in logits[row:row + max(made.get(rid, 0), 1)])
         return outputs
 
+    def _sample_ahead(self, plan, logits, failed, ending):
+        # Async scheduling samples here, each completing chunk's last row, and the token is kept unless
+        # the request is already ending (in `ending`), as `update` keeps it in a synchronous step.
+        i = 0
+        for chunk, n, _, completes in plan:
+            i += n
+            if completes and id(chunk.request) not in ending:
+                self.logits.setdefault(chunk.request.request_id, []).append(logits[i - 1].clone())
+        return super()._sample_ahead(plan, logits, failed, ending)
+
     def check(self) -> None:
         self.kv.check_integrity([r.kv for r in self.scheduler.running])
 
