@@ -63,3 +63,18 @@ def test_decode_graphs_bench_runs_both_modes_at_smoke_sizes() -> None:
     assert set(drafted) == {"1", "3"}
     for row in drafted.values():
         assert row["same_tokens"] and row["graphs"]["drafted_passes"] == row["eager"]["drafted_passes"] > 0
+    assert "graphs, async off" in results["batches"]["1"] and results["batches"]["1"]["ratio_sync_over_async"] > 0
+
+
+def test_profile_decode_names_where_a_step_goes_at_smoke_sizes() -> None:
+    """bench/profile_decode.py (gpu_check.sh's host-against-device profile) on a CPU: the host's top
+    operators per step, and no device column."""
+    done = subprocess.run([sys.executable, "bench/profile_decode.py", "--device", "cpu", "--smoke", "--batch", "2",
+                           "--steps", "3", "--prompt", "24"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=PATIENCE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((ROOT / "bench" / "results" / "profile_decode.json").read_text())
+    assert results["batch"] == 2 and results["device_busy_us_per_step"] is None and not results["top_device_ops"]
+    names = [op["name"] for op in results["top_host_ops"]]
+    assert "aten::mm" in names and all(op["self_us_per_step"] > 0 for op in results["top_host_ops"])
+    assert "us per step" in done.stdout
