@@ -37,7 +37,7 @@ from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.protocol import SamplingFields
 from v4serve.server.tenants import CURRENT_TENANT, DEFAULT_TENANT, ApiKeys, scoped_salt
-from v4serve.server.text.output import ChoiceText, Delta, OutputOptions
+from v4serve.server.text.output import ChoiceText, Delta, OutputOptions, joined
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,10 @@ class Generation:
                 if delta is WAKE:
                     yield delta
                     continue
+                # Deltas that queued while this stream waited (a front end behind the engine) go out as one
+                # chunk: the busier the front end, the less work per token it does.
+                while items and (merged := joined(delta, items[0][0])) is not None:
+                    delta, weight = merged, weight + items.popleft()[1]
                 self._unread -= weight
                 if self._held is not None and self._unread <= self._max_unread // 4:
                     self._hold(False)

@@ -44,6 +44,18 @@ class Delta:
     error_param: str | None = None  # set when the request caused the error: a 400 naming this field
 
 
+def joined(first: Delta, then: Delta) -> Delta | None:
+    """Two deltas of one choice as one (one SSE chunk instead of two), or None where one chunk could not
+    say both in order: other choices, an end or an error before `then` or in it, tool-call fragments
+    (each call's fragments go out as they came), or content followed by reasoning."""
+    if (then.index != first.index or first.finished or first.error is not None or then.error is not None
+            or first.tool_calls or then.tool_calls or (first.text and then.reasoning)):
+        return None
+    return Delta(first.index, first.text + then.text, first.reasoning + then.reasoning,
+                 first.token_ids + then.token_ids, first.samples + then.samples, finished=then.finished,
+                 finish_reason=then.finish_reason)
+
+
 class ChoiceText:
     def __init__(self, tokenizer: Tokenizer, options: OutputOptions) -> None:
         def detok(stop: tuple[str, ...], text_filter: TextFilter | None = None) -> IncrementalDetokenizer:
