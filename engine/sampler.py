@@ -119,6 +119,12 @@ class _RowPrep:
             prep.prompt, prep.committed, prep.drafted = prompt, output, drafted
         return prep
 
+    @property
+    def steady(self) -> bool:
+        """The same for every later step of its request: nothing here depends on the output so far."""
+        return (not self.ends and self.bitmask is None and self.penalty_key is None
+                and self.params.thinking_budget is None)
+
 
 def _thinking_spent(params: SamplingParams, output: list[int], drafted: Sequence[int] = ()) -> bool:
     """The thinking budget is used up and the thinking has not ended: the next token must end it."""
@@ -268,10 +274,14 @@ class Sampler:
         self._seed = seed
         self._default: dict[torch.device, torch.Generator] = {}
         self._per_request: dict[str, torch.Generator] = {}
+        # Each request's row preparation while it cannot change from step to step (no grammar, penalties,
+        # thinking budget or min_tokens still to reach): most rows, made once instead of every step.
+        self._steady: dict[str, _RowPrep] = {}
         self._penalties: PenaltyCounts | None = None  # made when a penalised row is first sampled
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
+        self._steady.pop(request_id, None)
         if self._penalties is not None:
             self._penalties.forget(request_id)
 
@@ -316,10 +326,16 @@ class Sampler:
     def prepare(self, request: Request, drafted: Sequence[int] = ()) -> _RowPrep:
         """The host's part of one row: its bias, penalty indices and grammar bitmask, after `drafted`
         (drafts the grammar allows: the scheduler cut them to those)."""
+        steady = self._steady.get(request.request_id)
+        if steady is not None and steady.params is request.sampling and not drafted:
+            return steady
         grammar = request.grammar
         bitmask = grammar.allowed_after(list(drafted)) if grammar is not None and grammar.active else None
-        return _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
+        prep = _RowPrep.of(request, request.sampling, request.prompt_token_ids, request.output_token_ids,
                            self.eos_token_id, bitmask, drafted)
+        if grammar is None and not drafted and prep.steady:
+            self._steady[request.request_id] = prep
+        return prep
 
     def sample_ahead(self, preps: list[_RowPrep], logits: torch.Tensor) -> SampledRows:
         """Every row's sampling launched on the device, its copy to the host started, nothing waited

@@ -10,7 +10,6 @@ tokens already computed; a preempted request goes back to the queue and resumes 
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,13 +47,10 @@ class ScheduledChunk:
     # Snapshot points strictly inside the chunk: the step captures the slot states there
     # (cache/state_capture.py) instead of ending the chunk on each.
     capture_points: tuple[int, ...] = ()
-
-    @functools.cached_property
-    def completes(self) -> bool:
-        """Whether this chunk reaches the request's last known token (so a token is sampled); read
-        before the step's tokens are accounted (kept from then on: each step reads it several times)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new - len(self.drafts) == r.num_tokens + r.pending_tokens
+    # Whether this chunk reaches the request's last known token (so a token is sampled): decided as it is
+    # scheduled, before the step's tokens are accounted (`_chunk`). A field, not a property: every step
+    # reads it several times for each sequence.
+    completes: bool = False
 
 
 @dataclass
@@ -176,7 +172,9 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int, drafts: tuple[int, ...], points: tuple[int, ...]) -> ScheduledChunk:
         self._states_left -= len(points)
-        return ScheduledChunk(request, n, drafts, points)
+        completes = (request.num_computed_tokens + n - len(drafts)
+                     == len(request.prompt_token_ids) + len(request.output_token_ids) + request.pending_tokens)
+        return ScheduledChunk(request, n, drafts, points, completes)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, cut so that none of them could end it: an accepted draft

@@ -428,3 +428,26 @@ def test_penalised_rows_over_many_steps_equal_counts_made_from_scratch_each_step
             kept.forget(requests[1].request_id)
             requests[1] = Request("new", torch.randint(0, VOCAB, (50,), generator=gen).tolist(), kinds[1])
     assert penalised > 10  # the penalties changed what was picked
+
+
+def test_a_rows_preparation_is_kept_only_while_it_cannot_change() -> None:
+    """A request's row preparation is made once when nothing in it depends on the output so far; one that
+    does (min_tokens still to reach, a thinking budget) is made again every step, and a request id used
+    again with other parameters never gets the old one."""
+    sampler = Sampler(eos_token_id=1)
+    logits = torch.tensor([0.0, 5.0, 1.0, 0.5])  # EOS (1) wins whenever it is allowed
+    plain = req()
+    assert sampler.prepare(plain) is sampler.prepare(plain)
+    early = Request("early", [5, 6], SamplingParams(min_tokens=3))
+    made = []
+    for _ in range(5):
+        sample = sampler.sample_rows([early], logits[None])[0]
+        made.append(sample.token)
+        early.output_token_ids.append(sample.token)
+    assert made == [2, 2, 2, 1, 1]  # EOS barred for the first three, then the kept preparation allows it
+    budget = Request("think", [5], SamplingParams(thinking_budget=2, thinking_end_token=3))
+    first = sampler.prepare(budget)
+    budget.output_token_ids += [2, 2]
+    assert sampler.prepare(budget) is not first and sampler.prepare(budget).bitmask is not None
+    again = Request(plain.request_id, [5], SamplingParams(logit_bias={3: 10.0}))  # not forgotten: an id reused
+    assert sampler.sample_rows([again], logits[None])[0].token == 3
