@@ -37,7 +37,7 @@ from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.protocol import SamplingFields
 from v4serve.server.tenants import CURRENT_TENANT, DEFAULT_TENANT, ApiKeys, scoped_salt
-from v4serve.server.text.output import ChoiceText, Delta, OutputOptions, joined
+from v4serve.server.text.output import ChoiceText, Delta, OutputOptions, joined, joins
 from v4serve.server.text.tokenizer import THINK_END, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,9 @@ T = TypeVar("T")
 
 # What `Generation.deltas` yields when woken (`Generation.wake`) in place of output: no choice's delta.
 WAKE = Delta(index=-1)
+# Deltas one SSE chunk carries at most: a front end far behind sends a stream's backlog in bounded chunks,
+# each a bounded piece of work for the event loop.
+JOINED_AT_MOST = 256
 
 
 class Pipe(Generic[T]):
@@ -185,10 +188,8 @@ class Generation:
                 if delta is WAKE:
                     yield delta
                     continue
-                # Deltas that queued while this stream waited (a front end behind the engine) go out as one
-                # chunk: the busier the front end, the less work per token it does.
-                while items and (merged := joined(delta, items[0][0])) is not None:
-                    delta, weight = merged, weight + items.popleft()[1]
+                if items:  # more queued while this stream waited: a front end behind the engine
+                    delta, weight = self._join_queued(delta, weight)
                 self._unread -= weight
                 if self._held is not None and self._unread <= self._max_unread // 4:
                     self._hold(False)
@@ -203,6 +204,16 @@ class Generation:
                 for i in self._open:
                     self._tracker.finish(i, "abort")
                 self._open.clear()
+
+    def _join_queued(self, delta: Delta, weight: int) -> tuple[Delta, int]:
+        """`delta` and the queued deltas that can follow it in one SSE chunk (at most JOINED_AT_MOST), as
+        one: the busier the front end, the less work it does per token."""
+        items, run, text = self._ready.items, [delta], bool(delta.text)
+        while items and len(run) < JOINED_AT_MOST and joins(run[-1], items[0][0], text):
+            then, more = items.popleft()
+            run.append(then)
+            weight, text = weight + more, text or bool(then.text)
+        return (joined(run) if len(run) > 1 else delta), weight
 
     def wake(self) -> None:
         """Have `deltas` yield WAKE now, unless output is waiting to be read (a stream's keep-alive

@@ -13,7 +13,7 @@ import httpx
 from tests.daemon import PATIENCE, in_process_server, wait_until
 from v4serve.engine.request import Sample
 from v4serve.server.serve import ServeConfig
-from v4serve.server.text.output import Delta, joined
+from v4serve.server.text.output import Delta, joined, joins
 from v4serve.server.text.tool_calls import ToolCallDelta
 
 BODY = {"model": "v4serve-tiny", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
@@ -68,14 +68,23 @@ def sample(token: int) -> Sample:
 def test_what_one_chunk_can_say_in_order() -> None:
     a = Delta(0, "Hel", token_ids=[1], samples=[sample(1)])
     b = Delta(0, "lo", token_ids=[2], samples=[sample(2)], finished=True, finish_reason="stop")
-    both = joined(a, b)
-    assert both == Delta(0, "Hello", token_ids=[1, 2], samples=[sample(1), sample(2)], finished=True,
-                         finish_reason="stop")
+    assert joins(a, b, text_before=True)
+    assert joined([a, b]) == Delta(0, "Hello", token_ids=[1, 2], samples=[sample(1), sample(2)], finished=True,
+                                   finish_reason="stop")
     thinking = Delta(0, reasoning="hm", token_ids=[3])
-    assert joined(thinking, a) == Delta(0, "Hel", "hm", [3, 1], [sample(1)])  # reasoning, then content
-    assert joined(a, thinking) is None  # content then reasoning: one chunk would reorder them
-    assert joined(a, Delta(1, "x")) is None  # another choice
-    assert joined(b, a) is None  # nothing after an end
-    assert joined(a, Delta(0, error="boom", finished=True)) is None
+    assert joins(thinking, a, text_before=False)  # reasoning, then content: in order
+    assert joined([thinking, a]) == Delta(0, "Hel", "hm", [3, 1], [sample(1)])
+    assert not joins(a, thinking, text_before=True)  # content then reasoning: one chunk would reorder them
+    assert not joins(Delta(0, token_ids=[4]), thinking, text_before=True)  # content anywhere earlier in the run
+    assert not joins(a, Delta(1, "x"), text_before=True)  # another choice
+    assert not joins(b, a, text_before=True)  # nothing after an end
+    assert not joins(a, Delta(0, error="boom", finished=True), text_before=True)
     call = Delta(0, tool_calls=[ToolCallDelta(0, arguments='{"a"')])
-    assert joined(a, call) is None and joined(call, a) is None
+    assert not joins(a, call, text_before=True) and not joins(call, a, text_before=False)
+
+
+def test_a_long_backlog_joins_in_one_pass() -> None:
+    run = [Delta(0, f"{i},", token_ids=[i], samples=[sample(i)]) for i in range(20_000)]
+    one = joined(run)
+    assert one.text == "".join(f"{i}," for i in range(20_000)) and one.token_ids == list(range(20_000))
+    assert [s.token for s in one.samples] == list(range(20_000)) and not one.finished

@@ -44,16 +44,22 @@ class Delta:
     error_param: str | None = None  # set when the request caused the error: a 400 naming this field
 
 
-def joined(first: Delta, then: Delta) -> Delta | None:
-    """Two deltas of one choice as one (one SSE chunk instead of two), or None where one chunk could not
-    say both in order: other choices, an end or an error before `then` or in it, tool-call fragments
-    (each call's fragments go out as they came), or content followed by reasoning."""
-    if (then.index != first.index or first.finished or first.error is not None or then.error is not None
-            or first.tool_calls or then.tool_calls or (first.text and then.reasoning)):
-        return None
-    return Delta(first.index, first.text + then.text, first.reasoning + then.reasoning,
-                 first.token_ids + then.token_ids, first.samples + then.samples, finished=then.finished,
-                 finish_reason=then.finish_reason)
+def joins(last: Delta, then: Delta, text_before: bool) -> bool:
+    """Whether one SSE chunk can carry `then` after a run of deltas ending in `last` (`text_before`: the
+    run has content): not for another choice, after an end or an error or with one, with tool-call
+    fragments (each call's fragments go out as they came), or reasoning after content (one chunk would
+    put it first)."""
+    return not (then.index != last.index or last.finished or last.error is not None or then.error is not None
+                or last.tool_calls or then.tool_calls or (text_before and then.reasoning))
+
+
+def joined(run: list[Delta]) -> Delta:
+    """A run of deltas of one choice (each `joins` the one before) as one: the texts and tokens in order,
+    the end of the last."""
+    last = run[-1]
+    return Delta(run[0].index, "".join(d.text for d in run), "".join(d.reasoning for d in run),
+                 [t for d in run for t in d.token_ids], [s for d in run for s in d.samples],
+                 finished=last.finished, finish_reason=last.finish_reason)
 
 
 class ChoiceText:
