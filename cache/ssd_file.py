@@ -11,12 +11,15 @@ namespace, hash, tokens and layout, and exactly the payload length its layout ne
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import xxhash
 
@@ -121,6 +124,106 @@ def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: byt
     if n_payload != payload_bytes:
         raise StoreFileError("format", f"a payload of {n_payload} bytes where the layout needs {payload_bytes}")
     return payload if payload is not None else view[offset + n_layout:body]
+
+
+# Reads from the page cache only, failing at once where the data is not there (Linux 4.14+).
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def _read_into(fd: int, buffers: Sequence[bytearray | memoryview], on_cold: Callable[[], None] | None,
+               offset: int = 0) -> int:
+    """Bytes read into `buffers` in order from `offset` (fewer only at the end of the file). Given
+    `on_cold`, what the page cache holds is read first without waiting, and `on_cold` is called before
+    the rest is waited for (also where the file system cannot read without waiting: it cannot say)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    if not total:
+        return 0
+    n = 0
+    if on_cold is not None and _NOWAIT:
+        try:
+            n = os.preadv(fd, views, offset, _NOWAIT)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        if n >= total:
+            return n
+    if on_cold is not None:
+        on_cold()
+    return n + os.preadv(fd, _after(views, n), offset + n)
+
+
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """`views` without their first `skip` bytes."""
+    rest = []
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+        else:
+            rest.append(v[skip:])
+            skip = 0
+    return rest
+
+
+def will_need(path: str | Path) -> bool:
+    """Ask the kernel to start reading a file now (a hint: one that fails changes nothing); False when
+    it cannot be opened (a missing file ends a prefix anyway)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return True
+
+
+def read_store_file(path: str | Path, kind: int, layout: bytes, payload_bytes: int,
+                    on_cold: Callable[[], None] | None = None, into: memoryview | None = None) -> bytearray:
+    """A store file's bytes, read by the rules: never through a symlink (O_NOFOLLOW), never from a
+    FIFO or device (non-blocking open, regular files only), and only once its header and size say
+    it is the exact size this layout's file has (`expected_size`), into a buffer of that size. Given
+    `into`, the payload goes there and the rest of the file, in order, into the buffer returned.
+    The store's reads and its reader process's (`ssd_reader`) go through here."""
+    # Plain descriptor calls: a buffered file object cost more than the read of a 60 KB file.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StoreFileError("unreadable", "not a regular file")
+        apart = len(into) if into is not None else 0
+        prefix = st.st_size - apart - FOOTER_BYTES
+        if into is not None and HEADER_BYTES <= prefix <= HEADER_BYTES + 4 * MAX_FILE_TOKENS + len(layout):
+            # The size a payload read apart implies (every block file's): one read, then the header's
+            # checks on the bytes read (a bounded buffer either way), as below.
+            data = bytearray(prefix + FOOTER_BYTES)
+            n = _read_into(fd, [memoryview(data)[:prefix], into, memoryview(data)[prefix:]], on_cold)
+            size = expected_size(data[:HEADER_BYTES], st.st_size, layout, payload_bytes)
+            if n < size:
+                raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
+            return data
+        head = bytearray(min(HEADER_BYTES, st.st_size))
+        got = _read_into(fd, [head], on_cold)
+        size = expected_size(head[:got], st.st_size, layout, payload_bytes)
+        # Writable buffers: payload tensors are built on them without another copy.
+        data = bytearray(size - apart)
+        data[:got] = head[:got]
+        if into is None:
+            rest = [memoryview(data)[got:]]
+        else:  # prefix | payload | checksum
+            cut = size - apart - FOOTER_BYTES
+            rest = [memoryview(data)[got:cut], into, memoryview(data)[cut:]]
+        n = got + _read_into(fd, rest, on_cold, got)
+        if n < size:
+            raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
+        return data
+    finally:
+        os.close(fd)
 
 
 def file_tokens(data: bytes | bytearray | memoryview) -> tuple[int, ...]:

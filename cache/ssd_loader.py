@@ -1,13 +1,13 @@
 """Loading a waiting request's prefix from the SSD store, off the engine thread.
 
 When the store holds blocks past a request's device hit, or the end of an earlier response that the
-request continues, the request waits (LOADING) while a reader thread reads those block files (in
-order, from the page cache without waiting where it can, else with the kernel reading ahead:
-`SSDStore.get_many`) and, alongside, the best snapshot to restore the window state from. Each
-block's payload is read straight into its row of one host buffer (pinned on a GPU), whose views are
-the host tensors: no copy between the read and the install, which the engine thread later does with
-one copy per storage tensor (`KVCacheManager.finish_disk_load`). A bad or vanished file ends the
-prefix there: a miss.
+request continues, the request waits (LOADING) while a loader thread has those block files read (in
+order, from the page cache without waiting where it can, else with the kernel reading ahead) by the
+store's reader process (`SSDStore.get_many`), and alongside, the best snapshot to restore the window
+state from. Each block's payload is read into shared memory and copied once, after its checks, into
+its row of one host buffer (pinned on a GPU), whose views are the host tensors: no copy between that
+and the install, which the engine thread later does with one copy per storage tensor
+(`KVCacheManager.finish_disk_load`). A bad or vanished file ends the prefix there: a miss.
 """
 
 from __future__ import annotations

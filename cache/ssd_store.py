@@ -2,8 +2,10 @@
 never allowed to serve a wrong byte.
 
 Plain Python, no torch: payloads are bytes, produced and consumed by `device_kv.DeviceKV`. All
-file I/O runs on the store's own threads (one writer, readers), never on the engine step or the
-HTTP event loop. The file format and its checks are in `ssd_file`.
+file I/O runs on the store's own threads (one writer, loaders) or its reader process (`ssd_reader`:
+a hit's block files are read and checked there, so their per-file Python work never takes this
+process's interpreter from the engine loop), never on the engine step or the HTTP event loop. The
+file format and its checks are in `ssd_file`.
 
 Layout: `<root>/<namespace>/<h[:2]>/<h[2:4]>/<h>.blk` (a block) and `.snap` (the State Cache slot
 state at the end of that block); `<root>/quarantine/` holds bad files (bounded); `<root>/handover/<id>/`
@@ -15,8 +17,9 @@ until fetched or `hold_seconds` old).
   resumes once space is back (checked every `retry_seconds`).
 - Reads: a bad file (truncated, checksum, another kind, namespace, layout or payload length,
   colliding tokens, unreadable, not a regular file) is a miss, moved to quarantine and counted; a
-  read that does not return within `read_timeout` is a miss too (its daemon thread is abandoned, so
-  it can block neither a request nor shutdown).
+  read that does not return within `read_timeout` is a miss too (its daemon thread is abandoned, or
+  its reader process ended and replaced, so it can block neither a request nor shutdown); so is
+  whatever a reader process that died had not yet reported.
 - Sharing: several daemons may use one folder. Files are immutable once renamed; each daemon keeps
   its own index and treats a vanished file as a miss; a starting store removes only temp files
   whose writer is gone (or that are older than `STALE_TEMP_SECONDS`).
@@ -31,10 +34,10 @@ import logging
 import os
 import queue
 import shutil
-import stat
 import threading
 import time
 import uuid
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,19 +49,27 @@ from typing import TypeVar
 from v4serve.cache.block_pool import chain_hash
 from v4serve.cache.kv_events import DISK, KVEventLog
 from v4serve.cache.ssd_file import (
-    FOOTER_BYTES,
-    HEADER_BYTES,
     KIND_BLOCK,
     KIND_RESPONSE,
-    MAX_FILE_TOKENS,
     SUFFIX,
     StoreFileError,
     decode,
     encode,
-    expected_size,
     file_tokens,
+    read_store_file,
     temp_is_stale,
     temp_name,
+    will_need,
+)
+from v4serve.cache.ssd_reader import (
+    MISSING,
+    OK,
+    FileRequest,
+    Outcome,
+    ReaderGone,
+    ReaderProcess,
+    SharedSlots,
+    copy_rows_without_the_gil,
 )
 
 log = logging.getLogger(__name__)
@@ -89,47 +100,6 @@ class StoreStats:
     errors: Counter = field(default_factory=Counter)
 
 
-# Reads from the page cache only, failing at once where the data is not there (Linux 4.14+).
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-
-
-def _read_into(fd: int, buffers: Sequence[bytearray | memoryview], on_cold: Callable[[], None] | None,
-               offset: int = 0) -> int:
-    """Bytes read into `buffers` in order from `offset` (fewer only at the end of the file). Given
-    `on_cold`, what the page cache holds is read first without waiting, and `on_cold` is called before
-    the rest is waited for (also where the file system cannot read without waiting: it cannot say)."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    total = sum(len(v) for v in views)
-    if not total:
-        return 0
-    n = 0
-    if on_cold is not None and _NOWAIT:
-        try:
-            n = os.preadv(fd, views, offset, _NOWAIT)
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        if n >= total:
-            return n
-    if on_cold is not None:
-        on_cold()
-    return n + os.preadv(fd, _after(views, n), offset + n)
-
-
-def _after(views: list[memoryview], skip: int) -> list[memoryview]:
-    """`views` without their first `skip` bytes."""
-    rest = []
-    for v in views:
-        if skip >= len(v):
-            skip -= len(v)
-        else:
-            rest.append(v[skip:])
-            skip = 0
-    return rest
-
-
 def in_daemon_thread(fn: Callable[[], T]) -> Future:
     """Run fn on a fresh daemon thread: whatever it blocks on can never hold up the process's exit."""
     future: Future = Future()
@@ -148,7 +118,7 @@ def in_daemon_thread(fn: Callable[[], T]) -> Future:
 class SSDStore:
     def __init__(self, root: str | Path, namespace: bytes, layout: bytes, payload_bytes: Mapping[int, int],
                  max_bytes: int | None = None, readers: int = 2, read_timeout: float = 10.0,
-                 retry_seconds: float = 30.0) -> None:
+                 retry_seconds: float = 30.0, read_process: bool = True) -> None:
         self.root = Path(root)
         self.namespace, self.layout, self.max_bytes = namespace, layout, max_bytes
         self.payload_bytes = dict(payload_bytes)  # exact payload length of each kind of file
@@ -171,6 +141,11 @@ class SSDStore:
         self._writer = threading.Thread(target=self._write_loop, name="v4serve-ssd-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="v4serve-ssd-loader")
+        # `get_many` reads in a child process (see `ssd_reader`); False reads on this process's threads,
+        # which is what tests that inject faults into this process's reads select.
+        self.reader = ReaderProcess(namespace, layout, self.payload_bytes) if read_process else None
+        if self.reader is not None:
+            self.reader.start()
 
     # ---- index ----------------------------------------------------------------------------------
     def path(self, kind: int, block_hash: bytes) -> Path:
@@ -569,44 +544,8 @@ class SSDStore:
 
     def _read_file(self, path: str | Path, kind: int, on_cold: Callable[[], None] | None = None,
                    into: memoryview | None = None) -> bytearray:
-        """A store file's bytes, read by the rules: never through a symlink (O_NOFOLLOW), never from a
-        FIFO or device (non-blocking open, regular files only), and only once its header and size say
-        it is the exact size this layout's file has (`expected_size`), into a buffer of that size. Given
-        `into`, the payload goes there and the rest of the file, in order, into the buffer returned."""
-        # Plain descriptor calls: a buffered file object cost more than the read of a 60 KB file.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StoreFileError("unreadable", "not a regular file")
-            apart = len(into) if into is not None else 0
-            prefix = st.st_size - apart - FOOTER_BYTES
-            if into is not None and HEADER_BYTES <= prefix <= HEADER_BYTES + 4 * MAX_FILE_TOKENS + len(self.layout):
-                # The size a payload read apart implies (every block file's): one read, then the header's
-                # checks on the bytes read (a bounded buffer either way), as below.
-                data = bytearray(prefix + FOOTER_BYTES)
-                n = _read_into(fd, [memoryview(data)[:prefix], into, memoryview(data)[prefix:]], on_cold)
-                size = expected_size(data[:HEADER_BYTES], st.st_size, self.layout, self.payload_bytes[kind])
-                if n < size:
-                    raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
-                return data
-            head = bytearray(min(HEADER_BYTES, st.st_size))
-            got = _read_into(fd, [head], on_cold)
-            size = expected_size(head[:got], st.st_size, self.layout, self.payload_bytes[kind])
-            # Writable buffers: payload tensors are built on them without another copy.
-            data = bytearray(size - apart)
-            data[:got] = head[:got]
-            if into is None:
-                rest = [memoryview(data)[got:]]
-            else:  # prefix | payload | checksum
-                cut = size - apart - FOOTER_BYTES
-                rest = [memoryview(data)[got:cut], into, memoryview(data)[cut:]]
-            n = got + _read_into(fd, rest, on_cold, got)
-            if n < size:
-                raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
-            return data
-        finally:
-            os.close(fd)
+        """A store file's bytes, read by the rules of `read_store_file`."""
+        return read_store_file(path, kind, self.layout, self.payload_bytes[kind], on_cold, into)
 
     def get_many(self, kind: int, items: Sequence[Item], timings: Counter | None = None,
                  into: Sequence[memoryview] | None = None) -> list[memoryview]:
@@ -617,6 +556,18 @@ class SSDStore:
         read-ahead: there it doubled the time of a 128-file hit. A read still running after
         `read_timeout` ends the prefix where it stands. `timings` gets the seconds spent reading and
         checking. Given `into`, file i's payload is read straight into `into[i]`."""
+        if self.reader is not None:
+            try:
+                slots = SharedSlots(len(items), self.payload_bytes[kind])
+            except OSError as exc:  # no room in /dev/shm: read here, as without a reader process
+                log.warning("SSD store: no shared memory for a read (%s): read in this process", exc)
+            else:
+                return self._get_many_in_reader(kind, items, slots, timings, into)
+        return self._get_many_in_threads(kind, items, timings, into)
+
+    def _get_many_in_threads(self, kind: int, items: Sequence[Item], timings: Counter | None = None,
+                             into: Sequence[memoryview] | None = None) -> list[memoryview]:
+        """`get_many` on this process's threads (no reader process, or no shared memory for it)."""
         out: list[memoryview] = []
         spent: Counter = Counter()
         ahead: list[bool] = []
@@ -647,24 +598,78 @@ class SSDStore:
             timings.update(spent)
         return out
 
+    def _get_many_in_reader(self, kind: int, items: Sequence[Item], slots: SharedSlots, timings: Counter | None,
+                            into: Sequence[memoryview] | None) -> list[memoryview]:
+        """`get_many` through the reader process: it reads and checks the files into shared memory,
+        this process copies each batch of good payloads to where they go (without the interpreter's
+        lock) and keeps the index. A reader that dies or times out ends the prefix where it stands,
+        and is replaced."""
+        assert self.reader is not None
+        files = self._file_requests(kind, items)
+        out: list[memoryview] = []
+        try:
+            if not files:
+                return out
+            deadline = time.monotonic() + self.read_timeout
+            for batch in self.reader.read(kind, slots, files, deadline):
+                good = [o for o in batch if o[1] == OK]
+                out += self._take_payloads(kind, items, slots, good, into)
+                if timings is not None:
+                    timings["read"] += sum(o[4] for o in good)
+                    timings["verify"] += sum(o[5] for o in good)
+                if len(good) < len(batch):
+                    i, outcome, detail = batch[len(good)][:3]
+                    self._read_failed((kind, items[i][0]), files[i][0], outcome, detail)
+        except ReaderGone as exc:
+            self._count_error("timeout" if str(exc) == "timeout" else "reader")
+            log.warning("SSD store reader process %s after %d of %d files: the rest a miss", exc, len(out), len(files))
+        finally:
+            slots.close()
+        return out
+
+    def _file_requests(self, kind: int, items: Sequence[Item]) -> list[FileRequest]:
+        """The reader process's request: each file's path, hash and token ids, up to the first file the
+        index cannot name."""
+        files = []
+        for block_hash, tokens in items:
+            path = self._file(kind, block_hash)
+            if path is None:
+                break
+            token_bytes = array("i", tokens).tobytes() if tokens is not None else None
+            files.append((os.fspath(path), block_hash, token_bytes))
+        return files
+
+    def _read_failed(self, key: tuple[int, bytes], path: str, outcome: str, detail: str) -> None:
+        if outcome == MISSING:
+            self._forget(key)
+        else:
+            self._bad(key, path, StoreFileError(outcome, detail))
+
+    def _take_payloads(self, kind: int, items: Sequence[Item], slots: SharedSlots, good: list[Outcome],
+                       into: Sequence[memoryview] | None) -> list[memoryview]:
+        """A batch of good payloads out of shared memory: into their rows, or buffers of their own.
+        Consecutive rows of one buffer (`DeviceKV.block_rows`) take one copy for the batch."""
+        if not good:
+            return []
+        first, count = good[0][0], len(good)
+        rows = list(into[first:first + count]) if into is not None else [memoryview(bytearray(slots.size))
+                                                                         for _ in good]
+        copy_rows_without_the_gil(rows, slots.view[first * slots.size:(first + count) * slots.size])
+        with self._lock:
+            for i, *_ in good:
+                if (kind, items[i][0]) in self._index:
+                    self._index.move_to_end((kind, items[i][0]))
+            self.stats.bytes_read += sum(o[3] for o in good)
+        return rows
+
     def _read_ahead(self, kind: int, items: Sequence[Item]) -> None:
         """Ask the kernel to start reading every file now (a hint: one that fails changes nothing)."""
         if not items or not hasattr(os, "posix_fadvise"):
             return
         for block_hash, _ in items:
             path = self._file(kind, block_hash)
-            if path is None:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-            except OSError:
-                return  # a missing file ends the prefix anyway
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            if path is not None and not will_need(path):
+                return
 
     def read(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None,
              timings: Counter | None = None) -> memoryview | None:
@@ -766,3 +771,5 @@ class SSDStore:
         self._writes.put(None)
         self._writer.join(timeout=10)
         self._readers.shutdown(wait=True)
+        if self.reader is not None:
+            self.reader.close()

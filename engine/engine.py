@@ -84,6 +84,7 @@ class EngineConfig:
     kv_store_dir: str | None = None  # the SSD prefix store; None = off
     kv_store_max_bytes: int | None = None
     kv_store_read_timeout: float = 10.0  # a store read still running after this is a miss
+    kv_store_read_process: bool = True  # read store files in a child process (False: on this process's threads)
     kv_store_retry_seconds: float = 30.0  # after a full disk: how often to look for space again
     weights_digest: bytes | None = None  # of the checkpoint files; None: digest the tensors if needed
     tokenizer_json: str | None = None  # the vocabulary, as data, for structured outputs (None: unsupported)
@@ -220,7 +221,7 @@ class LLMEngine:
                              {KIND_BLOCK: self.device_kv.block_nbytes(), KIND_SNAPSHOT: self.device_kv.slot_nbytes(),
                               KIND_RESPONSE: self.device_kv.slot_nbytes() + self.device_kv.block_nbytes()},
                              max_bytes=config.kv_store_max_bytes, read_timeout=config.kv_store_read_timeout,
-                             retry_seconds=config.kv_store_retry_seconds)
+                             retry_seconds=config.kv_store_retry_seconds, read_process=config.kv_store_read_process)
         if config.kv_transfer is not None and store is None:
             raise ValueError("--kv-transfer-config hands KV over as SSD-store files: it needs the store "
                              "(--kv-store-dir, not --no-kv-store) and prefix caching")

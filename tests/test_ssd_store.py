@@ -267,7 +267,8 @@ def test_a_disk_load_says_where_its_time_went(tmp_path, caplog) -> None:
 
 
 def _store_with_blocks(tmp_path: Path, n: int) -> tuple[SSDStore, list[tuple[bytes, list[int]]]]:
-    store = SSDStore(tmp_path, b"n" * 32, b"layout", {KIND_BLOCK: 4096})
+    # The read-ahead under test is this process's (the reader process has its own: test_ssd_reader).
+    store = SSDStore(tmp_path, b"n" * 32, b"layout", {KIND_BLOCK: 4096}, read_process=False)
     items = [(bytes([i]) * 32, [i, i + 1]) for i in range(n)]
     for i, (h, toks) in enumerate(items):
         assert store.put(KIND_BLOCK, h, toks, [bytes([i]) * 4096])

@@ -163,7 +163,7 @@ def test_a_read_that_runs_out_of_memory_is_a_counted_quarantined_miss(tmp_path: 
         return read_file(self, path, kind, *rest)
 
     monkeypatch.setattr(SSDStore, "_read_file", no_memory_for_blk2)
-    req, engine = restart(tmp_path)
+    req, engine = restart(tmp_path, kv_store_read_process=False)  # the fault is injected into this process
     errors = engine.kv.store.stats_snapshot().errors
     engine.close()
     assert req.num_disk_hit_tokens == 32 and req.output_token_ids == cold_output(small_model(), PROMPT)
@@ -243,7 +243,7 @@ def test_a_read_that_never_returns_is_a_miss_and_holds_nothing_up(tmp_path: Path
     try:
         # The short read timeout is the fault under test: a slow machine can only end the prefix
         # sooner (another run timing out, counted once all the same), never fail the request.
-        req, engine = restart(tmp_path, kv_store_read_timeout=0.5)
+        req, engine = restart(tmp_path, kv_store_read_timeout=0.5, kv_store_read_process=False)
         errors = engine.kv.store.stats_snapshot().errors
         engine.close()  # the stuck reader is a daemon thread: nothing waits for it
         # Served and closed while the read is still stuck, so nothing waited for it: the order shows
