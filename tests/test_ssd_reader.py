@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import PATIENCE
+from tests.daemon import PATIENCE, wait_until
 from v4serve.cache.ssd_file import FOOTER_BYTES, HEADER_BYTES, KIND_BLOCK, KIND_SNAPSHOT
 from v4serve.cache.ssd_reader import shm_leftovers
 from v4serve.cache.ssd_store import SSDStore
@@ -96,10 +96,21 @@ def test_a_reader_killed_mid_read_is_a_miss_and_replaced(tmp_path: Path) -> None
         pid = store.reader.pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # holds the request until the kill below
+        conn, sent = store.reader._conn, threading.Event()
+
+        class Told:  # the reader's connection, telling the test once the request is on its way
+            def __getattr__(self, name: str) -> object:
+                return getattr(conn, name)
+
+            def send(self, message: object) -> None:
+                conn.send(message)
+                sent.set()
+
+        store.reader._conn = Told()  # type: ignore[assignment]
         got: list[list[bytes]] = []
         reading = threading.Thread(target=lambda: got.append(_payloads(store, items)))
         reading.start()
-        time.sleep(0.2)
+        wait_until(sent.is_set, "the read's request to reach the stopped reader")
         os.kill(pid, signal.SIGKILL)
         reading.join(PATIENCE)
         assert not reading.is_alive() and got == [[]]
