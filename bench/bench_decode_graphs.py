@@ -13,10 +13,10 @@ still run), which times the drafted passes' and the MTP layer's graphs against e
 Written to bench/results/bench_decode_graphs.json.
 
     .venv/bin/python bench/bench_decode_graphs.py [--device cuda] [--batches 1,8,32] [--steps 32] [--smoke]
-        [--speculative none,mtp]
+        [--speculative none,mtp] [--dtype bfloat16|float32]
 
 The model has the real attention shapes of bench_gpu.py (4 layers, bf16 on CUDA); `--smoke` shrinks
-it so the script can be tested on a CPU, where graphs are off (the engine says why) and both columns
+it so the script can be tested on a CPU (always fp32), where graphs are off (the engine says why) and both columns
 are eager.
 """
 
@@ -56,6 +56,13 @@ def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tup
     return times, [r.output_token_ids for r in requests]
 
 
+def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """(request, token index) of the first token where two runs part, fewest tokens in first; None if none."""
+    parts = [(i, next(k for k in range(len(x) + 1) if k == len(x) or k == len(y) or x[k] != y[k]))
+             for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    return min(parts, key=lambda p: p[1]) if parts else None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--speculative", default="none", help="comma-separated: none, mtp")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="on CUDA (fp32 tells a bug from a bf16 near-tie where the tokens differ)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not set(methods) <= {"none", "mtp"}:
         parser.error(f"--speculative takes none and mtp, got {args.speculative}")
     cfg = tiny_config(**(SMOKE if args.smoke else REAL), num_nextn_predict_layers=int("mtp" in methods))
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.device == "cuda" else torch.float32
     model = build_tiny(cfg, seed=0).to(args.device, dtype)
     model.use_kernels(load_kernels("triton" if args.device == "cuda" else "torch", args.device))
     rows, results = [], {"device": args.device, "batches": {}, "drafted": {}}
@@ -95,13 +104,15 @@ def main(argv: list[str] | None = None) -> dict:
             same = g["tokens"] == e["tokens"] == s["tokens"]
             row = {**{m: {k: v for k, v in measured[m].items() if k != "tokens"} for m in measured},
                    "ratio_eager_over_graphs": e["median_s"] / g["median_s"],
-                   "ratio_sync_over_async": s["median_s"] / g["median_s"], "same_tokens": same}
+                   "ratio_sync_over_async": s["median_s"] / g["median_s"], "same_tokens": same,
+                   "first_difference": first_difference(g["tokens"], e["tokens"])}
             (results["batches"] if spec is None else results["drafted"].setdefault(method, {}))[batch] = row
             rows.append([method, batch, g["cuda_graphs"], g["async_scheduling"], g["drafted_passes"],
                          f"{g['median_s'] * 1e3:.2f}", f"{e['median_s'] * 1e3:.2f}",
                          f"{e['median_s'] / g['median_s']:.2f}",
-                         f"{s['median_s'] / g['median_s']:.2f}" if s is not g else "-", "yes" if same else "no"])
-    print_table(f"decode through the engine on {args.device}, {cfg.num_layers} layers, prompt {args.prompt}, "
+                         f"{s['median_s'] / g['median_s']:.2f}" if s is not g else "-",
+                         "yes" if same else f"no (first at {row['first_difference']})"])
+    print_table(f"decode through the engine on {args.device} ({dtype}), {cfg.num_layers} layers, prompt {args.prompt}, "
                 f"{args.steps} steps (median ms per decode step; drafts: passes with drafts, two each)",
                 ["drafts", "batch", "graphs", "async scheduling", "drafted passes", "graphs ms", "eager ms",
                  "eager / graphs", "async off / on", "same tokens"], rows)

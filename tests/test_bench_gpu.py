@@ -78,3 +78,6 @@ def test_profile_decode_names_where_a_step_goes_at_smoke_sizes() -> None:
     names = [op["name"] for op in results["top_host_ops"]]
     assert "aten::mm" in names and all(op["self_us_per_step"] > 0 for op in results["top_host_ops"])
     assert "us per step" in done.stdout
+    assert any("[[" in op["name"] for op in results["top_aten_ops_by_shape"])  # shapes told apart
+    python = [f["name"] for f in results["top_python_functions"]]
+    assert any(" step" in name or "forward" in name for name in python), python
