@@ -1,7 +1,8 @@
-"""Triton kernels for mHC (see `mhc.py`, their plain-torch twin): the whole pre step (RMS-normalised
-mixing, sigmoid gates, every Sinkhorn iteration, the collapse Σ_k pre_k h_k) is one launch per
-layer part, and the post step another. A program takes a tile of tokens but reduces each token's
-row on its own, in a fixed order, so a token's result does not depend on its batch-mates."""
+"""Triton kernels for mHC (see `mhc.py`, their plain-torch twin): the pre step is two launches per
+layer part (the RMS-normalised mixing's dot products split over K; then the sigmoid gates, every
+Sinkhorn iteration and the collapse Σ_k pre_k h_k), and the post step one. A program takes a tile
+of tokens but reduces each token's row on its own, in a fixed order, so a token's result does not
+depend on its batch-mates."""
 
 from __future__ import annotations
 
@@ -11,40 +12,61 @@ import triton.language as tl
 
 from v4serve.kernels.launches import interpreting, launch
 
+# Slices of K = HC·D the mixing's dot products are split into on a GPU (a power of two): enough programs
+# to fill the SMs at batch 1, and fixed, so a token's sums never depend on the batch.
+MIX_SPLITS = 64
+
 
 @triton.jit
-def _mhc_pre_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, norm_w_ptr, x_ptr, gates_ptr, T, D, hc_eps, norm_eps,
-                    HC: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+def _mhc_mix_kernel(h_ptr, fn_ptr, part_ptr, T, K, KS, R: tl.constexpr, RP: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK: tl.constexpr):
+    """One token tile's partial sums over one slice of the K = HC·D inputs (split-K: a single program
+    walking all of K is latency-bound, ~0.5 ms a call at V4's widths): the R mixing rows' dot products
+    and the sum of squares → part[split, token, :R] and part[split, token, R]. The slices depend on K
+    alone, so a token's sums do not depend on its batch-mates."""
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1).to(tl.int64)
+    tok_ok = tok < T
+    r = tl.arange(0, RP)
+    acc = tl.zeros([BLOCK_T, RP], tl.float32)
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    k_lo = split * KS
+    for k0 in range(0, KS, BLOCK):
+        offs = k_lo + k0 + tl.arange(0, BLOCK)
+        live = offs < K
+        hv = tl.load(h_ptr + tok[:, None] * K + offs[None, :], mask=tok_ok[:, None] & live[None, :],
+                     other=0.0).to(tl.float32)  # [BT, BK]
+        w = tl.load(fn_ptr + r[:, None] * K + offs[None, :], mask=(r < R)[:, None] & live[None, :],
+                    other=0.0).to(tl.float32)  # [RP, BK]
+        acc += tl.sum(w[None, :, :] * hv[:, None, :], axis=2)
+        sq += tl.sum(hv * hv, axis=1)
+    row = part_ptr + (split * T + tok) * RP
+    tl.store(row[:, None] + r[None, :], tl.where(r[None, :] == R, sq[:, None], acc), mask=tok_ok[:, None])
+
+
+@triton.jit
+def _mhc_pre_kernel(h_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, x_ptr, gates_ptr, T, D, hc_eps, norm_eps,
+                    HC: tl.constexpr, RP: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr,
+                    NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < T
     K = HC * D
     i = tl.arange(0, HC)
     ij = tl.arange(0, HC * HC)
-    acc_pre = tl.zeros([BLOCK_T, HC, BLOCK], tl.float32)
-    acc_post = tl.zeros([BLOCK_T, HC, BLOCK], tl.float32)
-    acc_comb = tl.zeros([BLOCK_T, HC * HC, BLOCK], tl.float32)
-    sq = tl.zeros([BLOCK_T, BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        live = offs < K
-        hv = tl.load(h_ptr + tok[:, None] * K + offs[None, :], mask=tok_ok[:, None] & live[None, :],
-                     other=0.0).to(tl.float32)  # [BT, BK]
-        sq += hv * hv
-        w_pre = tl.load(fn_ptr + i[:, None] * K + offs[None, :], mask=live[None, :], other=0.0).to(tl.float32)
-        w_post = tl.load(fn_ptr + (HC + i[:, None]) * K + offs[None, :], mask=live[None, :], other=0.0).to(tl.float32)
-        w_comb = tl.load(fn_ptr + (2 * HC + ij[:, None]) * K + offs[None, :], mask=live[None, :],
-                         other=0.0).to(tl.float32)
-        acc_pre += w_pre[None, :, :] * hv[:, None, :]
-        acc_post += w_post[None, :, :] * hv[:, None, :]
-        acc_comb += w_comb[None, :, :] * hv[:, None, :]
-    rs = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + norm_eps)  # [BT]
+    # The mixing kernel's partial sums, added in split order: [SPLITS, BT] rows of RP.
+    at = part_ptr + (tl.arange(0, SPLITS).to(tl.int64)[:, None] * T + tok[None, :]) * RP
+    some = tok_ok[None, :, None]
+    mix_pre = tl.sum(tl.load(at[:, :, None] + i[None, None, :], mask=some, other=0.0), axis=0)  # [BT, HC]
+    mix_post = tl.sum(tl.load(at[:, :, None] + HC + i[None, None, :], mask=some, other=0.0), axis=0)
+    mix_comb = tl.sum(tl.load(at[:, :, None] + 2 * HC + ij[None, None, :], mask=some, other=0.0), axis=0)
+    sq = tl.sum(tl.load(at + 2 * HC + HC * HC, mask=tok_ok[None, :], other=0.0), axis=0)  # [BT]
+    rs = 1.0 / tl.sqrt(sq / K + norm_eps)  # [BT]
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(tl.sum(acc_pre, axis=2) * rs[:, None] * s_pre + tl.load(base_ptr + i)[None, :]) + hc_eps
-    post = 2.0 * tl.sigmoid(tl.sum(acc_post, axis=2) * rs[:, None] * s_post + tl.load(base_ptr + HC + i)[None, :])
-    z = tl.sum(acc_comb, axis=2) * rs[:, None] * s_comb + tl.load(base_ptr + 2 * HC + ij)[None, :]
+    pre = tl.sigmoid(mix_pre * rs[:, None] * s_pre + tl.load(base_ptr + i)[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(mix_post * rs[:, None] * s_post + tl.load(base_ptr + HC + i)[None, :])
+    z = mix_comb * rs[:, None] * s_comb + tl.load(base_ptr + 2 * HC + ij)[None, :]
     z = tl.reshape(z, (BLOCK_T, HC, HC))  # [t, j, k]: softmax over k
     z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
     comb = z / tl.sum(z, axis=2)[:, :, None] + hc_eps
@@ -115,15 +137,27 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, hc, d = h.shape
     _check_streams(hc)
+    # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
+    # On a GPU: two-token tiles, the mixing over 64 slices of K and the collapse over 1K-wide column
+    # tiles keep a decode step's two launches to a few loop trips each (latency, not bandwidth, bounds them).
+    block_t, block, splits, block_d, warps = (16, 128, 1, 128, 4) if interpreting() else (2, 128, MIX_SPLITS, 1024, 8)
+    rows, k = 2 * hc + hc * hc, hc * d
+    width = triton.next_power_of_2(rows + 1)
     x = h.new_empty(t, d)
-    gates = h.new_empty(t, hc + hc * hc, dtype=torch.float32)
+    # The gates and the mixing's partial sums in one allocation (one op less per call in an eager step).
+    scratch = h.new_empty(t * (hc + hc * hc) + splits * t * width, dtype=torch.float32)
+    gates = scratch[:t * (hc + hc * hc)].view(t, hc + hc * hc)
+    part = scratch[t * (hc + hc * hc):].view(splits, t, width)
     if t:
-        # Interpreted, each op costs the same whatever its size: fewer, larger tiles run faster.
-        block_t, block = (16, 128) if interpreting() else (4, 32)
+        per_split = triton.cdiv(triton.cdiv(k, splits), block) * block
+        h = h.contiguous()
+        launch(_mhc_mix_kernel, (triton.cdiv(t, block_t), splits), h, fn.contiguous(), part, t, k, per_split,
+               R=rows, RP=width, BLOCK_T=block_t, BLOCK=block, num_warps=warps)
         launch(_mhc_pre_kernel, (triton.cdiv(t, block_t),),
-               h.contiguous(), fn.contiguous(), base.float().contiguous(), scale.float().contiguous(),
+               h, part, base.float().contiguous(), scale.float().contiguous(),
                norm_weight if norm_weight is not None else base, x, gates, t, d, hc_eps, norm_eps, HC=hc,
-               ITERS=iters, NORM=norm_weight is not None, BLOCK_T=block_t, BLOCK=block)
+               RP=width, SPLITS=splits, ITERS=iters, NORM=norm_weight is not None, BLOCK_T=block_t,
+               BLOCK=block_d, num_warps=warps)
     return x, gates[:, :hc], gates[:, hc:].view(t, hc, hc)
 
 

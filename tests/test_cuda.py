@@ -119,3 +119,34 @@ def test_mtp_graphs_replay_the_eager_drafted_passes() -> None:
     assert graphs.cuda_graphs == "on"
     assert graphs.spec.drafts > 0
     assert_same(graphs, eager, graphs_reqs, eager_reqs)
+
+
+def test_mtp_graphs_replay_the_eager_drafted_passes_at_a_large_bucket() -> None:
+    """Twenty sequences in the bucket of 24 (drafted passes three rows each): the buckets a busy server
+    replays, which the four-sequence test above never reaches."""
+    model = cuda_model(mtp=True)
+    spec = SpeculativeConfig("mtp", 2)
+
+    def requests() -> list[Request]:
+        return [Request(f"m{i}", tokens(LENGTHS[i % len(LENGTHS)] + i, seed=40 + i),
+                        SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(20)]
+
+    graphs_reqs, eager_reqs = requests(), requests()
+    graphs = run(model, graphs_reqs, speculative=spec, max_num_seqs=32)
+    eager = run(model, eager_reqs, speculative=spec, enforce_eager=True, max_num_seqs=32)
+    assert graphs.cuda_graphs == "on" and graphs.spec.drafts > 0
+    assert_same(graphs, eager, graphs_reqs, eager_reqs)
+
+
+def test_a_bf16_head_is_read_as_stored_and_gives_the_fp32_cast_logits() -> None:
+    """A bf16 model's logits come from a bf16 GEMM written in fp32 (no per-step fp32 copy of the head):
+    the same logits as the fp32-cast weights, up to the order of the sums."""
+    cfg = tiny_config(**SMALL)
+    model = build_tiny(cfg, seed=11).to("cuda", torch.bfloat16)
+    model.use_kernels(load_kernels("triton", "cuda"))
+    h = torch.randn(5, cfg.hc_mult, cfg.hidden_size, device="cuda").bfloat16()
+    got = model._logits(h, model)
+    x = model.norm(model._hc_head(h, model))
+    want = x.float() @ model.head.weight.float().t()
+    assert x.dtype == torch.bfloat16 and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)

@@ -124,10 +124,11 @@ def decode_step_items(model, batch: int) -> float:
 def test_a_decode_step_stays_within_its_launch_budget_at_any_batch() -> None:
     """bench/bench_launches.py measures the tiny model's layers; here the small model's whole step,
     embedding and head included (47.4 per layer when written, copies that inference mode marks as
-    views counted), must stay under 48 per layer and must not grow with the batch (the MoE once
+    views counted; 49.2 once mHC's mixing became a launch of its own, split over K: ~0.5 ms less device
+    time a call on an H200), must stay under 50 per layer and must not grow with the batch (the MoE once
     issued a few ops per expert in use; a transposed grouped output and a sliced head-weight input
     were once copied at every batch above one)."""
     model = build_tiny(tiny_config(**SMALL), seed=11).to(DEVICE)  # five layers, as when the budget was set
     one, four = decode_step_items(model, 1), decode_step_items(model, 4)
-    assert one <= 48
+    assert one <= 50
     assert four == one
