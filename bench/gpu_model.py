@@ -3,7 +3,7 @@ DeepSeek-V4-Flash and -Pro on H100 SXM, H200 and B200, at tensor parallel 1, 4 a
 capacity plan says the model fits), batch 1, 32 and 256, at one context (8K by default), eager and
 with CUDA graphs, for v4serve's Triton decode path as the code stands.
 
-Inputs, none of them measured on a GPU:
+Inputs, none of them measured on a GPU but mHC's floor (below):
 
 * every weight, its shape and stored dtype (`engine/model/plan.py`: `checkpoint_tensors` of
   `aot.reduced_config`, one layer of each kind), held per rank by the plan's split rules and
@@ -26,9 +26,10 @@ Inputs, none of them measured on a GPU:
 Each kernel's time = max(bytes / achievable HBM bandwidth, FLOPs / achievable peak, what one program
 of its grid must move or compute on one SM) + collective time + per-launch overhead; a step is the
 sum over every layer's kernels and the per-step kernels. The one-program term is an addition to
-bytes/BW: three decode kernels have grids that do not grow with the GPU (`mhc_pre`: one program per
-4 tokens, each reading all of `hc_fn`; `sparse_attention`: one program per token and 16 heads, no
-split over keys; the MoE's per-expert tiles), so at small batch they cannot use the whole HBM.
+bytes/BW: two decode kernels have grids that do not grow with the GPU (`sparse_attention`: one
+program per token and 16 heads, no split over keys; the MoE's per-expert tiles), so at small batch
+they cannot use the whole HBM. mHC's time a call is floored by what one H200 measured (`MHC_CALL_S`:
+its loops are latency-bound, which neither bytes nor FLOPs capture; the one input measured on a GPU).
 Eager adds the host's cost of every work item to the device time (the GPU waiting on each launch).
 Launch and collective costs are published measurements (cited at their constants); the engine's own
 host work per step is bench/bench_host.py's. "v4serve" is the step as the code runs it: CUDA graphs
@@ -168,6 +169,18 @@ def nccl_all_reduce_s(nbytes: float, tp: int) -> float:
 def host_step_s(batch: int) -> float:
     return HOST_STEP_S + HOST_PER_SEQ_S * batch
 PROGRAM_BYTES_PER_S = 100e9  # what one program (one CTA on one SM) can stream from HBM or L2
+# mHC's pre step (its two launches: the mixing split over K, then gates, Sinkhorn and the collapse) and
+# its post step at 4096 channels and 4 streams, MEASURED on one H200 in the graphed decode step of
+# bench/profile_decode.py (4 layers at V4's widths): 5.9 + 12.7 + 2.7 us a call at batch 1, 23.1 + 12.0
+# + 3.5 us at batch 32. Their loops are latency-bound (~0.75 us a dependent trip), which neither bytes nor
+# FLOPs capture: these are floors of the mHC time per call, interpolated in the batch.
+MHC_CALL_S = ((1, 21.3e-6), (32, 38.6e-6))
+
+
+def mhc_call_s(batch: int) -> float:
+    """The measured floor at `batch` (held at batch 32's beyond it: past that, bytes and FLOPs govern)."""
+    (b0, t0), (b1, t1) = MHC_CALL_S
+    return t0 + (t1 - t0) * (min(max(batch, b0), b1) - b0) / (b1 - b0)
 
 # Published peer figures (SGLang, H200, DeepSeek-V4-Flash, FP8 checkpoint; 8K in / 1K out). Their
 # parallel layout (TP/DP/EP) and whether speculative decoding (MTP) was on are not stated with them.
@@ -509,40 +522,40 @@ class _Proxy:
 # per rank). `main` says when a fresh count differs. `--stored-launches` uses these.
 STORED_LAUNCHES: dict[int, dict[str, dict[str, list[int]]]] = {
     1: {
-        "csa": {"attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0], "mhc": [10, 6, 0],
+        "csa": {"attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0], "mhc": [12, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0], "proj_out": [4, 2, 0],
                 "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
-        "hca": {"attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [10, 6, 0], "moe_routed": [10, 1, 0],
+        "hca": {"attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [12, 6, 0], "moe_routed": [10, 1, 0],
                 "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0], "proj_q": [2, 1, 0],
                 "proj_x": [3, 1, 0], "router": [5, 2, 0]},
         "step": {"embed": [13, 0, 0], "hc_head": [14, 0, 0], "head": [10, 0, 0]},
-        "swa": {"attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [10, 6, 0], "moe_routed": [10, 1, 0],
+        "swa": {"attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [12, 6, 0], "moe_routed": [10, 1, 0],
                 "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0], "proj_q": [2, 1, 0],
                 "proj_x": [2, 1, 0], "router": [6, 2, 0]},
     },
     4: {
         "csa": {"all_reduce": [7, 0, 3], "attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0],
-                "mhc": [10, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
+                "mhc": [12, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
                 "proj_out": [4, 2, 0], "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
-        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [10, 6, 0],
+        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [12, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
                 "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
         "step": {"all_reduce": [1, 0, 1], "embed": [20, 0, 0], "hc_head": [14, 0, 0], "head": [10, 0, 0],
                 "logits_gather": [6, 4, 1]},
-        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [10, 6, 0],
+        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [12, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
                 "proj_q": [2, 1, 0], "proj_x": [2, 1, 0], "router": [6, 2, 0]},
     },
     8: {
         "csa": {"all_reduce": [7, 0, 3], "attention": [2, 1, 0], "cache_write": [5, 0, 0], "indexer": [8, 2, 0],
-                "mhc": [10, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
+                "mhc": [12, 6, 0], "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [10, 5, 0],
                 "proj_out": [4, 2, 0], "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
-        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [10, 6, 0],
+        "hca": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [3, 0, 0], "mhc": [12, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
                 "proj_q": [2, 1, 0], "proj_x": [3, 1, 0], "router": [5, 2, 0]},
         "step": {"all_reduce": [1, 0, 1], "embed": [20, 0, 0], "hc_head": [14, 0, 0], "head": [10, 0, 0],
                 "logits_gather": [10, 8, 1]},
-        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [10, 6, 0],
+        "swa": {"all_reduce": [6, 0, 2], "attention": [2, 1, 0], "cache_write": [1, 0, 0], "mhc": [12, 6, 0],
                 "moe_routed": [10, 1, 0], "moe_shared": [10, 3, 0], "norm_rope": [8, 4, 0], "proj_out": [4, 2, 0],
                 "proj_q": [2, 1, 0], "proj_x": [2, 1, 0], "router": [6, 2, 0]},
     },
@@ -575,6 +588,7 @@ class Work:
     math: str = "bf16"  # the unit its products run on: "bf16" tensor cores or "fp32" CUDA cores
     program_bytes: float = 0.0  # what one program of its grid must move (the grid-limited kernels)
     program_flops: float = 0.0  # and compute
+    measured_s: float = 0.0  # a floor measured on a GPU (latency-bound loops), per count
     items: int = 0  # eager work items (ATen ops, Triton launches, NCCL calls)
     launches: int = 0  # of which launch a kernel (what a CUDA graph replays)
     all_reduce_calls: int = 0
@@ -590,13 +604,14 @@ class Times:
     memory: float
     compute: float
     program: float
+    measured: float
     comm: float
     eager_overhead: float
     graph_overhead: float
 
     @property
     def device(self) -> float:
-        return max(self.memory, self.compute, self.program) + self.comm
+        return max(self.memory, self.compute, self.program, self.measured) + self.comm
 
     @property
     def eager(self) -> float:
@@ -618,6 +633,7 @@ def work_times(work: Work, gpu: Gpu, tp: int) -> Times:
     return Times(memory=n * work.bytes / (gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY),
                  compute=n * work.flops / (gpu.peak(work.math) * FLOPS_EFFICIENCY),
                  program=n * max(work.program_bytes / PROGRAM_BYTES_PER_S, work.program_flops / per_sm),
+                 measured=n * work.measured_s,
                  comm=n * comm if tp > 1 else 0.0,
                  eager_overhead=n * work.items * EAGER_ITEM_S, graph_overhead=n * work.launches * GRAPH_KERNEL_S)
 
@@ -700,12 +716,11 @@ def _layer_work(cfg: ModelConfig, kind: str, layer: LayerLayout, w: dict[str, We
         ws = w[name]
         return Work(name, bytes=ws.bytes + b * (inputs + ws.rows) * ACT, weight_bytes=ws.bytes, flops=2 * b * ws.params)
 
-    # mHC, twice (attention and MoE): `mhc_pre` runs one program per 4 tokens, each reading all of
-    # hc_fn ([mix, hc·d]) and multiplying on CUDA cores; `mhc_post` mixes the streams back.
-    fn_bytes = mix * hc * d * ACT
+    # mHC, twice (attention and MoE): `mhc_pre`'s mixing is split over 64 slices of hc_fn ([mix, hc·d],
+    # fp32) in programs of 2 tokens, then one program per 2 tokens adds the slices, runs Sinkhorn and
+    # collapses the streams; `mhc_post` mixes them back. Floored by the H200's measured time a call.
     mhc = Work("mhc", bytes=w["mhc"].bytes + 2 * b * (3 * hc * d + 2 * d) * ACT, weight_bytes=w["mhc"].bytes,
-               flops=2 * 2 * b * mix * hc * d, math="fp32", program_bytes=2 * (fn_bytes + 4 * hc * d * ACT),
-               program_flops=2 * 2 * 4 * mix * hc * d)
+               flops=2 * 2 * b * mix * hc * d, math="fp32", measured_s=2 * mhc_call_s(b))
     works = [mhc, gemm("proj_x", d)]
     norm = Work("norm_rope", bytes=w["norm_rope"].bytes + 2 * b * ACT * (q + 2 * heads * hd + hd
                                                                           + (index_heads * idim if csa else 0)),
@@ -784,13 +799,14 @@ def evaluate(case: Case, gpu: Gpu, works: list[Work]) -> dict[str, Any]:
     for work in works:
         t = work_times(work, gpu, case.tp)
         row = kernels.setdefault(work.kernel, dict.fromkeys(
-            ("bytes", "weight_bytes", "flops", "items", "launches", "memory_s", "compute_s", "program_s", "comm_s",
-             "device_s", "eager_s", "graphs_s"), 0.0))
+            ("bytes", "weight_bytes", "flops", "items", "launches", "memory_s", "compute_s", "program_s", "measured_s",
+             "comm_s", "device_s", "eager_s", "graphs_s"), 0.0))
         for key, value in (("bytes", work.bytes), ("weight_bytes", work.weight_bytes), ("flops", work.flops),
                            ("items", work.items), ("launches", work.launches)):
             row[key] += work.count * value
         for key, value in (("memory_s", t.memory), ("compute_s", t.compute), ("program_s", t.program),
-                           ("comm_s", t.comm), ("device_s", t.device), ("eager_s", t.eager), ("graphs_s", t.graphs)):
+                           ("measured_s", t.measured), ("comm_s", t.comm), ("device_s", t.device),
+                           ("eager_s", t.eager), ("graphs_s", t.graphs)):
             row[key] += value
     out: dict[str, Any] = {"kernels": {k: kernels[k] for k in KERNELS if k in kernels}}
     for mode in ("eager", "graphs"):
@@ -805,8 +821,8 @@ def evaluate(case: Case, gpu: Gpu, works: list[Work]) -> dict[str, Any]:
     host_s = sum(row["items"] for row in kernels.values()) * EAGER_ITEM_S
     out["eager"]["overlapped_step_s"] = max(host_s, out["graphs"]["step_s"])
     out["v4serve"] = as_run(case, out)
-    for key in ("bytes", "weight_bytes", "flops", "items", "launches", "memory_s", "compute_s", "program_s", "comm_s",
-                "device_s"):
+    for key in ("bytes", "weight_bytes", "flops", "items", "launches", "memory_s", "compute_s", "program_s",
+                "measured_s", "comm_s", "device_s"):
         out[key] = sum(row[key] for row in kernels.values())
     return out
 
