@@ -32,8 +32,10 @@ SUFFIX = {KIND_BLOCK: ".blk", KIND_SNAPSHOT: ".snap", KIND_RESPONSE: ".resp"}
 # magic, version, kind, namespace, hash, token count, layout length, payload length
 _HEAD = struct.Struct("<8sHB32s32sIIQ")
 _CRC = struct.Struct("<Q")  # the checksum (XXH3-64); the name says where it sits, not which it is
+# Every kind the store counts (`v4serve_kv_store_errors_total{kind}`, each series there at 0 from the start):
+# a bad file's fault, a read past the timeout, a full disk, a failed write, a reader process that died.
 ERROR_KINDS = ("truncated", "checksum", "namespace", "collision", "format", "unreadable", "timeout", "enospc",
-               "write")
+               "write", "reader")
 
 
 class StoreFileError(Exception):

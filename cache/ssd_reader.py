@@ -6,11 +6,18 @@ lets go of it on every torch op) waited for it back: a decode beside a 64K-token
 4.8x slower. In a child interpreter that work contends with nothing; the engine process only sends
 one small request (paths, hashes, token ids) and gets one small message back per file.
 
-Payloads travel through shared memory: the engine side creates a file in /dev/shm sized for the
-request's payloads, the child reads payload i straight into slot i of its mapping (the rest of each
-file into its own buffer), checks the whole file by the store's rules (`read_store_file`, `decode`:
-XXH3 included) and reports (request id, index, outcome). The engine side copies a slot into its
-destination only after the child reported it good. Plain Python, no torch.
+Payloads travel through shared memory: one file in /dev/shm (`SharedSlots`) that the engine side
+allocates at the first read, grows when a read needs more (never shrinks) and reuses for every read
+after, both processes keeping it mapped (a fresh 128 MiB file per 64K-token hit, zeroed and faulted
+in page by page by both processes, was two thirds of such a hit's time from the page cache). The child reads
+payload i straight into slot i of its mapping (the rest of each file into its own buffer), checks the
+whole file by the store's rules (`read_store_file`, `decode`: XXH3 over the slot's bytes included)
+and reports (request id, index, outcome). The engine side copies a slot into its destination only
+after the child reported it good for this request's id, in file order, so what an earlier read left
+in a slot is never taken for a payload. One request at a time, under the engine side's lock: the
+slots are written by one request only. A child ended but not seen to exit (stuck in the kernel, where
+a read may still land in its mapping) takes the file with it: the next read gets a new one. A
+crashed engine's file is removed by the next store that starts (`sweep_shm_leftovers`).
 
 A child that dies or stops answering ends the request where it stands (the rest a miss) and is
 replaced on the next request: a dead reader costs a miss, never a crash or a hang.
@@ -20,28 +27,38 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
+import re
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from v4serve.cache.ssd_file import StoreFileError, decode, read_store_file, will_need
+from v4serve.cache.ssd_file import StoreFileError, _process_alive, decode, read_store_file, will_need
 
-# A file's outcome as the child reports it: "ok", "missing" (vanished), or a StoreFileError kind.
-OK, MISSING = "ok", "missing"
+# A file's outcome as the child reports it: "ok", "missing" (vanished), or a StoreFileError kind;
+# SHARED_MEMORY (first and only outcome of a reply): the child could not map the request's shared memory.
+OK, MISSING, SHARED_MEMORY = "ok", "missing", "shared-memory"
 FileRequest = tuple[str, bytes, bytes | None]  # (path, chain hash, token ids as int32 bytes or None)
 # (index, outcome, detail, the file's bytes, read seconds, verify seconds)
 Outcome = tuple[int, str, str, int, float, float]
 BATCH_FILES = 32  # files a completion message reports (the last one of a request: fewer)
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_SHM_PREFIX = "v4serve-read-"
+_SHM_NAME = re.compile(rf"{_SHM_PREFIX}([0-9]+)-[0-9a-f]{{32}}")  # v4serve-read-<engine pid>-<uuid4 hex>
+_SHM_GROWTH = 1.25  # a buffer that must grow grows to at least this many times its size (fewer remaps)
+_SHM_ROUND = 1 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the mapping's page tables filled now, not at first touch
 
 
 def copy_rows_without_the_gil(rows: Sequence[memoryview], src: memoryview) -> None:
@@ -80,48 +97,147 @@ class ReaderGone(Exception):
     """The reader process died or stopped answering; what it had not reported is a miss."""
 
 
-class SharedSlots:
-    """`count` payload slots of `size` bytes in a /dev/shm file both processes map; the file is
-    unlinked once mapped here and in the child, so nothing outlives the two mappings."""
+class NoSharedMemory(OSError):
+    """No room in /dev/shm for a read's payloads (the store then reads in its own process)."""
 
-    def __init__(self, count: int, size: int) -> None:
-        self.path = os.path.join(_SHM_DIR, f"v4serve-read-{os.getpid()}-{uuid.uuid4().hex}")
-        self.size, nbytes = size, max(1, count * size)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+class SharedSlots:
+    """The reader's payload slots: a /dev/shm file of at least `nbytes` that both processes map, a
+    request's payload i at [i * payload size, (i + 1) * payload size). Allocated in full now
+    (`posix_fallocate`: a full /dev/shm, 64 MiB in a default container, is an OSError here, where the
+    store falls back to reading in its own process, not a SIGBUS in the child). Its owner
+    (`ReaderProcess`) reuses it for every read and removes it at `close`. Held open and share-locked
+    (`flock`) while it lives: what `sweep_shm_leftovers` checks, whatever the pid in its name means to
+    a process in another pid namespace."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.path = os.path.join(_SHM_DIR, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # Allocated now, not as the child writes: a full /dev/shm (64 MiB in a default container) is
-            # then an OSError here, where the store falls back to reading in this process, not a SIGBUS
-            # in the child.
-            os.posix_fallocate(fd, 0, nbytes)
-            self._map = mmap.mmap(fd, nbytes)
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            self.inode = os.fstat(self._fd).st_ino
+            self._map = self._allocate(self._fd, nbytes)
         except BaseException:
-            os.unlink(self.path)
+            _remove(self.path, self._fd)
             raise
+        self.view = memoryview(self._map)
+        # Removed at `close`, or else when this is collected or the interpreter exits (a store never
+        # closed); an engine killed outright leaves it to the next store's `sweep_shm_leftovers`.
+        self._remove = weakref.finalize(self, _remove, self.path, self._fd)
+
+    @staticmethod
+    def _allocate(fd: int, nbytes: int) -> mmap.mmap:
+        nbytes = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        os.posix_fallocate(fd, 0, nbytes)
+        # Not pre-faulted here: this side's pages fault in at the first read's copies, while the child
+        # reads the next files (pre-faulting them before the request made a first hit slower), and stay.
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.view)
+
+    def present(self) -> bool:
+        """The file is still there under its name (the child maps it by name)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+
+    def grow(self, nbytes: int) -> None:
+        """At least `nbytes` (the same file, extended: its name and the pages it had stay). An OSError
+        (no room) leaves it as it was."""
+        if nbytes <= self.nbytes:
+            return
+        target = max(nbytes, -(-int(self.nbytes * _SHM_GROWTH) // _SHM_ROUND) * _SHM_ROUND)
+        try:
+            new = self._allocate(self._fd, target)
+        except OSError:
+            if target == nbytes:
+                raise
+            new = self._allocate(self._fd, nbytes)  # the margin did not fit; what is needed may
+        self._unmap()
+        self._map, self.view = new, memoryview(new)
+
+    def _unmap(self) -> None:
+        with contextlib.suppress(BufferError):  # a payload view still held: the mapping goes with it
+            self.view.release()
+            self._map.close()
+
+    def close(self, unlink: bool = True) -> None:
+        """Unmapped, closed and (`unlink`: unless its name is another file's now) removed."""
+        if unlink:
+            self._remove()
+        elif self._remove.detach() is not None:
+            os.close(self._fd)
+        self._unmap()
+
+
+def _remove(path: str, fd: int) -> None:
+    """Unlinked before its lock goes with the descriptor: a sweep never finds it present and unlocked."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
+
+
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    """(The child.) A shared, writable mapping of the file's first `nbytes`, its pages mapped now, in
+    one call (its reads into the slots would fault them in one page at a time, in the same order)."""
+    try:
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    except OSError:
+        if not _POPULATE:
+            raise
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+
+
+def sweep_shm_leftovers(folder: str | Path | None = None) -> list[str]:
+    """Remove the reader shared-memory files of engine processes that are gone (a crashed engine's:
+    `close` removes a live one's) → the names removed. Only names of this module's exact pattern, and
+    never one whose process is alive (or, its pid being taken again since, looks alive), nor one a
+    live `SharedSlots` holds locked (an engine whose pid means another process here: a /dev/shm
+    shared across pid namespaces)."""
+    folder = os.fspath(folder if folder is not None else _SHM_DIR)
+    removed: list[str] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SHM_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) in (0, os.getpid()) or _process_alive(int(match.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:  # another user's (0600), removed meanwhile, or not a regular file: not ours to remove
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live engine: BlockingIOError
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
         finally:
             os.close(fd)
-        self.view = memoryview(self._map)
-
-    def slot(self, i: int) -> memoryview:
-        return self.view[i * self.size:(i + 1) * self.size]
-
-    def close(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a payload view still held: the mapping goes with it
-            self._map.close()
+    return removed
 
 
 class ReaderProcess:
-    """The engine side: one child process, started lazily, replaced when it dies. Requests are
-    served one at a time (the child reads one file at a time anyway; the kernel's read-ahead is what
-    reads in parallel)."""
+    """The engine side: one child process, started lazily, replaced when it dies, and the shared
+    memory its reads go through (`SharedSlots`, kept from read to read). Requests are served one at
+    a time (the child reads one file at a time anyway; the kernel's read-ahead is what reads in
+    parallel)."""
 
     def __init__(self, namespace: bytes, layout: bytes, payload_bytes: dict[int, int]) -> None:
         self._config = (namespace, layout, dict(payload_bytes))
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._slots: SharedSlots | None = None
         self.restarts = 0
         self._closed = False
 
@@ -151,17 +267,45 @@ class ReaderProcess:
         self._conn.send(self._config)
         return self._conn
 
-    def read(self, kind: int, slots: SharedSlots, files: Sequence[FileRequest],
-             deadline: float) -> Iterator[list[Outcome]]:
+    def _slots_for(self, nbytes: int) -> SharedSlots:
+        """The shared memory, at least `nbytes` of it: the one of earlier reads, grown if need be, or a
+        new one (the first read, or the file is gone: /dev/shm cleaned under us). NoSharedMemory if
+        there is no room (what was there stays, for reads it fits)."""
+        try:
+            if self._slots is not None and not self._slots.present():  # its name is not ours to remove now
+                self._slots.close(unlink=False)
+                self._slots = None
+            if self._slots is None:
+                self._slots = SharedSlots(nbytes)
+            else:
+                self._slots.grow(nbytes)
+        except OSError as exc:
+            raise NoSharedMemory(exc.errno, f"no shared memory for {nbytes} bytes ({exc.strerror or exc})") from exc
+        return self._slots
+
+    def _drop_slots(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+
+    def read(self, kind: int, files: Sequence[FileRequest], deadline: float) -> Iterator[tuple[memoryview,
+                                                                                              list[Outcome]]]:
         """The files' outcomes in order, in batches (one message, and one wake-up of this process's
         reading thread, per BATCH_FILES files: each wake-up takes the interpreter's lock from the
-        engine thread), up to the first that is not OK. Raises ReaderGone if the child dies or the
-        deadline passes (then the child is ended: it may be stuck on the file system)."""
+        engine thread), up to the first that is not OK, each with the shared memory its payloads are in
+        (payload i at [i * size, (i + 1) * size]: good only until the next batch is asked for). Raises
+        NoSharedMemory before anything is read if /dev/shm has no room for the payloads, ReaderGone if
+        the child dies or the deadline passes (then the child is ended: it may be stuck on the file
+        system)."""
         with self._lock:
+            if self._closed:
+                raise ReaderGone("closed")
+            slots = self._slots_for(len(files) * self._config[2][kind])
             try:
                 conn = self._start()  # a child that cannot start (no memory, no fds): ReaderGone below
                 request_id = uuid.uuid4().hex
                 conn.send((request_id, kind, slots.path, list(files)))
+                reported = 0  # outcomes come in file order, each file once, ending at the first not OK
                 while True:
                     if not conn.poll(max(0.0, deadline - time.monotonic())):
                         self._stop()
@@ -169,8 +313,16 @@ class ReaderProcess:
                     reply_id, outcomes, done = conn.recv()
                     if reply_id != request_id:
                         continue  # an answer to a request abandoned earlier
+                    if outcomes and outcomes[0][1] == SHARED_MEMORY:  # the next read makes a new file
+                        self._drop_slots()
+                        raise ReaderGone(f"shared memory: {outcomes[0][2]}")
+                    if [o[0] for o in outcomes] != list(range(reported, reported + len(outcomes))) or any(
+                            o[1] != OK for o in outcomes[:-1]) or (outcomes and outcomes[-1][1] != OK and not done):
+                        self._stop()  # never a slot taken for another file's payload
+                        raise ReaderGone(f"outcomes out of order after {reported} files")
+                    reported += len(outcomes)
                     if outcomes:
-                        yield outcomes
+                        yield slots.view, outcomes
                     if done:
                         return
             except (EOFError, OSError) as exc:
@@ -185,8 +337,12 @@ class ReaderProcess:
         if self._proc is not None:
             with contextlib.suppress(OSError):
                 self._proc.kill()  # never waited for long: a child in the kernel's I/O wait reaps later
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self._proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                # Still there: a read it had under way may yet land in the shared memory, over a payload
+                # the next child has checked. That file is this child's alone now; the next read makes one.
+                self._drop_slots()
 
     def close(self) -> None:
         with self._lock:
@@ -196,55 +352,87 @@ class ReaderProcess:
             self._stop()
             self._closed = True
             self._proc = None
+            self._drop_slots()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def shm_path(self) -> str | None:
+        """The shared-memory file reads go through (None before the first read and after close)."""
+        return self._slots.path if self._slots is not None else None
 
 
 # ---- the child ------------------------------------------------------------------------------------
 def main(fd: int) -> None:
     conn = Connection(fd)
     namespace, layout, payload_bytes = conn.recv()
-    while True:
-        try:
-            request = conn.recv()
-        except (EOFError, OSError):
-            return  # the engine process is gone
-        if request is None:
-            return
-        request_id, kind, shm_path, files = request
-        _serve(conn, request_id, kind, shm_path, files, namespace, layout, payload_bytes[kind])
+    shared = _Mapping()
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                return  # the engine process is gone
+            if request is None:
+                return
+            request_id, kind, shm_path, files = request
+            _serve(conn, request_id, kind, shm_path, files, namespace, layout, payload_bytes[kind], shared)
+    finally:
+        shared.close()
+
+
+class _Mapping:
+    """The child's mapping of the engine side's shared memory, kept from request to request; mapped
+    again only when a request names another file or needs more than is mapped (the file grew)."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self._map: mmap.mmap | None = None
+        self.view = memoryview(b"")
+
+    def of(self, path: str, nbytes: int) -> memoryview:
+        if path != self.path or len(self.view) < nbytes:
+            self.close()
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                size = os.fstat(fd).st_size
+                if size < nbytes:
+                    raise OSError(f"{size} bytes where the request needs {nbytes}")
+                self._map = _map(fd, size)
+            finally:
+                os.close(fd)
+            self.path, self.view = path, memoryview(self._map)
+        return self.view
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+        self.path, self._map, self.view = None, None, memoryview(b"")
 
 
 def _serve(conn: Connection, request_id: str, kind: int, shm_path: str, files: Sequence[FileRequest],
-           namespace: bytes, layout: bytes, size: int) -> None:
+           namespace: bytes, layout: bytes, size: int, shared: _Mapping) -> None:
     try:
-        fd = os.open(shm_path, os.O_RDWR)
-        try:
-            shared = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:  # the engine side gave up on this request already
-        conn.send((request_id, [(0, "unreadable", f"shared memory: {exc}", 0, 0.0, 0.0)], True))
+        view = shared.of(shm_path, len(files) * size)
+    except OSError as exc:  # removed under the engine side (which then makes a new one), or not grown
+        conn.send((request_id, [(0, SHARED_MEMORY, str(exc), 0, 0.0, 0.0)], True))
         return
-    view = memoryview(shared)
     ahead: list[bool] = []
     batch: list[Outcome] = []
-    try:
-        for i, (path, block_hash, token_bytes) in enumerate(files):
-            outcome = _read_one(path, kind, block_hash, token_bytes, view[i * size:(i + 1) * size], namespace,
-                                layout, size, lambda i=i: _read_ahead_once(ahead, files[i + 1:]))
-            batch.append((i, *outcome))
-            if outcome[0] != OK:
-                break
-            if len(batch) == BATCH_FILES:
-                conn.send((request_id, batch, False))
-                batch = []
-        conn.send((request_id, batch, True))
-    finally:
-        view.release()
-        shared.close()
+    for i, (path, block_hash, token_bytes) in enumerate(files):
+        outcome = _read_one(path, kind, block_hash, token_bytes, view[i * size:(i + 1) * size], namespace,
+                            layout, size, lambda i=i: _read_ahead_once(ahead, files[i + 1:]))
+        batch.append((i, *outcome))
+        if outcome[0] != OK:
+            break
+        if len(batch) == BATCH_FILES:
+            conn.send((request_id, batch, False))
+            batch = []
+    conn.send((request_id, batch, True))
 
 
 def _read_one(path: str, kind: int, block_hash: bytes, token_bytes: bytes | None, slot: memoryview,
@@ -283,5 +471,6 @@ def _fadvise_all(paths: Sequence[str]) -> None:
 
 
 def shm_leftovers() -> list[Path]:
-    """This process's shared-memory files still present (tests: none once a read returns)."""
-    return sorted(Path(_SHM_DIR).glob(f"v4serve-read-{os.getpid()}-*"))
+    """This process's shared-memory files present (tests: one per open store that has read, none once
+    closed)."""
+    return sorted(Path(_SHM_DIR).glob(f"{_SHM_PREFIX}{os.getpid()}-*"))

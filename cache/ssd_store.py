@@ -65,11 +65,12 @@ from v4serve.cache.ssd_reader import (
     MISSING,
     OK,
     FileRequest,
+    NoSharedMemory,
     Outcome,
     ReaderGone,
     ReaderProcess,
-    SharedSlots,
     copy_rows_without_the_gil,
+    sweep_shm_leftovers,
 )
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class SSDStore:
         # `get_many` reads in a child process (see `ssd_reader`); False reads on this process's threads,
         # which is what tests that inject faults into this process's reads select.
         self.reader = ReaderProcess(namespace, layout, self.payload_bytes) if read_process else None
+        swept = sweep_shm_leftovers()  # crashed engines' reader memory (a reader keeps one while its store is open)
+        if swept:
+            log.info("SSD store: removed %d shared-memory files of engine processes that are gone", len(swept))
         if self.reader is not None:
             self.reader.start()
 
@@ -558,11 +562,9 @@ class SSDStore:
         checking. Given `into`, file i's payload is read straight into `into[i]`."""
         if self.reader is not None:
             try:
-                slots = SharedSlots(len(items), self.payload_bytes[kind])
-            except OSError as exc:  # no room in /dev/shm: read here, as without a reader process
-                log.warning("SSD store: no shared memory for a read (%s): read in this process", exc)
-            else:
-                return self._get_many_in_reader(kind, items, slots, timings, into)
+                return self._get_many_in_reader(kind, items, timings, into)
+            except NoSharedMemory as exc:  # no room in /dev/shm (raised before any file is read): read here
+                log.warning("SSD store: %s: read in this process", exc.strerror)
         return self._get_many_in_threads(kind, items, timings, into)
 
     def _get_many_in_threads(self, kind: int, items: Sequence[Item], timings: Counter | None = None,
@@ -598,12 +600,12 @@ class SSDStore:
             timings.update(spent)
         return out
 
-    def _get_many_in_reader(self, kind: int, items: Sequence[Item], slots: SharedSlots, timings: Counter | None,
+    def _get_many_in_reader(self, kind: int, items: Sequence[Item], timings: Counter | None,
                             into: Sequence[memoryview] | None) -> list[memoryview]:
-        """`get_many` through the reader process: it reads and checks the files into shared memory,
+        """`get_many` through the reader process: it reads and checks the files into its shared memory,
         this process copies each batch of good payloads to where they go (without the interpreter's
         lock) and keeps the index. A reader that dies or times out ends the prefix where it stands,
-        and is replaced."""
+        and is replaced. NoSharedMemory (no room in /dev/shm) comes before any file is read."""
         assert self.reader is not None
         files = self._file_requests(kind, items)
         out: list[memoryview] = []
@@ -611,9 +613,9 @@ class SSDStore:
             if not files:
                 return out
             deadline = time.monotonic() + self.read_timeout
-            for batch in self.reader.read(kind, slots, files, deadline):
+            for shared, batch in self.reader.read(kind, files, deadline):
                 good = [o for o in batch if o[1] == OK]
-                out += self._take_payloads(kind, items, slots, good, into)
+                out += self._take_payloads(kind, items, shared, good, into)
                 if timings is not None:
                     timings["read"] += sum(o[4] for o in good)
                     timings["verify"] += sum(o[5] for o in good)
@@ -623,8 +625,6 @@ class SSDStore:
         except ReaderGone as exc:
             self._count_error("timeout" if str(exc) == "timeout" else "reader")
             log.warning("SSD store reader process %s after %d of %d files: the rest a miss", exc, len(out), len(files))
-        finally:
-            slots.close()
         return out
 
     def _file_requests(self, kind: int, items: Sequence[Item]) -> list[FileRequest]:
@@ -645,16 +645,16 @@ class SSDStore:
         else:
             self._bad(key, path, StoreFileError(outcome, detail))
 
-    def _take_payloads(self, kind: int, items: Sequence[Item], slots: SharedSlots, good: list[Outcome],
+    def _take_payloads(self, kind: int, items: Sequence[Item], shared: memoryview, good: list[Outcome],
                        into: Sequence[memoryview] | None) -> list[memoryview]:
-        """A batch of good payloads out of shared memory: into their rows, or buffers of their own.
-        Consecutive rows of one buffer (`DeviceKV.block_rows`) take one copy for the batch."""
+        """A batch of good payloads out of shared memory (payload i at [i * size, (i + 1) * size]): into
+        their rows, or buffers of their own. Consecutive rows of one buffer (`DeviceKV.block_rows`) take
+        one copy for the batch."""
         if not good:
             return []
-        first, count = good[0][0], len(good)
-        rows = list(into[first:first + count]) if into is not None else [memoryview(bytearray(slots.size))
-                                                                         for _ in good]
-        copy_rows_without_the_gil(rows, slots.view[first * slots.size:(first + count) * slots.size])
+        first, count, size = good[0][0], len(good), self.payload_bytes[kind]
+        rows = list(into[first:first + count]) if into is not None else [memoryview(bytearray(size)) for _ in good]
+        copy_rows_without_the_gil(rows, shared[first * size:(first + count) * size])
         with self._lock:
             for i, *_ in good:
                 if (kind, items[i][0]) in self._index:

@@ -60,3 +60,16 @@ def test_a_scrape_reads_what_this_pass_of_the_loop_gathered() -> None:
     got = asyncio.run(scrape_at_once())
     assert got[("v4serve_generation_tokens_total", (("model_name", "m"), ("tenant", "default")))] == 5
     assert got[("v4serve_inter_token_latency_seconds_count", (("model_name", "m"),))] == 1
+
+
+def test_every_store_error_kind_is_a_series_at_zero_from_the_start() -> None:
+    """`v4serve_kv_store_errors_total{kind}` has every kind the store counts before any has happened (a
+    rate or an alert over a series that appears only with its first error misses that error), a reader
+    process that died included."""
+    from v4serve.cache.ssd_file import ERROR_KINDS
+
+    got = _samples(Metrics("m", EngineStats).registry, "v4serve_kv_store_errors_total")
+    kinds = {dict(labels)["kind"]: value for (_, labels), value in got.items()}
+    assert set(ERROR_KINDS) >= {"truncated", "checksum", "namespace", "collision", "format", "unreadable", "timeout",
+                                "enospc", "write", "reader"}
+    assert kinds == dict.fromkeys(ERROR_KINDS, 0.0)

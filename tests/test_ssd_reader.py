@@ -4,20 +4,35 @@ counted, and a dead or stuck reader is replaced: never a crash or a hang."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.daemon import PATIENCE, wait_until
+from v4serve.cache import ssd_reader
 from v4serve.cache.ssd_file import FOOTER_BYTES, HEADER_BYTES, KIND_BLOCK, KIND_SNAPSHOT
 from v4serve.cache.ssd_reader import shm_leftovers
 from v4serve.cache.ssd_store import SSDStore
 
 SIZE = 4096
+NewShm = Callable[[], list[Path]]
+
+
+@pytest.fixture
+def new_shm() -> NewShm:
+    """This process's shared-memory files made since the test began (a store another test left open keeps
+    its own until collected)."""
+    before = set(shm_leftovers())
+    return lambda: sorted(set(shm_leftovers()) - before)
 
 
 def _store(tmp_path: Path, n: int, **kw) -> tuple[SSDStore, list[tuple[bytes, list[int]]]]:
@@ -35,17 +50,18 @@ def _payloads(store: SSDStore, items: list, into: bool = False) -> list[bytes]:
     return [bytes(p) for p in store.get_many(KIND_BLOCK, items, into=rows)]
 
 
-def test_reads_in_the_reader_process_serve_every_payload_into_its_row(tmp_path: Path) -> None:
+def test_reads_in_the_reader_process_serve_every_payload_into_its_row(tmp_path: Path, new_shm: NewShm) -> None:
     store, items = _store(tmp_path, 8)
     try:
         assert _payloads(store, items) == [bytes([i + 1]) * SIZE for i in range(8)]
         assert _payloads(store, items, into=True) == [bytes([i + 1]) * SIZE for i in range(8)]
         file_bytes = HEADER_BYTES + 4 * 3 + len(b"layout") + SIZE + FOOTER_BYTES
         assert store.stats.errors == {} and store.stats.bytes_read == 16 * file_bytes
-        assert shm_leftovers() == []  # the shared memory goes with the read
+        assert new_shm() == [Path(store.reader.shm_path)]  # one file, kept for the next read
     finally:
         store.close()
     assert store.reader is not None and store.reader.pid is None
+    assert new_shm() == [] and store.reader.shm_path is None  # the shared memory goes with the store
 
 
 @pytest.mark.parametrize("fault", ["truncated", "checksum", "collision", "symlink", "fifo"])
@@ -88,13 +104,13 @@ def test_a_file_deleted_between_lookup_and_read_is_a_miss(tmp_path: Path) -> Non
         store.close()
 
 
-def test_a_reader_killed_mid_read_is_a_miss_and_replaced(tmp_path: Path) -> None:
+def test_a_reader_killed_mid_read_is_a_miss_and_replaced(tmp_path: Path, new_shm: NewShm) -> None:
     store, items = _store(tmp_path, 4)
     assert store.reader is not None
     try:
         _payloads(store, items[:1])  # the child has started
-        pid = store.reader.pid
-        assert pid is not None
+        pid, shm = store.reader.pid, store.reader.shm_path
+        assert pid is not None and shm is not None
         os.kill(pid, signal.SIGSTOP)  # holds the request until the kill below
         conn, sent = store.reader._conn, threading.Event()
 
@@ -117,8 +133,10 @@ def test_a_reader_killed_mid_read_is_a_miss_and_replaced(tmp_path: Path) -> None
         assert store.stats.errors == {"reader": 1}
         assert _payloads(store, items) == [bytes([i + 1]) * SIZE for i in range(4)]  # a new reader
         assert store.reader.pid != pid and store.reader.restarts == 1
+        assert new_shm() == [Path(shm)] and store.reader.shm_path == shm  # seen to exit: its memory reused
     finally:
         store.close()
+    assert new_shm() == []
 
 
 def test_a_stuck_reader_is_a_timed_out_miss_and_replaced(tmp_path: Path) -> None:
@@ -151,20 +169,36 @@ def test_the_in_process_path_serves_the_same_bytes(tmp_path: Path) -> None:
         again.close()
 
 
-def test_no_shared_memory_reads_in_this_process(tmp_path: Path, monkeypatch) -> None:
-    """/dev/shm full (a container's default is 64 MiB): the read falls back to this process's threads."""
-    from v4serve.cache import ssd_store
+def test_no_shared_memory_reads_in_this_process(tmp_path: Path, monkeypatch, new_shm: NewShm) -> None:
+    """/dev/shm full (a container's default is 64 MiB): the read falls back to this process's threads,
+    and reads go through the reader again once there is room."""
+    allocate = ssd_reader.SharedSlots._allocate
 
-    def full(*_: object) -> None:
+    def full(fd: int, nbytes: int) -> object:
         raise OSError(28, "No space left on device")
 
     store, items = _store(tmp_path, 3)
-    monkeypatch.setattr(ssd_store, "SharedSlots", full)
+    assert store.reader is not None
+    monkeypatch.setattr(ssd_reader.SharedSlots, "_allocate", staticmethod(full))
     try:
         assert _payloads(store, items, into=True) == [bytes([i + 1]) * SIZE for i in range(3)]
+        assert store.stats.errors == {} and store.reader.shm_path is None and new_shm() == []
+        monkeypatch.setattr(ssd_reader.SharedSlots, "_allocate", staticmethod(allocate))
+        assert _payloads(store, items[:1]) == [bytes([1]) * SIZE]
+        shm, slots = store.reader.shm_path, store.reader._slots
+        assert shm is not None and slots is not None
+        size = slots.nbytes  # one payload, to a whole page
+        # Room for one payload, not for three: the bigger read is in this process, the file stays as it was.
+        monkeypatch.setattr(ssd_reader.SharedSlots, "_allocate",
+                            staticmethod(lambda fd, n: allocate(fd, n) if n <= SIZE else full(fd, n)))
+        assert _payloads(store, items, into=True) == [bytes([i + 1]) * SIZE for i in range(3)]
+        assert store.reader.shm_path == shm and store.reader._slots is slots
+        assert slots.nbytes == size and store.reader.restarts == 0
+        assert _payloads(store, items[1:2]) == [bytes([2]) * SIZE]  # what fits still goes through the reader
         assert store.stats.errors == {}
     finally:
         store.close()
+    assert new_shm() == []
 
 
 def test_a_read_after_close_is_a_miss_and_starts_no_reader(tmp_path: Path) -> None:
@@ -184,3 +218,174 @@ def test_rows_are_filled_in_order_whether_or_not_they_follow_one_another() -> No
     assert [bytes(r) for r in rows] == [bytes(range(i, i + 4)) for i in range(0, 16, 4)]
     with pytest.raises(ValueError):
         copy_rows_without_the_gil(rows, memoryview(bytearray(15)))
+
+
+def _inode(path: str | None) -> int:
+    assert path is not None
+    return os.stat(path).st_ino
+
+
+def test_reads_reuse_one_shared_memory_file_grown_never_shrunk(tmp_path: Path, new_shm: NewShm) -> None:
+    """One /dev/shm file for every read (allocated and faulted in once, not per hit): the same name and
+    inode read after read, grown in place for a bigger read and kept at that size for smaller ones."""
+    store, items = _store(tmp_path, 40)
+    assert store.reader is not None and store.reader.shm_path is None  # nothing allocated before a read
+    want = [bytes([i + 1]) * SIZE for i in range(40)]
+    try:
+        assert _payloads(store, items[:4]) == want[:4]
+        shm = store.reader.shm_path
+        inode = _inode(shm)
+        assert _payloads(store, items[4:8], into=True) == want[4:8]  # other files into the same slots
+        assert (store.reader.shm_path, _inode(shm)) == (shm, inode)
+        assert _payloads(store, items, into=True) == want  # ten times the payloads: grown in place
+        assert (store.reader.shm_path, _inode(shm)) == (shm, inode)
+        assert store.reader._slots is not None
+        grown = store.reader._slots.nbytes
+        assert grown >= 40 * SIZE and os.stat(shm).st_size == grown
+        assert _payloads(store, items[1:3]) == want[1:3]
+        assert store.reader._slots.nbytes == grown and new_shm() == [Path(shm)]
+        assert store.reader.restarts == 0 and store.stats.errors == {}
+    finally:
+        store.close()
+    assert new_shm() == []
+
+
+def test_an_earlier_reads_payloads_are_never_taken_for_this_ones(tmp_path: Path) -> None:
+    """The slots still hold what the last read left there; only what the child reported good for this
+    request (in file order) is taken: a bad file ends the prefix even with a valid payload in its slot."""
+    store, items = _store(tmp_path, 6)
+    assert store.reader is not None
+    want = [bytes([i + 1]) * SIZE for i in range(6)]
+    try:
+        assert _payloads(store, items) == want  # slot i: payload i + 1
+        path = store.path(KIND_BLOCK, items[2][0])
+        with open(path, "r+b") as f:  # file 2's checksum no longer matches (its slot keeps payload 3)
+            f.seek(path.stat().st_size - 100)
+            f.write(b"\xff")
+        assert _payloads(store, items, into=True) == want[:2]
+        store.path(KIND_BLOCK, items[4][0]).unlink()
+        assert _payloads(store, items[3:]) == want[3:4]  # slot 1 still holds payload 2: not taken
+        assert store.stats.errors == {"checksum": 1}
+    finally:
+        store.close()
+
+
+def test_outcomes_out_of_file_order_are_a_miss_never_a_wrong_payload(tmp_path: Path) -> None:
+    """A reply that skips a file (so a slot would be taken for another file's payload) ends the read."""
+    store, items = _store(tmp_path, 4)
+    assert store.reader is not None
+    try:
+        _payloads(store, items[:1])
+        conn = store.reader._conn
+
+        class SkipsOne:  # the reader's connection, losing the first file of the next reply
+            def __getattr__(self, name: str) -> object:
+                return getattr(conn, name)
+
+            def recv(self) -> object:
+                request_id, outcomes, done = conn.recv()
+                return request_id, outcomes[1:], done
+
+        store.reader._conn = SkipsOne()  # type: ignore[assignment]
+        assert _payloads(store, items) == []
+        assert store.stats.errors == {"reader": 1}
+        assert _payloads(store, items) == [bytes([i + 1]) * SIZE for i in range(4)]  # a new reader
+    finally:
+        store.close()
+
+
+def test_a_child_not_seen_to_exit_takes_its_shared_memory_with_it(tmp_path: Path, monkeypatch, new_shm: NewShm) -> None:
+    """A child ended but not reaped (stuck in the kernel) may still write into its mapping: the next read
+    gets a file of its own, and the old one is removed."""
+    store, items = _store(tmp_path, 3, read_timeout=0.5)
+    assert store.reader is not None
+    try:
+        _payloads(store, items[:1])
+        proc, shm = store.reader._proc, store.reader.shm_path
+        assert proc is not None and shm is not None
+        os.kill(proc.pid, signal.SIGSTOP)  # never answers: the read times out and the child is killed
+
+        def not_yet(timeout: float | None = None) -> int:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+
+        monkeypatch.setattr(proc, "wait", not_yet)
+        assert _payloads(store, items) == [] and store.stats.errors == {"timeout": 1}
+        assert store.reader.shm_path is None and not os.path.exists(shm)
+        monkeypatch.undo()
+        assert _payloads(store, items) == [bytes([i + 1]) * SIZE for i in range(3)]
+        assert store.reader.shm_path not in (None, shm) and new_shm() == [Path(store.reader.shm_path)]
+        proc.wait(PATIENCE)
+    finally:
+        store.close()
+    assert new_shm() == []
+
+
+def test_a_starting_store_removes_shared_memory_of_engines_that_are_gone(tmp_path: Path) -> None:
+    """A crashed engine's `v4serve-read-<pid>-<id>` file is removed by the next store that starts; a live
+    process's (this one's, another's), one a live engine holds locked whatever its pid says (an engine in
+    another pid namespace sharing /dev/shm) and any other name are kept."""
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    dead = None
+    for _ in range(20):  # a pid nobody has: a child's, once reaped (unless taken again at once)
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait(PATIENCE)
+        try:
+            os.kill(child.pid, 0)
+        except ProcessLookupError:
+            dead = child.pid
+            break
+    assert dead is not None
+    folder = Path(ssd_reader._SHM_DIR)
+    crashed = folder / f"v4serve-read-{dead}-{uuid.uuid4().hex}"
+    locked = folder / f"v4serve-read-{dead}-{uuid.uuid4().hex}"
+    kept = [folder / f"v4serve-read-{os.getpid()}-{uuid.uuid4().hex}",
+            folder / f"v4serve-read-{live.pid}-{uuid.uuid4().hex}", locked,
+            folder / f"v4serve-read-{dead}-not-a-read", folder / f"v4serve-read-{dead}-{uuid.uuid4().hex}.x"]
+    store, holder = None, None
+    try:
+        for path in [crashed, *kept]:
+            path.write_bytes(b"x")
+        holder = os.open(locked, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_SH)  # as a live `SharedSlots` holds its file
+        store, _ = _store(tmp_path, 0)
+        assert not crashed.exists() and all(path.exists() for path in kept)
+        os.close(holder)
+        holder = None
+        assert locked.name in ssd_reader.sweep_shm_leftovers() and not locked.exists()  # its holder gone, so is it
+    finally:
+        if holder is not None:
+            os.close(holder)
+        if store is not None:
+            store.close()
+        for path in [crashed, *kept]:
+            path.unlink(missing_ok=True)
+        assert live.stdin is not None
+        live.stdin.close()
+        live.wait(PATIENCE)
+
+
+def test_shared_memory_removed_under_the_store_is_made_again(tmp_path: Path, monkeypatch, new_shm: NewShm) -> None:
+    """/dev/shm cleaned under a live engine (systemd's RemoveIPC, an operator): the next read makes a new
+    file; a child that cannot map the file it is sent is a reader fault, never a quarantined block file."""
+    store, items = _store(tmp_path, 3)
+    assert store.reader is not None
+    want = [bytes([i + 1]) * SIZE for i in range(3)]
+    try:
+        assert _payloads(store, items) == want
+        first = store.reader.shm_path
+        assert first is not None
+        os.unlink(first)
+        assert _payloads(store, items, into=True) == want
+        second = store.reader.shm_path
+        assert second not in (None, first) and new_shm() == [Path(second)]
+        # Gone again, this time unseen (as if between the check and the request), to a new child.
+        assert store.reader._slots is not None
+        monkeypatch.setattr(store.reader._slots, "present", lambda: True)
+        os.unlink(second)
+        store.reader._stop()
+        assert _payloads(store, items) == [] and store.stats.errors == {"reader": 1}
+        assert not store.quarantine.exists() and store.longest_prefix([h for h, _ in items]) == 3
+        assert _payloads(store, items) == want and store.reader.shm_path not in (None, first, second)
+    finally:
+        store.close()
+    assert new_shm() == []
