@@ -18,6 +18,8 @@ output projection's partial sums are all-reduced.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.packed import weight_of
 from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
+from v4serve.kernels.cpu_threads import run_pieces
 from v4serve.kernels.decode_writes import Compression
 from v4serve.kernels.kv_fp8 import Record
 from v4serve.kernels.paged import read_entries
@@ -237,19 +240,28 @@ class Attention(nn.Module):
     def _select_chunk(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, index_keys: torch.Tensor,
                       topk: torch.Tensor) -> None:
         """Top-k for one prefill chunk, in tiles of queries sharing one gather of the keys (the
-        scores are [tile, N])."""
+        scores are [tile, N]). On a CPU the tiles go to the intra-op threads whole (`run_pieces`):
+        a tile's ops are each too short to be worth a barrier per op."""
         assert self.indexer is not None
         count = seq.end // self.ratio
         if count == 0:
             return
         keys = read_entries(index_keys, seq.block_table, count)
-        for a in range(0, seq.num_new, ATTN_TILE):
-            z = min(a + ATTN_TILE, seq.num_new)
+        indexer = self.indexer
+
+        def pick(a: int, z: int) -> None:
             n = (seq.start + z) // self.ratio
             if n == 0:
-                continue
+                return
             rows = slice(seq.offset + a, seq.offset + z)
             counts = (torch.arange(seq.start + a, seq.start + z, device=iq.device) + 1) // self.ratio
-            scores = self.indexer.scores(iq[rows], iw[rows], keys[:n], counts, (seq.start + a + 1) // self.ratio)
-            top = self.kernels.index_topk(scores, counts, self.indexer.topk)
+            scores = indexer.scores(iq[rows], iw[rows], keys[:n], counts, (seq.start + a + 1) // self.ratio)
+            top = self.kernels.index_topk(scores, counts, indexer.topk)
             topk[rows, :top.shape[-1]] = top
+
+        tiles = [(a, min(a + ATTN_TILE, seq.num_new)) for a in range(0, seq.num_new, ATTN_TILE)]
+        if iq.device.type == "cpu" and indexer.reduce is None:  # ranks must reduce their tiles in one order
+            run_pieces([partial(pick, a, z) for a, z in tiles])
+        else:
+            for a, z in tiles:
+                pick(a, z)
