@@ -81,6 +81,7 @@ def test_indexer_tiles_on_two_threads_give_the_serial_logits_bitwise(two_threads
             runner(pieces)
 
         monkeypatch.setattr(attention, "run_pieces", counted)
+        monkeypatch.setattr(attention, "THREADED_TILE_LOGITS", 0)  # whole tiles at any context
         engine = engine_for(tiny_model(), max_num_batched_tokens=2048, max_prefill_chunk=2048,
                             enable_prefix_caching=False)
         engine.add_request(greedy("r", prompt, n=4))
@@ -89,3 +90,15 @@ def test_indexer_tiles_on_two_threads_give_the_serial_logits_bitwise(two_threads
         runs[name] = torch.stack(engine.logits["r"])
     assert max(spread) == (8, 2)  # the chunk's eight tiles, on two threads
     assert torch.equal(runs["threads"], runs["serial"])
+
+
+def test_short_contexts_keep_per_op_threads(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below `THREADED_TILE_LOGITS` (a 2,048-token chunk sees 512 entries) per-op threads were faster."""
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "run_pieces", lambda pieces: calls.append(len(pieces)))
+    engine = engine_for(tiny_model(), max_num_batched_tokens=2048, max_prefill_chunk=2048, enable_prefix_caching=False)
+    engine.add_request(greedy("r", tokens(2049, seed=48), n=2))
+    engine.run_checked()
+    engine.close()
+    assert calls == []
+    assert len(engine.logits["r"]) == 2

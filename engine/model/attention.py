@@ -38,6 +38,10 @@ from v4serve.kernels.paged import read_entries
 from v4serve.kernels.registry import load_kernels
 
 SCORE_BUDGET = 1 << 24  # indexer scores per tile of chunk rows (64 MiB of fp32)
+# A prefill chunk's indexer tiles go to the CPU's threads whole once a tile holds this many per-head
+# logits (8 heads: entries from 4,096, a 16K context); below it, per-op threads were faster here
+# (1.3-1.8x at 128-1,024 entries, even at 2,048, 0.88x from 4,096: 2-core machine, tiny model).
+THREADED_TILE_LOGITS = 1 << 23
 
 
 class Attention(nn.Module):
@@ -240,8 +244,8 @@ class Attention(nn.Module):
     def _select_chunk(self, iq: torch.Tensor, iw: torch.Tensor, seq: SeqChunk, index_keys: torch.Tensor,
                       topk: torch.Tensor) -> None:
         """Top-k for one prefill chunk, in tiles of queries sharing one gather of the keys (the
-        scores are [tile, N]). On a CPU the tiles go to the intra-op threads whole (`run_pieces`):
-        a tile's ops are each too short to be worth a barrier per op."""
+        scores are [tile, N]). On a CPU, at long contexts, the tiles go to the intra-op threads whole
+        (`run_pieces`): there an op split over the threads costs more in waiting than it gains."""
         assert self.indexer is not None
         count = seq.end // self.ratio
         if count == 0:
@@ -260,7 +264,9 @@ class Attention(nn.Module):
             topk[rows, :top.shape[-1]] = top
 
         tiles = [(a, min(a + ATTN_TILE, seq.num_new)) for a in range(0, seq.num_new, ATTN_TILE)]
-        if iq.device.type == "cpu" and indexer.reduce is None:  # ranks must reduce their tiles in one order
+        # Not under tensor parallelism: the ranks must all-reduce their tiles' scores in one order.
+        if (iq.device.type == "cpu" and indexer.reduce is None
+                and ATTN_TILE * count * indexer.n_heads >= THREADED_TILE_LOGITS):
             run_pieces([partial(pick, a, z) for a, z in tiles])
         else:
             for a, z in tiles:
