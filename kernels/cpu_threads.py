@@ -1,11 +1,12 @@
 """Independent pieces of CPU work spread over the intra-op threads, each piece's ops on one thread.
 
-Small torch ops on a CPU split each op over every intra-op thread and join them again: a barrier per
-op, tens of microseconds, and a whole op's wait whenever the machine lends one of its cores elsewhere.
-Where a step has many independent pieces (the indexer's tiles of a long prefill chunk: a few
-milliseconds each), giving each thread whole pieces instead, its ops single-threaded, spends no time
-in barriers. Each piece computes exactly what it would alone: the indexer's tiles give bitwise the
-logits of running them one after the other on every thread (tests/test_cpu_threads.py).
+Torch ops on a CPU split each op over every intra-op thread and join them again: a barrier per op,
+and a whole op's wait whenever the machine lends one of its cores elsewhere. Where a step has many
+independent pieces of several milliseconds each (the indexer's tiles of a long prefill chunk), giving
+each thread whole pieces instead, its ops single-threaded, spends nothing in barriers; with short
+pieces it measured slower, so callers decide when (`engine.model.attention.THREADED_TILE_LOGITS`).
+Each piece computes exactly what it would alone: the indexer's tiles give bitwise the logits of
+running them one after the other on every thread (tests/test_cpu_threads.py).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from v4serve.kernels.registry import load_kernels
 
 SCORE_BUDGET = 1 << 24  # indexer scores per tile of chunk rows (64 MiB of fp32)
 # A prefill chunk's indexer tiles go to the CPU's threads whole once a tile holds this many per-head
-# logits (8 heads: entries from 4,096, a 16K context); below it, per-op threads were faster here
-# (1.3-1.8x at 128-1,024 entries, even at 2,048, 0.88x from 4,096: 2-core machine, tiny model).
+# logits (8 heads: entries from 4,096, a 16K context). Whole tiles took 1.3-1.8x the time of per-op
+# threads at 128-1,024 entries, 1.01x at 2,048 and 0.88x from 4,096 (2-core machine, tiny model).
 THREADED_TILE_LOGITS = 1 << 23
 
 
