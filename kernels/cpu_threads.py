@@ -4,7 +4,7 @@ Torch ops on a CPU split each op over every intra-op thread and join them again:
 and a whole op's wait whenever the machine lends one of its cores elsewhere. Where a step has many
 independent pieces of several milliseconds each (the indexer's tiles of a long prefill chunk), giving
 each thread whole pieces instead, its ops single-threaded, spends nothing in barriers; with short
-pieces it measured slower, so callers decide when (`engine.model.attention.THREADED_TILE_LOGITS`).
+pieces it measured slower, so the caller decides when to use it.
 Each piece computes exactly what it would alone: the indexer's tiles give bitwise the logits of
 running them one after the other on every thread (tests/test_cpu_threads.py).
 """
