@@ -137,6 +137,10 @@ def _read_into(fd: int, buffers: Sequence[bytearray | memoryview], on_cold: Call
     """Bytes read into `buffers` in order from `offset` (fewer only at the end of the file). Given
     `on_cold`, what the page cache holds is read first without waiting, and `on_cold` is called before
     the rest is waited for (also where the file system cannot read without waiting: it cannot say)."""
+    if on_cold is None or not _NOWAIT:
+        if on_cold is not None:
+            on_cold()
+        return os.preadv(fd, buffers, offset)  # one call, no views made: the reader process's per-file path
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = sum(len(v) for v in views)
     if not total:
@@ -187,45 +191,61 @@ def will_need(path: str | Path) -> bool:
 
 def read_store_file(path: str | Path, kind: int, layout: bytes, payload_bytes: int,
                     on_cold: Callable[[], None] | None = None, into: memoryview | None = None) -> bytearray:
-    """A store file's bytes, read by the rules: never through a symlink (O_NOFOLLOW), never from a
-    FIFO or device (non-blocking open, regular files only), and only once its header and size say
-    it is the exact size this layout's file has (`expected_size`), into a buffer of that size. Given
-    `into`, the payload goes there and the rest of the file, in order, into the buffer returned.
-    The store's reads and its reader process's (`ssd_reader`) go through here."""
+    """A store file's bytes, read by the rules (`open_store_file`, `read_opened`). The store's reads
+    and its reader process's (`ssd_reader`) go through these."""
+    fd, file_size = open_store_file(path)
+    try:
+        return read_opened(fd, file_size, kind, layout, payload_bytes, on_cold, into)
+    finally:
+        os.close(fd)
+
+
+def open_store_file(path: str | Path) -> tuple[int, int]:
+    """(descriptor, size) of a store file opened for reading: never through a symlink (O_NOFOLLOW), never
+    a FIFO or device (non-blocking open, regular files only). The caller closes the descriptor."""
     # Plain descriptor calls: a buffered file object cost more than the read of a 60 KB file.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StoreFileError("unreadable", "not a regular file")
-        apart = len(into) if into is not None else 0
-        prefix = st.st_size - apart - FOOTER_BYTES
-        if into is not None and HEADER_BYTES <= prefix <= HEADER_BYTES + 4 * MAX_FILE_TOKENS + len(layout):
-            # The size a payload read apart implies (every block file's): one read, then the header's
-            # checks on the bytes read (a bounded buffer either way), as below.
-            data = bytearray(prefix + FOOTER_BYTES)
-            n = _read_into(fd, [memoryview(data)[:prefix], into, memoryview(data)[prefix:]], on_cold)
-            size = expected_size(data[:HEADER_BYTES], st.st_size, layout, payload_bytes)
-            if n < size:
-                raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
-            return data
-        head = bytearray(min(HEADER_BYTES, st.st_size))
-        got = _read_into(fd, [head], on_cold)
-        size = expected_size(head[:got], st.st_size, layout, payload_bytes)
-        # Writable buffers: payload tensors are built on them without another copy.
-        data = bytearray(size - apart)
-        data[:got] = head[:got]
-        if into is None:
-            rest = [memoryview(data)[got:]]
-        else:  # prefix | payload | checksum
-            cut = size - apart - FOOTER_BYTES
-            rest = [memoryview(data)[got:cut], into, memoryview(data)[cut:]]
-        n = got + _read_into(fd, rest, on_cold, got)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_opened(fd: int, file_size: int, kind: int, layout: bytes, payload_bytes: int,
+                on_cold: Callable[[], None] | None = None, into: memoryview | None = None) -> bytearray:
+    """An opened store file's bytes (`open_store_file`), read only once its header and size say it is the
+    exact size this layout's file has (`expected_size`), into a buffer of that size. Given `into`, the
+    payload goes there and the rest of the file, in order, into the buffer returned."""
+    apart = len(into) if into is not None else 0
+    prefix = file_size - apart - FOOTER_BYTES
+    if into is not None and HEADER_BYTES <= prefix <= HEADER_BYTES + 4 * MAX_FILE_TOKENS + len(layout):
+        # The size a payload read apart implies (every block file's): one read, then the header's
+        # checks on the bytes read (a bounded buffer either way), as below.
+        data = bytearray(prefix + FOOTER_BYTES)
+        n = _read_into(fd, [memoryview(data)[:prefix], into, memoryview(data)[prefix:]], on_cold)
+        size = expected_size(data[:HEADER_BYTES], file_size, layout, payload_bytes)
         if n < size:
             raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
         return data
-    finally:
-        os.close(fd)
+    head = bytearray(min(HEADER_BYTES, file_size))
+    got = _read_into(fd, [head], on_cold)
+    size = expected_size(head[:got], file_size, layout, payload_bytes)
+    # Writable buffers: payload tensors are built on them without another copy.
+    data = bytearray(size - apart)
+    data[:got] = head[:got]
+    if into is None:
+        rest = [memoryview(data)[got:]]
+    else:  # prefix | payload | checksum
+        cut = size - apart - FOOTER_BYTES
+        rest = [memoryview(data)[got:cut], into, memoryview(data)[cut:]]
+    n = got + _read_into(fd, rest, on_cold, got)
+    if n < size:
+        raise StoreFileError("truncated", f"{n} bytes read where the file had {size}")
+    return data
 
 
 def file_tokens(data: bytes | bytearray | memoryview) -> tuple[int, ...]:

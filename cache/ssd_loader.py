@@ -1,12 +1,13 @@
 """Loading a waiting request's prefix from the SSD store, off the engine thread.
 
 When the store holds blocks past a request's device hit, or the end of an earlier response that the
-request continues, the request waits (LOADING) while a loader thread has those block files read (in
-order, from the page cache without waiting where it can, else with the kernel reading ahead) by the
-store's reader process (`SSDStore.get_many`), and alongside, the best snapshot to restore the window
-state from. Each block's payload is read into shared memory and copied once, after its checks, into
-its row of one host buffer (pinned on a GPU), whose views are the host tensors: no copy between that
-and the install, which the engine thread later does with one copy per storage tensor
+request continues, the request waits (LOADING) while a loader thread has those block files read by
+the store's reader process (`SSDStore.get_many`: every file handed to the kernel to read before the
+first is read, then read in order), and alongside, on a thread of this process, the best snapshot to
+restore the window state from and the response end. Each block's payload is read into shared memory
+and copied once, after its checks, into its row of one host buffer (pinned on a GPU; on a CPU one kept
+from load to load, `device_kv.HostRows`), whose views are the host tensors: no copy between that and
+the install, which the engine thread later does with one copy per storage tensor
 (`KVCacheManager.finish_disk_load`). A bad or vanished file ends the prefix there: a miss.
 """
 
@@ -95,10 +96,10 @@ class SSDLoader:
         load = DiskLoad(first=first)
         load.phases["queue"] = t0 - submitted
         items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
-        # The snapshot at the end of the run is read alongside the blocks; if a bad block cuts the
-        # run short, a nearer one is looked for afterwards.
+        # The snapshot and response end at the end of the run are read alongside the blocks; if a bad
+        # block cuts the run short, the ones for where it ends are looked for afterwards.
         beside: Counter = Counter()
-        snapshot = in_daemon_thread(lambda: self._read_snapshot(hashes, tokens, first + count, beside))
+        ends = in_daemon_thread(lambda: self._read_ends(hashes, tokens, first + count, root, beside))
         t_stack = time.perf_counter()
         rows, views = self.codec.block_rows(count)
         load.phases["stack"] = time.perf_counter() - t_stack
@@ -106,17 +107,24 @@ class SSDLoader:
         load.hashes = [h for h, _ in items[: len(payloads)]]
         load.tokens = [tuple(t) for _, t in items[: len(payloads)]]
         load.stacked = self.codec.blocks_from_rows(rows, len(payloads)) if payloads else []
-        load.snapshot = snapshot.result()
+        load.snapshot, load.response = ends.result()
         load.phases.update(beside)
         if len(payloads) < count:
-            load.snapshot = self._read_snapshot(hashes, tokens, first + len(payloads), load.phases)
-        if root is not None:
-            boundary = first + len(payloads)
-            parent = hashes[boundary - 1] if boundary else root
-            load.response = self._read_response(parent, tokens[boundary * b:boundary * b + b - 1], load.phases)
+            load.snapshot, load.response = self._read_ends(hashes, tokens, first + len(payloads), root, load.phases)
         load.done_at = time.perf_counter()
         load.seconds = load.done_at - t0
         return load
+
+    def _read_ends(self, hashes: list[bytes], tokens: list[int], boundary: int, root: bytes | None,
+                   timings: Counter) -> tuple[tuple[bytes, Any] | None, tuple[bytes, ResponseEnd] | None]:
+        """The best snapshot below block `boundary` and, given the chain's `root`, the end of an earlier
+        response that the request continues from there."""
+        snapshot = self._read_snapshot(hashes, tokens, boundary, timings)
+        if root is None:
+            return snapshot, None
+        b = self.block_size
+        parent = hashes[boundary - 1] if boundary else root
+        return snapshot, self._read_response(parent, tokens[boundary * b:boundary * b + b - 1], timings)
 
     def _read_response(self, parent: bytes, following: Sequence[int],
                        timings: Counter) -> tuple[bytes, ResponseEnd] | None:

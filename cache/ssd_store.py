@@ -119,7 +119,7 @@ def in_daemon_thread(fn: Callable[[], T]) -> Future:
 class SSDStore:
     def __init__(self, root: str | Path, namespace: bytes, layout: bytes, payload_bytes: Mapping[int, int],
                  max_bytes: int | None = None, readers: int = 2, read_timeout: float = 10.0,
-                 retry_seconds: float = 30.0, read_process: bool = True) -> None:
+                 retry_seconds: float = 30.0, read_process: bool = True, read_reserve: int = 0) -> None:
         self.root = Path(root)
         self.namespace, self.layout, self.max_bytes = namespace, layout, max_bytes
         self.payload_bytes = dict(payload_bytes)  # exact payload length of each kind of file
@@ -149,7 +149,7 @@ class SSDStore:
         if swept:
             log.info("SSD store: removed %d shared-memory files of engine processes that are gone", len(swept))
         if self.reader is not None:
-            self.reader.start()
+            self.reader.start(read_reserve)  # `read_reserve`: bytes of payloads one read may take (see there)
 
     # ---- index ----------------------------------------------------------------------------------
     def path(self, kind: int, block_hash: bytes) -> Path:
@@ -553,11 +553,11 @@ class SSDStore:
 
     def get_many(self, kind: int, items: Sequence[Item], timings: Counter | None = None,
                  into: Sequence[memoryview] | None = None) -> list[memoryview]:
-        """Payloads of consecutive files up to the first miss, read in order by one thread. At the first
-        file not in the page cache, a second thread asks the kernel to read the rest ahead
-        (`posix_fadvise` WILLNEED): an SSD then serves them in parallel, as it did for several reader
-        threads, without those threads' contention for the interpreter. Files in the page cache cost no
-        read-ahead: there it doubled the time of a 128-file hit. A read still running after
+        """Payloads of consecutive files up to the first miss, read in order. The reader process hands
+        every file to the kernel to read (`posix_fadvise` WILLNEED) before it reads the first
+        (`ssd_reader._ReadAhead`); on this process's threads (no reader process), at the first file
+        not in the page cache a second thread asks for the rest (read-ahead of files in the page cache
+        doubled a 128-file hit's time there). An SSD then serves them in parallel. A read still running after
         `read_timeout` ends the prefix where it stands. `timings` gets the seconds spent reading and
         checking. Given `into`, file i's payload is read straight into `into[i]`."""
         if self.reader is not None:
@@ -673,8 +673,12 @@ class SSDStore:
 
     def read(self, kind: int, block_hash: bytes, tokens: Sequence[int] | None,
              timings: Counter | None = None) -> memoryview | None:
-        """One file's payload, with the read timeout."""
-        found = self.get_many(kind, [(block_hash, tokens)], timings)
+        """One file's payload, with the read timeout, read on this process's threads: a hit's snapshot is
+        read beside its blocks, which the reader process serves one request at a time (through it,
+        the snapshot's read came first and the blocks' waited for it: 1-3 ms of a 16K-token hit). One
+        file's Python work holds the interpreter's lock for tens of microseconds, not the hundreds of
+        times a hit's block files did."""
+        found = self._get_many_in_threads(kind, [(block_hash, tokens)], timings)
         return found[0] if found else None
 
     def submit(self, fn: Callable[[], T]) -> Future:

@@ -221,7 +221,9 @@ class LLMEngine:
                              {KIND_BLOCK: self.device_kv.block_nbytes(), KIND_SNAPSHOT: self.device_kv.slot_nbytes(),
                               KIND_RESPONSE: self.device_kv.slot_nbytes() + self.device_kv.block_nbytes()},
                              max_bytes=config.kv_store_max_bytes, read_timeout=config.kv_store_read_timeout,
-                             retry_seconds=config.kv_store_retry_seconds, read_process=config.kv_store_read_process)
+                             retry_seconds=config.kv_store_retry_seconds, read_process=config.kv_store_read_process,
+                             read_reserve=self._largest_load())
+            self.device_kv.reserve_host_rows(self._largest_load())
         if config.kv_transfer is not None and store is None:
             raise ValueError("--kv-transfer-config hands KV over as SSD-store files: it needs the store "
                              "(--kv-store-dir, not --no-kv-store) and prefix caching")
@@ -267,6 +269,11 @@ class LLMEngine:
             if ranks is not None:
                 self.slot_tables.record()  # each step sends the other ranks its tables' changes
         log.info("CUDA graphs: %s; async scheduling: %s", self.cuda_graphs, self.async_scheduling)
+
+    def _largest_load(self) -> int:
+        """Bytes of the blocks of the longest prompt: what the largest disk hit reads at once (the store's
+        reader and the host memory a load lands in are made this large at start, up to their caps)."""
+        return -(-self.config.max_model_len // self.cache_config.block_size) * self.device_kv.block_nbytes()
 
     @staticmethod
     def _drafter(spec: SpeculativeConfig | None) -> Drafter | None:

@@ -389,3 +389,86 @@ def test_shared_memory_removed_under_the_store_is_made_again(tmp_path: Path, mon
     finally:
         store.close()
     assert new_shm() == []
+
+
+def _mapped_by(pid: int | None, path: str) -> bool:
+    assert pid is not None
+    with open(f"/proc/{pid}/maps") as f:
+        return any(line.rstrip().endswith(path) for line in f)
+
+
+def test_a_reserve_makes_and_maps_the_shared_memory_before_any_read(tmp_path: Path, monkeypatch,
+                                                                    new_shm: NewShm) -> None:
+    """`read_reserve`: the shared memory is made at start, as large as asked up to RESERVE_CAP, and the
+    child has it mapped before the first read, which then neither grows nor maps it again."""
+    monkeypatch.setattr(ssd_reader, "RESERVE_CAP", 6 * SIZE)
+    store, items = _store(tmp_path, 5, read_reserve=100 * SIZE)  # capped: 6 payloads
+    assert store.reader is not None
+    try:
+        wait_until(lambda: store.reader is not None and store.reader.shm_path is not None
+                   and _mapped_by(store.reader.pid, store.reader.shm_path), "the reserved shared memory, mapped")
+        slots, shm = store.reader._slots, store.reader.shm_path
+        assert slots is not None and slots.nbytes == 6 * SIZE and new_shm() == [Path(shm)]
+        assert _payloads(store, items, into=True) == [bytes([i + 1]) * SIZE for i in range(5)]
+        assert store.reader._slots is slots and slots.nbytes == 6 * SIZE and store.reader.restarts == 0
+    finally:
+        store.close()
+    assert new_shm() == []
+
+
+def test_no_reserve_without_room_and_reads_still_served(tmp_path: Path, monkeypatch, new_shm: NewShm) -> None:
+    """/dev/shm without room for the reserve: nothing is made at start, and the first read makes what it
+    needs (or reads in this process), as without a reserve."""
+    def full(fd: int, nbytes: int) -> object:
+        raise OSError(28, "No space left on device")
+
+    allocate = ssd_reader.SharedSlots._allocate
+    monkeypatch.setattr(ssd_reader.SharedSlots, "_allocate", staticmethod(full))
+    store, items = _store(tmp_path, 3, read_reserve=3 * SIZE)
+    assert store.reader is not None
+    try:
+        wait_until(lambda: not any(t.name == "v4serve-ssd-reserve" for t in threading.enumerate()), "the reserve")
+        assert store.reader.shm_path is None and new_shm() == []
+        monkeypatch.setattr(ssd_reader.SharedSlots, "_allocate", staticmethod(allocate))
+        assert _payloads(store, items, into=True) == [bytes([i + 1]) * SIZE for i in range(3)]
+        assert store.reader.shm_path is not None and store.stats.errors == {}
+    finally:
+        store.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_child_advises_a_requests_files_first_with_a_bounded_number_open(tmp_path: Path, monkeypatch) -> None:
+    """`_ReadAhead` (in this interpreter, as the child runs it): every file is opened and advised before
+    the first is read, no more than MAX_OPEN_FILES stay open (the rest are opened again to be read), a
+    file that cannot be opened ends the advising there, and what was not taken is closed."""
+    monkeypatch.setattr(ssd_reader, "MAX_OPEN_FILES", 2)
+    paths = []
+    for i in range(5):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(bytes([i]) * (i + 1))
+        paths.append(str(path))
+    before = _open_fds()
+    ahead = ssd_reader._ReadAhead(paths)
+    assert _open_fds() == before + 2
+    for i in range(5):
+        fd, size = ahead.take(i)
+        try:
+            assert size == i + 1 and os.pread(fd, 16, 0) == bytes([i]) * (i + 1)
+        finally:
+            os.close(fd)
+    ahead.close()
+    assert _open_fds() == before
+    os.unlink(paths[1])
+    ahead = ssd_reader._ReadAhead(paths)
+    assert _open_fds() == before + 1  # file 0; advising stopped at the missing file 1
+    ahead.close()
+    assert _open_fds() == before
+    ahead = ssd_reader._ReadAhead(paths)
+    os.close(ahead.take(0)[0])
+    with pytest.raises(FileNotFoundError):
+        ahead.take(1)
+    ahead.close()
+    assert _open_fds() == before
