@@ -346,18 +346,23 @@ class KVCacheManager:
         count = self.loader.blocks_on_disk(self._reusable(kv, num_tokens)[first:])
         boundary = first + count
         following_end = min(boundary * b + b, num_tokens) - 1  # as in plan_prefix
-        response = False
-        # A response end on disk counts if it goes further than the one planned from host memory (a
-        # decode replica's hand-over continues past what an earlier, shorter response left there).
-        planned = kv.plan.hit_tokens - boundary * b if kv.plan.response_key is not None and not count else 0
-        if boundary * b < following_end:
-            parent = kv.block_hashes[boundary - 1] if boundary else kv.root
-            response = self.loader.response_on_disk(parent, tokens(boundary * b, following_end), longer_than=planned)
-        if not count and not response:
+        # With blocks to read, the load looks for a response end itself, beside them: not first here.
+        if not count and not self._response_on_disk(kv, boundary, following_end, tokens):
             return False
         kv.disk_load = self.loader.start(kv.block_hashes, tokens(0, max(following_end, boundary * b)), first, count,
                                          kv.root)
         return True
+
+    def _response_on_disk(self, kv: RequestKV, boundary: int, following_end: int, tokens: TokenSlice) -> bool:
+        """Whether the store holds a response end continuing the request's sealed prefix at `boundary`
+        (no blocks to read past its device hit) that goes further than the one planned from host memory
+        (a decode replica's hand-over continues past what an earlier, shorter response left there)."""
+        b = self.config.block_size
+        if boundary * b >= following_end:
+            return False
+        planned = kv.plan.hit_tokens - boundary * b if kv.plan.response_key is not None else 0
+        parent = kv.block_hashes[boundary - 1] if boundary else kv.root
+        return self.loader.response_on_disk(parent, tokens(boundary * b, following_end), longer_than=planned)
 
     def finish_disk_load(self, kv: RequestKV) -> DiskLoad:
         """Install a finished read (raises what the read raised); returns it, its phases complete."""
