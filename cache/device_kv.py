@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from v4serve.cache.layout import KVLayout, LayerLayout
+from v4serve.cache.ssd_reader import ContiguousRows
 
 
 @dataclass
@@ -129,7 +130,7 @@ class DeviceKV:
         reads the bytes (the SSD store's writer thread) waits for it, not the engine."""
         return CopyingPayload.of([t[block_id] for t in self._block_parts()])
 
-    def block_rows(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
+    def block_rows(self, n: int) -> tuple[torch.Tensor, ContiguousRows]:
         """Host memory for n blocks, one row of bytes per block (pinned when the storage is on a GPU,
         so the install copies asynchronously), and a writable view of each row: a store file's
         payload is read straight into its row, with no copy after the read."""
@@ -137,8 +138,7 @@ class DeviceKV:
             rows = torch.empty((n, self._block_nbytes()), dtype=torch.uint8, pin_memory=True)
         else:
             rows = self._host_rows.take(n * self._block_nbytes()).view(n, self._block_nbytes())
-        matrix = rows.numpy()
-        return rows, [memoryview(matrix[i]) for i in range(n)]
+        return rows, ContiguousRows(memoryview(rows.numpy().reshape(-1)), self._block_nbytes(), n)
 
     def reserve_host_rows(self, nbytes: int) -> None:
         """Make the host memory for loads of up to `nbytes` of blocks now (on a CPU: see `HostRows`)."""

@@ -12,6 +12,7 @@ namespace, hash, tokens and layout, and exactly the payload length its layout ne
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
 import stat
@@ -49,8 +50,18 @@ def encode(kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int]
     """The file's pieces in order (header, token ids, layout, payload parts, CRC)."""
     length = sum(len(p) for p in payload)
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, kind, namespace, block_hash, len(tokens), len(layout), length)
-    token_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
+    token_bytes = pack_tokens(tokens)
     return [head, token_bytes, layout, *payload, _CRC.pack(checksum((head, token_bytes, layout, *payload)))]
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as a file stores them (little-endian int32): what `decode` compares a file's with."""
+    return _tokens_struct(len(tokens)).pack(*tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _tokens_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}i")
 
 
 def checksum(parts: Sequence[bytes | bytearray | memoryview]) -> int:
@@ -90,11 +101,13 @@ def expected_size(head: bytes | bytearray, file_size: int, layout: bytes, payloa
     return size
 
 
-def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: bytes, tokens: Sequence[int] | None,
-           layout: bytes, payload_bytes: int, payload: memoryview | None = None) -> memoryview:
+def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: bytes,
+           tokens: Sequence[int] | bytes | None, layout: bytes, payload_bytes: int,
+           payload: memoryview | None = None) -> memoryview:
     """Check a whole file's bytes and return its payload; raises StoreFileError naming the fault.
-    Given `payload`, the file was read apart: its payload into `payload` (a row of the buffer it is
-    loaded into) and everything else, in order, into `data`."""
+    `tokens`: the ids the file must hold, or them as `pack_tokens` packs them (bytes: compared as they
+    are), or None (not checked). Given `payload`, the file was read apart: its payload into `payload`
+    (a row of the buffer it is loaded into) and everything else, in order, into `data`."""
     apart = len(payload) if payload is not None else 0
     size = len(data) + apart
     if len(data) < _HEAD.size + _CRC.size:
@@ -118,8 +131,11 @@ def decode(data: bytes | bytearray, kind: int, namespace: bytes, block_hash: byt
         raise StoreFileError("namespace", "written for another model, KV dtype or layout")
     if h != block_hash:
         raise StoreFileError("collision", "the file holds another hash")
-    stored_tokens = struct.unpack_from(f"<{n_tok}i", data, _HEAD.size)
-    if tokens is not None and tuple(stored_tokens) != tuple(tokens):
+    if isinstance(tokens, bytes):
+        same = view[_HEAD.size:offset] == tokens
+    else:
+        same = tokens is None or struct.unpack_from(f"<{n_tok}i", data, _HEAD.size) == tuple(tokens)
+    if not same:
         raise StoreFileError("collision", "same hash, different tokens")
     if bytes(view[offset:offset + n_layout]) != layout:
         raise StoreFileError("namespace", "another KV layout")

@@ -29,7 +29,7 @@ from v4serve.cache.state_cache import ResponseEnd, StateCache
 class PayloadCodec(Protocol):
     """What loading needs from the device tensors: bytes in, host tensors out."""
 
-    def block_rows(self, n: int) -> tuple[Any, list[memoryview]]: ...
+    def block_rows(self, n: int) -> tuple[Any, Sequence[memoryview]]: ...
     def blocks_from_rows(self, rows: Any, n: int) -> list[Any]: ...
     def snapshot_from_payload(self, payload: memoryview) -> Any: ...
     def slot_nbytes(self) -> int: ...
@@ -41,7 +41,7 @@ class DiskLoad:
 
     first: int  # index of the first block loaded
     hashes: list[bytes] = field(default_factory=list)  # of the blocks loaded, in order
-    tokens: list[tuple[int, ...]] = field(default_factory=list)  # their token ids
+    tokens: list[Sequence[int]] = field(default_factory=list)  # their token ids
     stacked: list[Any] = field(default_factory=list)  # their contents, one host tensor per storage tensor
     snapshot: tuple[bytes, Any] | None = None  # (key, host state)
     response: tuple[bytes, ResponseEnd] | None = None  # (key, the end of a response the request continues)
@@ -96,18 +96,26 @@ class SSDLoader:
         load = DiskLoad(first=first)
         load.phases["queue"] = t0 - submitted
         items = [(hashes[i], tokens[i * b:(i + 1) * b]) for i in range(first, first + count)]
-        # The snapshot and response end at the end of the run are read alongside the blocks; if a bad
-        # block cuts the run short, the ones for where it ends are looked for afterwards.
+        # The snapshot and response end at the end of the run are read alongside the blocks, from the
+        # moment the blocks are asked for (started before, their reads took the interpreter from the
+        # making of that request: ~3 ms of a 64K-token hit); if a bad block cuts the run short, the
+        # ones for where it ends are looked for afterwards.
         beside: Counter = Counter()
-        ends = in_daemon_thread(lambda: self._read_ends(hashes, tokens, first + count, root, beside))
+        ends: list[Future] = []
+
+        def read_ends() -> None:
+            ends.append(in_daemon_thread(lambda: self._read_ends(hashes, tokens, first + count, root, beside)))
+
         t_stack = time.perf_counter()
         rows, views = self.codec.block_rows(count)
         load.phases["stack"] = time.perf_counter() - t_stack
-        payloads = self.store.get_many(KIND_BLOCK, items, load.phases, into=views)
+        payloads = self.store.get_many(KIND_BLOCK, items, load.phases, into=views, asked=read_ends)
+        if not ends:  # no file was asked for
+            read_ends()
         load.hashes = [h for h, _ in items[: len(payloads)]]
-        load.tokens = [tuple(t) for _, t in items[: len(payloads)]]
+        load.tokens = [t for _, t in items[: len(payloads)]]  # copied only if told to KV events (`stored`)
         load.stacked = self.codec.blocks_from_rows(rows, len(payloads)) if payloads else []
-        load.snapshot, load.response = ends.result()
+        load.snapshot, load.response = ends[0].result()
         load.phases.update(beside)
         if len(payloads) < count:
             load.snapshot, load.response = self._read_ends(hashes, tokens, first + len(payloads), root, load.phases)

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from v4serve.cache.ssd_file import StoreFileError, _process_alive, decode, open_
 # A file's outcome as the child reports it: "ok", "missing" (vanished), or a StoreFileError kind;
 # SHARED_MEMORY (first and only outcome of a reply): the child could not map the request's shared memory.
 OK, MISSING, SHARED_MEMORY = "ok", "missing", "shared-memory"
-FileRequest = tuple[str, bytes, bytes | None]  # (path, chain hash, token ids as int32 bytes or None)
+FileRequest = tuple[str, bytes, bytes | None]  # (path, chain hash, token ids as `pack_tokens` packs them, or None)
 # (index, outcome, detail, the file's bytes, read seconds, verify seconds)
 Outcome = tuple[int, str, str, int, float, float]
 BATCH_FILES = 32  # files a completion message reports (the last one of a request: fewer)
@@ -69,16 +69,50 @@ _RESERVE_TIMEOUT = 60.0  # seconds the child has to start and map the reserved m
 log = logging.getLogger(__name__)
 
 
+class ContiguousRows(Sequence[memoryview]):
+    """`n` rows of `width` bytes one after another in one writable buffer (a load's host rows): row i is
+    a view made when asked for, and a run of rows is one view, so a 512-block load makes no 512 views
+    up front (they were 2 ms of a 64K-token hit before its reads were even asked for) and its payloads
+    are one copy per batch."""
+
+    def __init__(self, buffer: memoryview, width: int, n: int) -> None:
+        if len(buffer) < width * n:
+            raise ValueError(f"{len(buffer)} bytes for {n} rows of {width}")
+        self.buffer, self.width, self.n = buffer, width, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.n)
+            if step != 1:
+                raise ValueError("rows are taken in runs, not with a step")
+            stop = max(start, stop)
+            return ContiguousRows(self.buffer[start * self.width:stop * self.width], self.width, stop - start)
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.buffer[i * self.width:(i + 1) * self.width]
+
+    def span(self) -> memoryview:
+        """All the rows as one view."""
+        return self.buffer[:self.n * self.width]
+
+
 def copy_rows_without_the_gil(rows: Sequence[memoryview], src: memoryview) -> None:
     """The rows, in order, filled from `src` (writable, as long as all of them), with the interpreter's lock
     released for the copy (ctypes lets go of it around a foreign call): a slice assignment holds it
     for a whole payload, and every torch op of the engine thread that ends meanwhile waits for it
     back, the convoy this process exists to avoid. Rows that follow one another in memory (one host
     buffer's) are one copy."""
-    if sum(len(r) for r in rows) != len(src):
-        raise ValueError(f"{len(src)} bytes for rows of {sum(len(r) for r in rows)}")
+    total = rows.n * rows.width if isinstance(rows, ContiguousRows) else sum(len(r) for r in rows)
+    if total != len(src):
+        raise ValueError(f"{len(src)} bytes for rows of {total}")
     offset = 0
-    for start, length in _runs(rows):
+    runs = [(_address(rows.span()), total)] if isinstance(rows, ContiguousRows) and total else _runs(rows)
+    for start, length in runs:
         ctypes.memmove(start, _address(src[offset:offset + length]), length)
         offset += length
 
@@ -321,8 +355,8 @@ class ReaderProcess:
             self._slots.close()
             self._slots = None
 
-    def read(self, kind: int, files: Sequence[FileRequest], deadline: float) -> Iterator[tuple[memoryview,
-                                                                                              list[Outcome]]]:
+    def read(self, kind: int, files: Sequence[FileRequest], deadline: float,
+             asked: Callable[[], None] | None = None) -> Iterator[tuple[memoryview, list[Outcome]]]:
         """The files' outcomes in order, in batches (one message, and one wake-up of this process's
         reading thread, per BATCH_FILES files: each wake-up takes the interpreter's lock from the
         engine thread), up to the first that is not OK, each with the shared memory its payloads are in
@@ -338,6 +372,8 @@ class ReaderProcess:
                 conn = self._start()  # a child that cannot start (no memory, no fds): ReaderGone below
                 request_id = uuid.uuid4().hex
                 conn.send((request_id, kind, slots.path, list(files)))
+                if asked is not None:
+                    asked()
                 reported = 0  # outcomes come in file order, each file once, ending at the first not OK
                 while True:
                     if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -524,7 +560,6 @@ class _ReadAhead:
 
 def _read_one(ahead: _ReadAhead, i: int, kind: int, block_hash: bytes, token_bytes: bytes | None, slot: memoryview,
               namespace: bytes, layout: bytes, size: int) -> tuple[str, str, int, float, float]:
-    tokens = memoryview(token_bytes).cast("i").tolist() if token_bytes is not None else None
     t0 = time.perf_counter()
     try:
         fd, file_size = ahead.take(i)
@@ -544,7 +579,7 @@ def _read_one(ahead: _ReadAhead, i: int, kind: int, block_hash: bytes, token_byt
         os.close(fd)
     t1 = time.perf_counter()
     try:
-        decode(data, kind, namespace, block_hash, tokens, layout, size, slot)
+        decode(data, kind, namespace, block_hash, token_bytes, layout, size, slot)
     except StoreFileError as exc:
         return exc.kind, str(exc), 0, 0.0, 0.0
     return OK, "", len(data) + size, t1 - t0, time.perf_counter() - t1

@@ -37,7 +37,6 @@ import shutil
 import threading
 import time
 import uuid
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +55,7 @@ from v4serve.cache.ssd_file import (
     decode,
     encode,
     file_tokens,
+    pack_tokens,
     read_store_file,
     temp_is_stale,
     temp_name,
@@ -552,19 +552,24 @@ class SSDStore:
         return read_store_file(path, kind, self.layout, self.payload_bytes[kind], on_cold, into)
 
     def get_many(self, kind: int, items: Sequence[Item], timings: Counter | None = None,
-                 into: Sequence[memoryview] | None = None) -> list[memoryview]:
+                 into: Sequence[memoryview] | None = None,
+                 asked: Callable[[], None] | None = None) -> Sequence[memoryview]:
         """Payloads of consecutive files up to the first miss, read in order. The reader process hands
         every file to the kernel to read (`posix_fadvise` WILLNEED) before it reads the first
         (`ssd_reader._ReadAhead`); on this process's threads (no reader process), at the first file
         not in the page cache a second thread asks for the rest (read-ahead of files in the page cache
         doubled a 128-file hit's time there). An SSD then serves them in parallel. A read still running after
         `read_timeout` ends the prefix where it stands. `timings` gets the seconds spent reading and
-        checking. Given `into`, file i's payload is read straight into `into[i]`."""
+        checking. Given `into`, file i's payload is read straight into `into[i]`. Given `asked`, it is called
+        once the files are asked for (the reader process has the request; on this process's threads,
+        before the first read), not at all if none is."""
         if self.reader is not None:
             try:
-                return self._get_many_in_reader(kind, items, timings, into)
+                return self._get_many_in_reader(kind, items, timings, into, asked)
             except NoSharedMemory as exc:  # no room in /dev/shm (raised before any file is read): read here
                 log.warning("SSD store: %s: read in this process", exc.strerror)
+        if asked is not None:
+            asked()
         return self._get_many_in_threads(kind, items, timings, into)
 
     def _get_many_in_threads(self, kind: int, items: Sequence[Item], timings: Counter | None = None,
@@ -601,21 +606,26 @@ class SSDStore:
         return out
 
     def _get_many_in_reader(self, kind: int, items: Sequence[Item], timings: Counter | None,
-                            into: Sequence[memoryview] | None) -> list[memoryview]:
+                            into: Sequence[memoryview] | None,
+                            asked: Callable[[], None] | None = None) -> Sequence[memoryview]:
         """`get_many` through the reader process: it reads and checks the files into its shared memory,
         this process copies each batch of good payloads to where they go (without the interpreter's
         lock) and keeps the index. A reader that dies or times out ends the prefix where it stands,
         and is replaced. NoSharedMemory (no room in /dev/shm) comes before any file is read."""
         assert self.reader is not None
         files = self._file_requests(kind, items)
-        out: list[memoryview] = []
+        out: list[memoryview] = []  # without `into`: each payload in a buffer of its own
+        taken = 0
         try:
             if not files:
                 return out
             deadline = time.monotonic() + self.read_timeout
-            for shared, batch in self.reader.read(kind, files, deadline):
+            for shared, batch in self.reader.read(kind, files, deadline, asked):
                 good = [o for o in batch if o[1] == OK]
-                out += self._take_payloads(kind, items, shared, good, into)
+                rows = self._take_payloads(kind, items, shared, good, into)
+                taken += len(good)
+                if into is None:
+                    out += rows
                 if timings is not None:
                     timings["read"] += sum(o[4] for o in good)
                     timings["verify"] += sum(o[5] for o in good)
@@ -624,8 +634,8 @@ class SSDStore:
                     self._read_failed((kind, items[i][0]), files[i][0], outcome, detail)
         except ReaderGone as exc:
             self._count_error("timeout" if str(exc) == "timeout" else "reader")
-            log.warning("SSD store reader process %s after %d of %d files: the rest a miss", exc, len(out), len(files))
-        return out
+            log.warning("SSD store reader process %s after %d of %d files: the rest a miss", exc, taken, len(files))
+        return into[:taken] if into is not None else out
 
     def _file_requests(self, kind: int, items: Sequence[Item]) -> list[FileRequest]:
         """The reader process's request: each file's path, hash and token ids, up to the first file the
@@ -635,7 +645,7 @@ class SSDStore:
             path = self._file(kind, block_hash)
             if path is None:
                 break
-            token_bytes = array("i", tokens).tobytes() if tokens is not None else None
+            token_bytes = pack_tokens(tokens) if tokens is not None else None
             files.append((os.fspath(path), block_hash, token_bytes))
         return files
 
@@ -646,14 +656,14 @@ class SSDStore:
             self._bad(key, path, StoreFileError(outcome, detail))
 
     def _take_payloads(self, kind: int, items: Sequence[Item], shared: memoryview, good: list[Outcome],
-                       into: Sequence[memoryview] | None) -> list[memoryview]:
+                       into: Sequence[memoryview] | None) -> Sequence[memoryview]:
         """A batch of good payloads out of shared memory (payload i at [i * size, (i + 1) * size]): into
         their rows, or buffers of their own. Consecutive rows of one buffer (`DeviceKV.block_rows`) take
         one copy for the batch."""
         if not good:
             return []
         first, count, size = good[0][0], len(good), self.payload_bytes[kind]
-        rows = list(into[first:first + count]) if into is not None else [memoryview(bytearray(size)) for _ in good]
+        rows = into[first:first + count] if into is not None else [memoryview(bytearray(size)) for _ in good]
         copy_rows_without_the_gil(rows, shared[first * size:(first + count) * size])
         with self._lock:
             for i, *_ in good:
