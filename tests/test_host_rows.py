@@ -86,3 +86,30 @@ def test_disk_hits_one_after_another_reuse_the_rows_and_give_the_cold_tokens(tmp
         engine.close()
     assert got == want and [hit.num_disk_hit_tokens for hit in hits] == [6 * b, 6 * b]
     assert len(landed) == 2 and landed[0] == landed[1]
+
+
+def test_install_copies_each_block_to_its_id_in_runs_or_scattered() -> None:
+    """`install_blocks`: block j lands at ids[j] whether the ids run in order (slice copies) or are
+    scattered (one index copy), and nothing else is written."""
+    from v4serve.cache.device_kv import _id_runs
+    from v4serve.engine.engine import EngineConfig, LLMEngine
+
+    assert _id_runs([3, 4, 5, 9, 10, 2]) == [(3, 0, 3), (9, 3, 2), (2, 5, 1)]
+    engine = LLMEngine(small_model(), EngineConfig(max_model_len=1024, max_num_seqs=2))
+    try:
+        kv = engine.device_kv
+        rows, _ = kv.block_rows(12)
+        rows.copy_(torch.randint(0, 256, rows.shape, generator=torch.Generator().manual_seed(5), dtype=torch.uint8))
+        stacked = kv.blocks_from_rows(rows, 12)
+        in_runs = [*range(3, 9), *range(20, 26)]
+        scattered = [30, 2, 17, 40, 11, 35, 1, 28, 44, 9, 19, 38]  # 12 runs: more than MAX_COPY_RUNS
+        for ids in (in_runs, scattered):
+            for part in kv._block_parts():
+                part.zero_()
+            kv.install_blocks(ids, stacked)
+            for part, src in zip(kv._block_parts(), stacked, strict=True):
+                assert torch.equal(part[ids].view(torch.uint8), src.contiguous().view(torch.uint8))  # NaN bits too
+                others = [i for i in range(part.shape[0]) if i not in ids]
+                assert not part[others].any()
+    finally:
+        engine.close()
