@@ -106,3 +106,31 @@ def test_tokenize_and_detokenize_document_examples_that_work(http: httpx.Client)
             reply = http.post(path, json=example)
             assert reply.status_code == 200, (path, example, reply.text)
     assert http.post("/tokenize", json={"text": "x"}).json()["error"]["param"] == "text"  # prompt, not text
+
+
+def test_line_separators_in_streamed_text_do_not_cut_an_event(http: httpx.Client) -> None:
+    """U+2028, U+2029 and U+0085 may stand raw in JSON, but line readers that split as str.splitlines does
+    (httpx's `iter_lines`, used by `events` here) end a line there: they go out escaped, and every event of
+    every API parses whole."""
+    text = "a\u2028b\x85c\u2029d"
+    chunks = events(http, "/v1/completions", {"prompt": text, "echo": True, "max_tokens": 2, "temperature": 0})
+    assert "".join(c["choices"][0]["text"] for c in chunks).startswith(text)
+    chat = events(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
+    with http.stream("POST", "/v1/messages", json={"model": MODEL, "max_tokens": 2, "stream": True,
+                                                    "messages": [{"role": "user", "content": text}]}) as resp:
+        data = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert [json.loads(d)["type"] for d in data][0] == "message_start"
+
+
+def test_every_event_writer_escapes_what_line_splitters_break_at() -> None:
+    from v4serve.server.framing import Chunker, event, typed_event
+
+    text = "x\u2028y\u2029z\x85w"
+    chunker = Chunker("id", "text_completion", 0, MODEL, False)
+    for written in (event({"text": text}), typed_event("delta", {"text": text}), chunker([{"text": text}])):
+        assert written.endswith("\n\n")
+        lines = written.splitlines()  # as a splitlines reader sees it: the SSE lines, no more
+        assert lines == written[:-1].split("\n")
+        (data,) = (line[6:] for line in lines if line.startswith("data: "))
+        assert text in json.dumps(json.loads(data), ensure_ascii=False)
