@@ -224,6 +224,10 @@ class HostRows:
             self._free_refs = self._refs(i)
             return torch.frombuffer(self._kept[i], dtype=torch.uint8, count=nbytes)
 
+    def __reduce__(self) -> tuple[type[HostRows], tuple[()]]:
+        # A copy of the KV tensors (a test's eager twin) gets host memory of its own, made as it needs.
+        return HostRows, ()
+
     def reserve(self, nbytes: int) -> None:
         """A buffer of `nbytes` (at most MAX_KEPT_BYTES) made now, at start, not at the first load."""
         with self._lock:

@@ -113,3 +113,13 @@ def test_install_copies_each_block_to_its_id_in_runs_or_scattered() -> None:
                 assert not part[others].any()
     finally:
         engine.close()
+
+
+def test_a_copy_of_the_kv_tensors_gets_host_rows_of_its_own() -> None:
+    import copy
+    import pickle
+
+    rows = HostRows()
+    rows.reserve(4096)
+    for twin in (copy.deepcopy(rows), pickle.loads(pickle.dumps(rows))):
+        assert twin is not rows and twin._kept == [] and twin.take(100).numel() == 100

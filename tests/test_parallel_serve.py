@@ -305,6 +305,33 @@ def test_a_rank_failing_to_load_is_a_startup_error_never_a_hang(wide: str, shard
     assert message in done.stderr
 
 
+def _exit_later(code: int) -> None:
+    import time
+
+    time.sleep(0.3)
+    os._exit(code)
+
+
+def test_a_broken_collective_names_the_worker_that_left_once_its_exit_is_seen() -> None:
+    """The others hear a dying worker's connection close before its exit status can be read: the load's
+    error waits (briefly) for that status instead of naming only the broken collective."""
+    import multiprocessing
+
+    from v4serve.engine.model.parallel import ParallelConfig
+    from v4serve.engine.process.rank_group import RankGroup
+
+    worker = multiprocessing.get_context("spawn").Process(target=_exit_later, args=(3,))
+    worker.start()
+    try:
+        group = RankGroup(ParallelConfig(2), None, [worker])
+        assert group.dead_rank() is None  # still running when the collective broke
+        dead = group._dead_rank_within(PATIENCE)
+        assert dead is not None and "exit status 3" in dead
+        assert RankGroup(ParallelConfig(2), None, [])._dead_rank_within(PATIENCE) is None  # torchrun: no wait
+    finally:
+        worker.join(timeout=PATIENCE)
+
+
 def test_torchrun_launches_the_ranks(wide: str, single: list[dict]) -> None:
     """Several nodes are launched with torchrun (one process per GPU; rank 0 serves HTTP): here both
     ranks on this machine, with torchrun's own rendezvous; rank 0 binds a port the system picks and

@@ -70,6 +70,7 @@ STARTUP_SECONDS = 600.0  # workers must join within this (importing torch and CU
 STEP_TIMEOUT = timedelta(minutes=10)  # one collective of a step; a longer wait means a rank is stuck
 IDLE_TIMEOUT = timedelta(days=365)  # the plans' group: workers wait there while the server is idle
 POLL_SECONDS = 0.5
+EXIT_GRACE = 5.0  # seconds to wait, after a collective broke, for the worker that left to be seen exited
 
 # A model shard for a rank: (parallel config, local rank) → the model, kernels chosen.
 LoadShard = Callable[[ParallelConfig, int], DeepseekV4]
@@ -176,8 +177,17 @@ class RankGroup:
         try:
             dist.all_gather_object(out, value, group=self._control)
         except Exception as exc:
-            raise RuntimeError(f"a rank left the group while loading ({self.dead_rank() or exc})") from exc
+            raise RuntimeError(f"a rank left the group while loading ({self._dead_rank_within(EXIT_GRACE) or exc})"
+                               ) from exc
         return out
+
+    def _dead_rank_within(self, seconds: float) -> str | None:
+        """`dead_rank()`, waiting up to `seconds` for it: the others hear a dying worker's connection close
+        before its exit status can be read, and the status says more than the broken collective does."""
+        deadline = time.monotonic() + seconds
+        while (dead := self.dead_rank()) is None and self._processes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return dead
 
     def _broadcast(self, message: object) -> None:
         dist.broadcast(self._wire.object_header(), src=0, group=self._control)
