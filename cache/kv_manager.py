@@ -336,19 +336,23 @@ class KVCacheManager:
         """Whether a prefix can come from the SSD store (a store, and prefix caching on)."""
         return self.loader is not None and self.config.enable_prefix_caching
 
-    def start_disk_load(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice) -> bool:
-        """Once per request: if the store holds blocks past the planned device hit, start reading
-        them in the background (the request waits meanwhile); False if there is nothing to read."""
+    def start_disk_load(self, kv: RequestKV, num_tokens: int, tokens: TokenSlice, admitting: bool = True) -> bool:
+        """If the store holds blocks past the planned device hit, start reading them in the background
+        (the request waits meanwhile); False if there is nothing to read. Asked at a request's arrival
+        and, if nothing was there then, once more as it is admitted: a request that came while its
+        prefix was still being written (a burst of questions about one new document) finds it on disk
+        by then, where the Block Cache may have let it go."""
         if not self.reads_from_store or kv.disk_checked:
             return False
-        kv.disk_checked = True
         b, first = self.config.block_size, len(kv.plan.hit_blocks)
         count = self.loader.blocks_on_disk(self._reusable(kv, num_tokens)[first:])
         boundary = first + count
         following_end = min(boundary * b + b, num_tokens) - 1  # as in plan_prefix
         # With blocks to read, the load looks for a response end itself, beside them: not first here.
         if not count and not self._response_on_disk(kv, boundary, following_end, tokens):
+            kv.disk_checked = admitting
             return False
+        kv.disk_checked = True
         kv.disk_load = self.loader.start(kv.block_hashes, tokens(0, max(following_end, boundary * b)), first, count,
                                          kv.root)
         return True

@@ -53,7 +53,7 @@ class RequestKV:
     block_table: list[int] = field(default_factory=list)  # Block Cache ids while admitted
     num_sealed: int = 0  # leading blocks of the table that are sealed (hashed, shareable)
     plan: PrefixPlan = NO_HIT  # the prefix hit of the latest admission
-    disk_checked: bool = False  # the SSD store has been asked (once per request)
+    disk_checked: bool = False  # the SSD store has been asked for the last time (`start_disk_load`)
     disk_load: Future | None = None  # a store read in flight while the request waits
     disk_tokens: int = 0  # tokens whose entries the SSD store supplied for this request
     fetch: Future | None = None  # a decode replica's fetch of its prompt's KV from a prefill replica, in flight

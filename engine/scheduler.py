@@ -106,7 +106,7 @@ class Scheduler:
         if self.kv.reads_from_store and request.sampling.prompt_logprobs is None:
             # Its prefix's files are read from now on, while the requests ahead of it run.
             self.kv.plan_prefix(request.kv, request.num_tokens, request.token_slice, admitting=False)
-            self._start_disk_load(request)
+            self._start_disk_load(request, admitting=False)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Leave the queues and give back the slot and blocks at once; a response that ended
@@ -259,10 +259,10 @@ class Scheduler:
             budget -= n
 
     # ---- the SSD store ----------------------------------------------------------------------------
-    def _start_disk_load(self, request: Request) -> bool:
+    def _start_disk_load(self, request: Request, admitting: bool = True) -> bool:
         """If the SSD store holds blocks past the device hit, the request waits in LOADING while they
         are read in the background (others keep running)."""
-        if not self.kv.start_disk_load(request.kv, request.num_tokens, request.token_slice):
+        if not self.kv.start_disk_load(request.kv, request.num_tokens, request.token_slice, admitting):
             return False
         self.waiting.remove(request)
         request.status = RequestStatus.LOADING

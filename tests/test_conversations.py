@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
+from v4serve.cache.ssd_file import KIND_BLOCK
 from v4serve.engine.model.single import SingleSequence
 
 B = 16  # the small model's block (ratios 4 and 16); window 8
@@ -255,3 +256,27 @@ def test_many_conversations_under_memory_pressure_keep_their_heads() -> None:
             histories[c] = r.all_token_ids + tokens(17, 200 + 10 * t + c)
     assert pool.evictions > evicted_before  # the pressure was real
     assert pool.cached_block(engine.kv.hashes(system, None)[0]) is not None  # the shared head survived
+
+
+def test_a_request_that_came_before_its_prefix_was_stored_reads_it_from_disk(tmp_path) -> None:
+    """Three requests arrive at once, one slot: the first writes its document to the store, the second's
+    document takes the Block Cache, the third asks about the first document. At its arrival the store
+    held nothing; by its admission the document is on disk and off the device: it is read, not computed."""
+    model = small_model()
+    engine = engine_for(model, swa_cache_mode="full", kv_store_dir=str(tmp_path), max_num_seqs=1, num_blocks=8,
+                        max_num_batched_tokens=256)
+    first_doc, other_doc = tokens(6 * B + 5, 70), tokens(6 * B + 5, 71)
+    first, other, again = (greedy("a", first_doc, 3), greedy("c", other_doc, 3),
+                           greedy("b", first_doc[:6 * B] + tokens(9, 72), 3))
+    for request in (first, other, again):
+        engine.add_request(request)
+    assert not engine.kv.store.contains(KIND_BLOCK, again.kv.block_hashes[0])  # nothing on disk at arrival
+    while not other.status.finished:
+        engine.step()
+    engine.kv.store.flush()  # the first document's files written before the third request is admitted
+    while engine.has_work():
+        engine.step()
+    engine.check()
+    engine.close()
+    assert again.num_disk_hit_tokens >= 5 * B
+    assert again.output_token_ids == cold(model, again.prompt_token_ids, 3)
