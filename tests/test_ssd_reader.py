@@ -436,8 +436,15 @@ def test_no_reserve_without_room_and_reads_still_served(tmp_path: Path, monkeypa
         store.close()
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds(folder: Path) -> int:
+    """This process's descriptors open on files in `folder` (other threads' descriptors do not count)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{folder}/")
+        except OSError:  # closed meanwhile
+            pass
+    return count
 
 
 def test_the_child_advises_a_requests_files_first_with_a_bounded_number_open(tmp_path: Path, monkeypatch) -> None:
@@ -450,9 +457,8 @@ def test_the_child_advises_a_requests_files_first_with_a_bounded_number_open(tmp
         path = tmp_path / f"f{i}"
         path.write_bytes(bytes([i]) * (i + 1))
         paths.append(str(path))
-    before = _open_fds()
     ahead = ssd_reader._ReadAhead(paths)
-    assert _open_fds() == before + 2
+    assert _open_fds(tmp_path) == 2
     for i in range(5):
         fd, size = ahead.take(i)
         try:
@@ -460,15 +466,15 @@ def test_the_child_advises_a_requests_files_first_with_a_bounded_number_open(tmp
         finally:
             os.close(fd)
     ahead.close()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == 0
     os.unlink(paths[1])
     ahead = ssd_reader._ReadAhead(paths)
-    assert _open_fds() == before + 1  # file 0; advising stopped at the missing file 1
+    assert _open_fds(tmp_path) == 1  # file 0; advising stopped at the missing file 1
     ahead.close()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == 0
     ahead = ssd_reader._ReadAhead(paths)
     os.close(ahead.take(0)[0])
     with pytest.raises(FileNotFoundError):
         ahead.take(1)
     ahead.close()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == 0
