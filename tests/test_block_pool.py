@@ -186,6 +186,27 @@ def test_hash_chain_depends_on_every_earlier_token_and_the_salt():
     assert chain_hash(root, [1, 23]) != chain_hash(root, [12, 3])
 
 
+def test_chain_hash_is_sha256_of_the_parent_and_the_ids_as_little_endian_int64_whatever_holds_them():
+    """The SSD store's file names and the routers' KV events are these hashes: what is hashed must stay
+    `parent, NUL, ids as <q` for every kind of sequence a block's tokens come in, on any machine."""
+    import hashlib
+    from array import array
+
+    import numpy as np
+
+    parent = bytes(range(32))
+    ids = [0, 7, 129279, 42, 1 << 40]
+    packed = b"".join(t.to_bytes(8, "little") for t in ids)
+    expected = hashlib.sha256(parent + b"\0" + packed).digest()
+    holders = [ids, tuple(ids), array("q", ids), array("Q", ids), list(array("q", ids)),
+               [np.int64(t) for t in ids], np.array(ids, dtype=np.int64)]
+    for held in holders:
+        assert chain_hash(parent, held) == expected, type(held)
+    assert chain_hash(parent, []) == chain_hash(parent, range(0)) == hashlib.sha256(parent + b"\0").digest()
+    assert root_hash(b"ns", "salt") == hashlib.sha256(b"v4serve-root-2\0ns\0salt").digest()
+    assert root_hash(b"ns", None) == root_hash(b"ns", "") != root_hash(b"ns", "salt")
+
+
 def test_slot_allocator():
     slots = SlotAllocator(3)
     assert [slots.allocate(), slots.allocate()] == [0, 1]
