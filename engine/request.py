@@ -6,7 +6,7 @@ import enum
 import hashlib
 import time
 from array import array
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -226,9 +226,13 @@ class RequestLimits:
     cache: CacheConfig
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise RequestError(f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+        # min and max in C first (a 64K-token prompt: ~1 ms, where a loop in Python took ~3 at its arrival
+        # on the engine thread); the loop only names the first id out of range.
+        held = ids if isinstance(ids, Collection) else list(ids)
+        if not held or (0 <= min(held) and max(held) < self.vocab_size):
+            return
+        bad = next(t for t in held if not 0 <= t < self.vocab_size)
+        raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
 
     def validate(self, request: Request) -> None:
         """Cheap checks first: a huge prompt is rejected by its length before its ids are read."""

@@ -94,6 +94,20 @@ def test_requests_larger_than_the_cache_are_rejected_up_front():
     assert err.value.code == "context_length_exceeded"
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected_naming_the_first():
+    engine = engine_for(small_model(), max_model_len=4096)
+    vocab = engine.limits.vocab_size
+    for bad, ids in [(vocab, [1, 2, vocab, vocab + 5]), (-1, [3, -1, vocab]), (vocab + 9, [vocab + 9] * 600)]:
+        with pytest.raises(RequestError, match=f"token id {bad} is outside the vocabulary") as err:
+            engine.add_request(greedy(f"bad{bad}", ids, n=2))
+        assert err.value.param == "prompt"
+    with pytest.raises(RequestError, match="token id -3 is outside"):
+        engine.limits.check_token_ids(iter([0, -3]), "stop_token_ids")  # an iterator is read once
+    engine.limits.check_token_ids(iter([0, vocab - 1]), "stop_token_ids")
+    out = engine.generate([greedy("edges", [0, vocab - 1] * 40, n=2)])  # both ends of the vocabulary are ids
+    assert len(out["edges"]) == 2
+
+
 def test_abort_frees_slot_and_blocks_at_once():
     engine = engine_for(small_model(), max_num_seqs=2)
     r = greedy("a", tokens(50, 40), n=30)
