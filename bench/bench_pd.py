@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -64,10 +65,14 @@ def pinned(core: int) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+# The fleet's peer secret (hand-overs are proven with it), given to each replica as operators do.
+SECRET = {"V4SERVE_KV_PEER_SECRET": "bench-pd-peer-secret-0123456789abcdef"}
+
+
 def replica(core: int, store: Path, *args: str) -> Daemon:
     with pinned(core):
         return start_daemon("--kv-store-dir", str(store), "--max-model-len", "40000", *args,
-                            timeout=10 * PATIENCE)
+                            timeout=10 * PATIENCE, env=SECRET)
 
 
 def stream_gaps(url: str, prompt: str, max_tokens: int, start: threading.Event) -> list[float]:
@@ -168,7 +173,9 @@ def main() -> None:
             for d in mixed:
                 d.stop()
         p = replica(cores[0], root / "p", "--kv-transfer-config", '{"kv_role": "kv_producer"}')
-        d = replica(second, root / "d", "--kv-transfer-config", '{"kv_role": "kv_consumer"}')
+        consumer = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {
+            "producers": [p.url.removeprefix("http://")]}})
+        d = replica(second, root / "d", "--kv-transfer-config", consumer)
         try:
             with router(VLLM_ROUTER, [], policy="round_robin",
                         extra=["--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url]) as url:

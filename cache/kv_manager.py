@@ -32,11 +32,11 @@ from v4serve.cache.block_pool import (
 )
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.kv_events import DEVICE, KVEventLog
-from v4serve.cache.kv_transfer import FetchResult, KVSource, fetch
+from v4serve.cache.kv_transfer import ExpectedPrefix, FetchPool, FetchResult, KVSource, KVTransferConfig, fetch
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
-from v4serve.cache.ssd_store import SSDStore, StoreStats, in_daemon_thread
+from v4serve.cache.ssd_store import SSDStore, StoreStats
 from v4serve.cache.state_cache import ResponseEnd, StateCache
 
 
@@ -81,6 +81,7 @@ class KVCacheManager:
                 store.events = events
         self.state = StateCache(config)
         self.loader = SSDLoader(store, self.state, device, config.block_size) if store is not None else None
+        self._fetches: FetchPool | None = None  # a decode replica's hand-over fetches (made at the first)
 
     # ---- a request's handle --------------------------------------------------------------------
     def hashes(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
@@ -311,15 +312,20 @@ class KVCacheManager:
                 entries.append((KIND_RESPONSE, key))
         return store.hand_over(transfer_id, entries, hold_seconds)
 
-    def start_fetch(self, kv: RequestKV, source: KVSource, timeout: float, api_key: str | None,
-                    trusted: tuple[str, ...] = ()) -> bool:
-        """A decode replica's side: fetch a prefill replica's hand-over into the store on a thread of its
-        own (the request waits meanwhile; its prefix then comes from the store as any disk hit does).
-        False without a store."""
+    def start_fetch(self, kv: RequestKV, source: KVSource, tokens: TokenSlice, num_prompt_tokens: int,
+                    transfer: KVTransferConfig) -> bool:
+        """A decode replica's side: fetch a prefill replica's hand-over into the store on a fetch thread
+        (at most `max_fetches` at once), checked against what this request's own prompt implies; the
+        request waits meanwhile, and its prefix then comes from the store as any disk hit does. The
+        fetch ends `fetch_timeout` from now, whatever the peer does. False without a store."""
         store = self.store
         if store is None:
             return False
-        kv.fetch = in_daemon_thread(lambda: fetch(store, source, timeout, api_key, trusted))
+        if self._fetches is None:
+            self._fetches = FetchPool(transfer.max_fetches)
+        expected = ExpectedPrefix.of(kv.root, kv.block_hashes, tokens(0, num_prompt_tokens), self.config.block_size)
+        deadline = time.monotonic() + transfer.fetch_timeout
+        kv.fetch = self._fetches.submit(lambda: fetch(store, source, expected, transfer, deadline))
         return True
 
     def finish_fetch(self, kv: RequestKV) -> FetchResult:

@@ -8,32 +8,74 @@ manifest (`SSDStore.hand_over`); the decode replica gets the files it lacks and 
 own store, where its ordinary disk-hit path finds them. How the files travel:
 
 - **Shared store** (both replicas mount the same `--kv-store-dir`): the manifest is on the decode
-  replica's own disk. A file the two stores share by name is not copied at all; one under another
-  name (another namespace folder) is read from the hand-over folder.
+  replica's own disk. A file the two stores share by name is not copied at all.
 - **Otherwise, over TCP**: the decode replica asks the prefill replica's HTTP server for the manifest
-  (`GET /v4serve/kv_transfer/{id}`) and then for the files it lacks, streamed back to back in one
-  reply (`POST /v4serve/kv_transfer/{id}/files`), with the daemon's API key.
+  (`GET /v4serve/kv_transfer/{id}`), then for the files it lacks, streamed back to back in one reply
+  (`POST /v4serve/kv_transfer/{id}/files`), and releases the hand-over once done (`DELETE`). Every
+  request and answer is proven with the fleet's peer secret (`peer_auth`).
 
-Every file is checked as a store read checks it (checksum, namespace, layout, key) before it is
-written: a transfer can make a hit shorter, never wrong. A transfer that fails leaves what arrived
-intact and the decode replica computes the rest (a fallback, counted by reason).
+Who is trusted with what: a decode replica fetches only from the producers its operator listed
+(`kv_connector_extra_config.producers`); a request's `kv_transfer_params` can pick one of them, never add
+one. And it imports only what its own request implies: the hand-over must be the hash chain of that
+request's prompt tokens under that request's root (its tenant's scope), block by block, with the
+tokens in every file (blocks, snapshot, response end) equal to the prompt's, each file exactly the size
+its kind has, checked as a store read checks it — before anything is written where another request
+could read it. Anything else is a fallback, counted, and never stored: a transfer can make a hit shorter,
+never wrong. What a listed producer could still get wrong is the KV values themselves (a replica with
+the secret computing garbage for the right tokens): that is trusting the operator's own replicas, as a
+shared store trusts whoever can write to it, not trusting a client.
+
+Reads from a peer are bounded: the manifest in entries (the prompt's blocks + 1) and bytes, each file by
+the exact size its kind has (checked before it is read), the whole fetch by one deadline
+(`fetch_timeout`, from the moment the request asked) enforced on the socket itself, and fetches by a pool
+of `max_fetches` threads.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import hmac
 import http.client
 import json
+import logging
+import os
+import queue
 import re
 import shutil
+import socket
+import threading
 import time
 import uuid
-from dataclasses import dataclass, fields
+from array import array
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT, StoreFileError
+from v4serve.cache.block_pool import chain_hash
+from v4serve.cache.peer_auth import (
+    MAC_BYTES,
+    MIN_SECRET_BYTES,
+    PEER_HEADER,
+    REPLY_HEADER,
+    PeerRefused,
+    check_reply,
+    file_mac,
+    request_proof,
+)
+from v4serve.cache.ssd_file import (
+    KIND_BLOCK,
+    KIND_RESPONSE,
+    KIND_SNAPSHOT,
+    SUFFIX,
+    StoreFileError,
+    pack_tokens,
+    read_store_file,
+)
 from v4serve.cache.ssd_store import MANIFEST, SSDStore
+
+log = logging.getLogger(__name__)
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTOR = "V4ServeConnector"
@@ -41,16 +83,25 @@ CONNECTOR = "V4ServeConnector"
 VLLM_IGNORED = ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_connector_module_path",
                 "enable_permute_local_kv")
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
-KINDS = (KIND_BLOCK, KIND_SNAPSHOT, KIND_RESPONSE)
-PATH = "/v4serve/kv_transfer/"  # + id (the manifest), + id + "/files" (the files asked for)
-FALLBACK_REASONS = ("unreachable", "timeout", "refused", "corrupt", "incomplete", "store", "unsigned")
+PATH = "/v4serve/kv_transfer/"  # + id (the manifest; DELETE releases it), + id + "/files" (the files asked for)
+FALLBACK_REASONS = ("unreachable", "timeout", "refused", "corrupt", "incomplete", "store", "unlisted",
+                    "unauthenticated", "unverified")
+SECRET_ENV = "V4SERVE_KV_PEER_SECRET"
+# Old settings, named where they are refused.
+REPLACED = {"peer_api_key": "peer_secret (hand-overs are proven with a secret of their own, not an API key)",
+            "trusted_producers": "producers (every producer a decode replica fetches from is listed)"}
+# A manifest entry's JSON is ~200 bytes, a response end's tail up to ~8 bytes a token.
+MANIFEST_BYTES_PER_ENTRY = 512
+MANIFEST_BASE_BYTES = 4096
+RELEASE_SECONDS = 2.0  # at most this of what is left of the deadline goes to releasing a fetched hand-over
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """`--kv-transfer-config`, vLLM's JSON shape: `{"kv_connector": "V4ServeConnector", "kv_role":
     "kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port", "engine_id",
-    "kv_connector_extra_config": {"hold_seconds", "fetch_timeout", "peer_api_key"}}`."""
+    "kv_connector_extra_config": {"producers", "peer_secret" | "peer_secret_file", "hold_seconds",
+    "fetch_timeout", "max_fetches"}}`; the peer secret may come from $V4SERVE_KV_PEER_SECRET instead."""
 
     kv_role: str
     kv_connector: str = CONNECTOR
@@ -59,11 +110,12 @@ class KVTransferConfig:
     kv_port: int | None = None  # default: its --port
     kv_load_failure_policy: str = "recompute"  # vLLM's: a failed load is computed instead
     hold_seconds: float = 120.0  # a hand-over nobody fetched is dropped after this
-    fetch_timeout: float = 30.0  # a fetch still running after this is abandoned (what arrived is kept)
-    peer_api_key: str | None = None  # the key sent to prefill replicas (default: this daemon's --api-key)
-    # "host:port" of prefill replicas whose hand-overs are fetched unsigned though this daemon has a key
-    # (SGLang's router sends both legs at once: there is no prefill reply to carry a signature).
-    trusted_producers: tuple[str, ...] = ()
+    fetch_timeout: float = 30.0  # one deadline for a whole fetch, from the request's arrival (what arrived is kept)
+    # "host:port" of every prefill replica this (decode) replica fetches from, as they name themselves
+    # (their kv_ip:kv_port, else --host:--port).
+    producers: tuple[str, ...] = ()
+    peer_secret: str | None = field(default=None, repr=False)  # the fleet's, on every replica; never a client's
+    max_fetches: int = 8  # fetches running at once (more wait their turn, within their deadline)
 
     @property
     def producer(self) -> bool:
@@ -73,8 +125,17 @@ class KVTransferConfig:
     def consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
 
+    @property
+    def secret(self) -> bytes:
+        assert self.peer_secret is not None  # `check` refuses a config without one
+        return self.peer_secret.encode()
+
+    def lists(self, host: str, port: int) -> bool:
+        """Whether `host:port` is one of the producers this replica was configured with."""
+        return producer_address(host, port) in {_normal(p) for p in self.producers}
+
     @classmethod
-    def parse(cls, text: str) -> KVTransferConfig:
+    def parse(cls, text: str, environ: dict[str, str] | None = None) -> KVTransferConfig:
         """The flag's JSON → a config; ValueError saying what is wrong."""
         try:
             raw = json.loads(text)
@@ -87,7 +148,10 @@ class KVTransferConfig:
             raise ValueError("--kv-transfer-config: kv_connector_extra_config must be a JSON object")
         for name in VLLM_IGNORED:
             raw.pop(name, None)
-        own = {"hold_seconds", "fetch_timeout", "peer_api_key", "trusted_producers"}
+        for old, new in REPLACED.items():
+            if old in extra:
+                raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.{old} is replaced by {new}")
+        own = {"hold_seconds", "fetch_timeout", "producers", "peer_secret", "peer_secret_file", "max_fetches"}
         known = {f.name for f in fields(cls)} - own
         unknown = sorted(set(raw) - known) + [f"kv_connector_extra_config.{k}" for k in sorted(set(extra) - own)]
         if unknown:
@@ -95,10 +159,12 @@ class KVTransferConfig:
                              f"and kv_connector_extra_config's {sorted(own)}")
         if raw.get("kv_connector") is None:
             raw.pop("kv_connector", None)
-        trusted = extra.pop("trusted_producers", [])
-        if not isinstance(trusted, list) or not all(isinstance(t, str) and ":" in t for t in trusted):
-            raise ValueError('--kv-transfer-config: trusted_producers must be a list of "host:port"')
-        config = cls(**raw, **extra, trusted_producers=tuple(trusted))
+        producers = extra.pop("producers", [])
+        if not isinstance(producers, list) or not all(isinstance(p, str) and _ADDRESS.fullmatch(p) for p in producers):
+            raise ValueError('--kv-transfer-config: producers must be a list of "host:port" (IPv6: "[::1]:8001")')
+        extra["peer_secret"] = _secret(extra.pop("peer_secret", None), extra.pop("peer_secret_file", None),
+                                       os.environ if environ is None else environ)
+        config = cls(**raw, **extra, producers=tuple(producers))
         config.check()
         return config
 
@@ -116,26 +182,62 @@ class KVTransferConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"--kv-transfer-config: {name} must be a positive number of seconds")
+        if isinstance(self.max_fetches, bool) or not isinstance(self.max_fetches, int) or self.max_fetches < 1:
+            raise ValueError("--kv-transfer-config: max_fetches must be a whole number of fetches, at least 1")
         if self.kv_port is not None and (isinstance(self.kv_port, bool) or not isinstance(self.kv_port, int)
                                          or not 0 < self.kv_port < 65536):
             raise ValueError("--kv-transfer-config: kv_port must be a port number")
-        for name in ("engine_id", "kv_ip", "peer_api_key"):
+        for name in ("engine_id", "kv_ip", "peer_secret"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"--kv-transfer-config: {name} must be a string")
+        if self.peer_secret is None or len(self.peer_secret.encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"--kv-transfer-config: hand-overs are proven with the fleet's peer secret, at least "
+                             f"{MIN_SECRET_BYTES} bytes, the same on every prefill and decode replica and held by no "
+                             f"client: set ${SECRET_ENV}, or kv_connector_extra_config.peer_secret_file (a file "
+                             "holding it) or peer_secret (e.g. `openssl rand -hex 32`)")
+        if self.consumer and not self.producers:
+            raise ValueError('--kv-transfer-config: a decode replica fetches only from the producers it lists: set '
+                             'kv_connector_extra_config.producers, e.g. ["10.0.0.5:8001"] (each prefill replica\'s '
+                             "kv_ip:kv_port, else its --host:--port)")
+
+
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})")
+
+
+def _normal(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    return producer_address(host.strip("[]"), int(port))
+
+
+def producer_address(host: str, port: int) -> str:
+    """"host:port" as producers are compared (hosts without case, IPv6 in brackets)."""
+    host = host.strip("[]").lower()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _secret(given: Any, path: Any, environ: dict[str, str]) -> str | None:
+    sources = [name for name, v in (("peer_secret", given), ("peer_secret_file", path),
+                                    (f"${SECRET_ENV}", environ.get(SECRET_ENV))) if v]
+    if len(sources) > 1:
+        raise ValueError(f"--kv-transfer-config: the peer secret is given {len(sources)} ways ({', '.join(sources)}): "
+                         "give one")
+    if path:
+        if not isinstance(path, str):
+            raise ValueError("--kv-transfer-config: peer_secret_file must be a path")
+        try:
+            with open(path, "rb") as file:
+                data = file.read(4097)
+        except OSError as exc:
+            raise ValueError(f"--kv-transfer-config: peer_secret_file {path}: {exc.strerror or exc}") from exc
+        if len(data) > 4096:
+            raise ValueError(f"--kv-transfer-config: peer_secret_file {path} is longer than a secret (4 KiB)")
+        return data.decode("utf-8", "replace").strip() or None
+    return given if given else environ.get(SECRET_ENV) or None
 
 
 def new_transfer_id() -> str:
     return uuid.uuid4().hex
-
-
-def signature(secret: str | None, transfer_id: str, host: str, port: int) -> str | None:
-    """What a prefill replica signs its hand-over's address with (the daemons' shared API key), so a
-    decode replica never sends its key to a host a client named."""
-    if not secret:
-        return None
-    message = f"{transfer_id}|{host}|{port}".encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -145,10 +247,55 @@ class KVSource:
     host: str
     port: int
     transfer_id: str
-    signature: str | None = None  # `signature(key, ...)` by the prefill replica, when it has a key
     # The hand-over may still be being made (SGLang's router sends both legs at once): the prefill replica
     # is asked to wait for it. vLLM's sends the decode leg once the prefill leg has answered.
     wait: bool = False
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A file a hand-over may hold, as the decode request's own prompt implies it."""
+
+    kind: int
+    key: bytes
+    tokens: bytes  # the token ids the file must hold, packed as files store them
+    parent: bytes | None  # a block's predecessor (None: the first), a response end's sealed block (or root)
+
+    @property
+    def name(self) -> str:
+        return self.key.hex() + SUFFIX[self.kind]
+
+
+@dataclass(frozen=True)
+class ExpectedPrefix:
+    """What a decode request's hand-over may hold, worked out on the decode replica from that request's
+    own prompt under its own root (its tenant's scope): the chain's blocks below the hand-over point (the
+    prompt's last token but one), then the state there."""
+
+    root: bytes
+    block_hashes: tuple[bytes, ...]  # of the sealed blocks below the point
+    tokens: array  # the prompt's tokens below the point
+    block_size: int
+
+    @classmethod
+    def of(cls, root: bytes, block_hashes: Sequence[bytes], prompt: Sequence[int], block_size: int) -> ExpectedPrefix:
+        point = max(0, len(prompt) - 1)
+        return cls(root, tuple(block_hashes[:point // block_size]), array("q", prompt[:point]), block_size)
+
+    def entries(self) -> list[Entry]:
+        b, point, hashes = self.block_size, len(self.tokens), self.block_hashes
+        out = [Entry(KIND_BLOCK, h, pack_tokens(self.tokens[i * b:(i + 1) * b]), hashes[i - 1] if i else None)
+               for i, h in enumerate(hashes)]
+        sealed = len(hashes)
+        if point and point % b == 0:
+            out.append(Entry(KIND_SNAPSHOT, hashes[-1], pack_tokens(self.tokens[point - b:point]), None))
+        elif point:
+            parent, tail = hashes[-1] if sealed else self.root, self.tokens[sealed * b:point]
+            out.append(Entry(KIND_RESPONSE, chain_hash(parent, tail), pack_tokens(tail), parent))
+        return out
+
+    def manifest_limit(self) -> int:
+        return MANIFEST_BASE_BYTES + MANIFEST_BYTES_PER_ENTRY * (len(self.block_hashes) + 1) + 12 * self.block_size
 
 
 @dataclass(frozen=True)
@@ -167,120 +314,246 @@ class FetchFailed(Exception):
         self.reason = reason
 
 
-def fetch(store: SSDStore, source: KVSource, timeout: float, api_key: str | None,
-          trusted: tuple[str, ...] = ()) -> FetchResult:
-    """Bring a hand-over's files this store lacks into it (a reader thread's work; never raises). With
-    an API key, only from addresses signed with it or listed in `trusted`."""
+class FetchPool:
+    """At most `size` fetches at once, on daemon threads (one blocked on a peer can hold up neither
+    another pool's work nor the process's exit); the rest wait their turn in order."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn))
+        with self._lock:
+            if len(self._threads) < self.size:
+                thread = threading.Thread(target=self._work, name="v4serve-kv-fetch", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to whoever waits
+                    future.set_exception(exc)
+
+
+def fetch(store: SSDStore, source: KVSource, expected: ExpectedPrefix, config: KVTransferConfig,
+          deadline: float) -> FetchResult:
+    """Bring a hand-over's files this store lacks into it, each checked against `expected` (a fetch
+    thread's work; never raises). `deadline`: time.monotonic() by which it ends, whatever the peer does."""
     t0 = time.perf_counter()
     progress = [0, 0]  # files, bytes written so far
     local = store.handover_dir(source.transfer_id)
     try:
-        expected = signature(api_key, source.transfer_id, source.host, source.port)
-        if (expected is not None and not hmac.compare_digest(expected, source.signature or "")
-                and f"{source.host}:{source.port}" not in trusted):
-            raise FetchFailed("unsigned", f"a hand-over from {source.host}:{source.port} not signed with this "
-                                          "daemon's key: its key is not sent there")
+        if not config.lists(source.host, source.port):
+            raise FetchFailed("unlisted", f"{source.host}:{source.port} is not one of this replica's producers: "
+                                          "nothing is fetched from it")
+        if time.monotonic() >= deadline:
+            raise FetchFailed("timeout", "the fetch's deadline passed while it waited for a fetch thread")
         if (local / MANIFEST).is_file():
-            complete = _fetch_local(store, source, progress)
+            complete = _fetch_local(store, local, expected, progress)
             return FetchResult(*progress, time.perf_counter() - t0, True, None if complete else "incomplete")
-        complete = _fetch_remote(store, source, timeout, api_key, progress)
+        complete = _Remote(store, source, expected, config.secret, deadline).fetch(progress)
         return FetchResult(*progress, time.perf_counter() - t0, False, None if complete else "incomplete")
     except FetchFailed as exc:
         return FetchResult(*progress, time.perf_counter() - t0, local.exists(), exc.reason, str(exc))
+    except Exception as exc:  # a fault of this code: the request computes its prompt, the engine goes on
+        log.exception("fetching hand-over %s failed", source.transfer_id)
+        return FetchResult(*progress, time.perf_counter() - t0, False, "corrupt", f"{type(exc).__name__}: {exc}")
 
 
-def _missing(store: SSDStore, manifest: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
-    """(the manifest's entries this store lacks, in order; whether the hand-over is whole)."""
+def verify_manifest(store: SSDStore, manifest: Any, expected: ExpectedPrefix) -> tuple[list[tuple[Entry, int]], bool]:
+    """(the entries this store lacks, each with its exact file size; whether the hand-over is whole): the
+    manifest must list the files `expected` implies, in order (a shorter list is a partial hand-over)."""
     try:
-        entries = manifest["files"]
-        previous = None
-        for e in entries:  # blocks come in chain order: each continues the one before (KV events name it)
-            if int(e["kind"]) == KIND_BLOCK:
-                e["parent"], previous = previous, e["key"]
-        wanted = [e for e in entries if not _present(store, e)]
-        return wanted, bool(manifest.get("complete", True))
-    except (KeyError, TypeError, ValueError) as exc:
+        listed, complete = manifest["files"], manifest.get("complete", True)
+        if not isinstance(listed, list) or not isinstance(complete, bool):
+            raise TypeError("files must be a list and complete a boolean")
+        want = expected.entries()
+        if len(listed) > len(want):
+            raise FetchFailed("unverified", f"a manifest of {len(listed)} files where this prompt's hand-over has "
+                                            f"at most {len(want)}")
+        wanted = []
+        for given, entry in zip(listed, want, strict=False):  # a shorter list: a partial hand-over
+            if (not isinstance(given, dict) or type(given.get("kind")) is not int or given["kind"] != entry.kind
+                    or given.get("key") != entry.key.hex() or given.get("name") != entry.name):
+                raise FetchFailed("unverified", f"the manifest's file {len(wanted)} is not this prompt's "
+                                                f"{entry.name} (another prompt, tenant or model)")
+            size = store.file_size(entry.kind, len(entry.tokens) // 4)
+            if given.get("size") != size:
+                raise FetchFailed("corrupt", f"{entry.name}: a size of {given.get('size')!r} where such a file has "
+                                             f"{size} bytes")
+            if not _present(store, entry):
+                wanted.append((entry, size))
+        return wanted, complete and len(listed) == len(want)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FetchFailed("corrupt", f"a manifest that does not parse: {exc}") from exc
 
 
-def _present(store: SSDStore, entry: dict[str, Any]) -> bool:
-    kind, key = int(entry["kind"]), bytes.fromhex(entry["key"])
-    if kind not in KINDS or not isinstance(entry["name"], str) or not isinstance(entry["size"], int):
-        raise ValueError(f"an entry {entry!r}")
-    if kind == KIND_RESPONSE:
-        return key in store.responses(bytes.fromhex(entry["parent"]))
-    return store.has(kind, key)
+def _present(store: SSDStore, entry: Entry) -> bool:
+    if entry.kind == KIND_RESPONSE:
+        assert entry.parent is not None
+        return entry.key in store.responses(entry.parent)
+    return store.has(entry.kind, entry.key)
 
 
-def _import(store: SSDStore, entry: dict[str, Any], data: bytes | bytearray, progress: list[int]) -> None:
-    parent = bytes.fromhex(entry["parent"]) if entry.get("parent") else None
+def _import(store: SSDStore, entry: Entry, data: bytes | bytearray | memoryview, progress: list[int]) -> None:
     try:
-        written = store.import_file(int(entry["kind"]), bytes.fromhex(entry["key"]), data, parent)
+        written = store.import_file(entry.kind, entry.key, data, entry.parent, entry.tokens)
     except StoreFileError as exc:
-        raise FetchFailed("corrupt", f"{entry['name']}: {exc}") from exc
+        reason = "unverified" if exc.kind == "collision" else "corrupt"
+        raise FetchFailed(reason, f"{entry.name}: {exc}") from exc
     except OSError as exc:
-        raise FetchFailed("store", f"{entry['name']} could not be written: {exc}") from exc
+        raise FetchFailed("store", f"{entry.name} could not be written: {exc}") from exc
     progress[0] += 1 if written else 0
     progress[1] += written
 
 
-def _fetch_local(store: SSDStore, source: KVSource, progress: list[int]) -> bool:
-    folder = store.handover_dir(source.transfer_id)
+def _parse_manifest(data: bytes) -> Any:
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        wanted, complete = _missing(store, manifest)
-        for entry in wanted:
-            _import(store, entry, (folder / _plain_name(entry)).read_bytes(), progress)
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise FetchFailed("corrupt", f"a manifest that is not JSON: {str(exc)[:200]}") from exc
+
+
+def _fetch_local(store: SSDStore, folder: Path, expected: ExpectedPrefix, progress: list[int]) -> bool:
+    try:
+        with open(folder / MANIFEST, "rb") as file:
+            data = file.read(expected.manifest_limit() + 1)
+        if len(data) > expected.manifest_limit():
+            raise FetchFailed("unverified", f"a manifest of over {expected.manifest_limit()} bytes where this "
+                                            "prompt's hand-over needs less")
+        wanted, complete = verify_manifest(store, _parse_manifest(data), expected)
+        for entry, _ in wanted:
+            try:
+                data = read_store_file(folder / entry.name, entry.kind, store.layout, store.payload_bytes[entry.kind])
+            except StoreFileError as exc:
+                raise FetchFailed("corrupt", f"{entry.name}: {exc}") from exc
+            _import(store, entry, data, progress)
     except OSError as exc:
         raise FetchFailed("incomplete", f"the shared hand-over folder went away: {exc}") from exc
     shutil.rmtree(folder, ignore_errors=True)  # fetched: the prefill replica need not hold it longer
     return complete
 
 
-def _plain_name(entry: dict[str, Any]) -> str:
-    name = entry["name"]
-    if not re.fullmatch(r"[0-9a-f]{64}\.(blk|snap|resp)", name):
-        raise FetchFailed("corrupt", f"a manifest naming {name[:80]!r}")
-    return name
+class _Remote:
+    """One fetch over TCP from a listed producer: every request proven, every answer checked, the
+    whole of it ended at `deadline` by shutting the socket (a peer that drips a byte at a time, or
+    stops answering mid-reply, cannot hold it longer)."""
 
+    def __init__(self, store: SSDStore, source: KVSource, expected: ExpectedPrefix, secret: bytes,
+                 deadline: float) -> None:
+        self.store, self.source, self.expected, self.secret, self.deadline = store, source, expected, secret, deadline
+        self.conn: http.client.HTTPConnection | None = None
+        self.cut = threading.Event()  # set once the deadline has shut the socket
+        self.timer: threading.Timer | None = None
 
-def _fetch_remote(store: SSDStore, source: KVSource, timeout: float, api_key: str | None,
-                  progress: list[int]) -> bool:
-    deadline = time.monotonic() + timeout
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    conn = http.client.HTTPConnection(source.host, source.port, timeout=timeout)
-    try:
-        wait = f"?wait={0.8 * timeout:g}" if source.wait else ""
-        manifest = json.loads(_request(conn, "GET", PATH + source.transfer_id + wait, headers, None).read())
-        wanted, complete = _missing(store, manifest)
-        if not wanted:
-            return complete
-        body = json.dumps({"names": [_plain_name(e) for e in wanted]}).encode()
-        reply = _request(conn, "POST", PATH + source.transfer_id + "/files",
-                         {**headers, "Content-Type": "application/json"}, body)
-        for entry in wanted:
-            if time.monotonic() > deadline:
-                raise FetchFailed("timeout", f"the fetch took over {timeout:g} s")
-            data = reply.read(entry["size"])
-            if len(data) != entry["size"]:
-                raise FetchFailed("incomplete", f"the reply ended inside {entry['name']}")
-            _import(store, entry, data, progress)
+    def fetch(self, progress: list[int]) -> bool:
+        try:
+            self._connect()
+            try:
+                return self._exchange(progress)
+            finally:
+                self._release()
+        except FetchFailed:
+            raise
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if self.cut.is_set() or time.monotonic() >= self.deadline:
+                raise FetchFailed("timeout", f"the fetch passed its deadline ({exc})") from exc
+            raise FetchFailed("unreachable", f"{self.source.host}:{self.source.port}: {exc}") from exc
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.conn is not None:
+                self.conn.close()
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise FetchFailed("timeout", "the fetch passed its deadline")
+        return left
+
+    def _connect(self) -> None:
+        self.conn = http.client.HTTPConnection(self.source.host, self.source.port, timeout=self._left())
+        self.conn.connect()
+        self.conn.auto_open = 0  # never a second socket, which the deadline would not shut
+        self.timer = threading.Timer(self._left(), self._cut, args=(self.conn.sock,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _sock(self) -> socket.socket:
+        """The connection's socket, its timeout what is left of the deadline."""
+        assert self.conn is not None
+        if self.conn.sock is None:
+            raise FetchFailed("refused", f"{self.source.host}:{self.source.port} closed the connection")
+        self.conn.sock.settimeout(self._left())
+        return self.conn.sock
+
+    def _cut(self, sock: socket.socket) -> None:
+        self.cut.set()
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # every blocked or later read on it ends at once
+
+    def _request(self, method: str, target: str, body: bytes = b"") -> tuple[http.client.HTTPResponse, str]:
+        assert self.conn is not None
+        proof, nonce = request_proof(self.secret, method, target, body)
+        headers = {PEER_HEADER: proof}
+        if body:
+            headers["Content-Type"] = "application/json"
+        self._sock()
+        self.conn.request(method, target, body=body or None, headers=headers)
+        reply = self.conn.getresponse()
+        if reply.status != 200:
+            text = reply.read(2000).decode("utf-8", "replace")
+            reason = "unauthenticated" if reply.status in (401, 403) else "refused"
+            raise FetchFailed(reason, f"{method} {target} answered {reply.status}: {text}")
+        return reply, nonce
+
+    def _exchange(self, progress: list[int]) -> bool:
+        source, limit = self.source, self.expected.manifest_limit()
+        wait = f"?wait={0.8 * self._left():.3f}" if source.wait else ""
+        reply, nonce = self._request("GET", PATH + source.transfer_id + wait)
+        body = reply.read(limit + 1)
+        if len(body) > limit:
+            raise FetchFailed("unverified", f"a manifest of over {limit} bytes, more than this prompt's needs")
+        try:
+            check_reply(self.secret, nonce, body, reply.getheader(REPLY_HEADER))
+        except PeerRefused as exc:
+            raise FetchFailed("unauthenticated", str(exc)) from exc
+        wanted, complete = verify_manifest(self.store, _parse_manifest(body), self.expected)
+        if wanted:
+            self._files(wanted, progress)
         return complete
-    except TimeoutError as exc:
-        raise FetchFailed("timeout", f"no answer within {timeout:g} s") from exc
-    except (OSError, http.client.HTTPException) as exc:
-        raise FetchFailed("unreachable", f"{source.host}:{source.port}: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise FetchFailed("corrupt", f"a manifest that is not JSON: {exc}") from exc
-    finally:
-        conn.close()
+
+    def _files(self, wanted: list[tuple[Entry, int]], progress: list[int]) -> None:
+        reply, nonce = self._request("POST", PATH + self.source.transfer_id + "/files",
+                                     json.dumps({"names": [e.name for e, _ in wanted]}).encode())
+        for index, (entry, size) in enumerate(wanted):
+            self._sock()
+            data = reply.read(size + MAC_BYTES)
+            if len(data) != size + MAC_BYTES:
+                raise FetchFailed("incomplete", f"the reply ended inside {entry.name}")
+            mac = file_mac(self.secret, nonce, index, entry.name)
+            mac.update(memoryview(data)[:size])
+            if not hmac.compare_digest(mac.digest(), data[size:]):
+                raise FetchFailed("unauthenticated", f"{entry.name} is not proven with the peer secret")
+            _import(self.store, entry, memoryview(data)[:size], progress)
+        if reply.read(1):
+            raise FetchFailed("corrupt", "the files' reply goes on past the files asked for")
+
+    def _release(self) -> None:
+        """Tell the producer it may drop the hand-over (best effort: its sweep drops it otherwise)."""
+        if self.conn is None or self.cut.is_set():
+            return
+        with contextlib.suppress(Exception):
+            self.deadline = min(self.deadline, time.monotonic() + RELEASE_SECONDS)
+            self._request("DELETE", PATH + self.source.transfer_id)[0].read(4096)
 
 
-def _request(conn: http.client.HTTPConnection, method: str, path: str, headers: dict[str, str],
-             body: bytes | None) -> http.client.HTTPResponse:
-    conn.request(method, path, body=body, headers=headers)
-    reply = conn.getresponse()
-    if reply.status != 200:
-        text = reply.read(2000).decode("utf-8", "replace")
-        raise FetchFailed("refused", f"{method} {path} answered {reply.status}: {text}")
-    return reply

@@ -48,6 +48,8 @@ from typing import TypeVar
 from v4serve.cache.block_pool import chain_hash
 from v4serve.cache.kv_events import DISK, KVEventLog
 from v4serve.cache.ssd_file import (
+    FOOTER_BYTES,
+    HEADER_BYTES,
     KIND_BLOCK,
     KIND_RESPONSE,
     SUFFIX,
@@ -78,6 +80,7 @@ T = TypeVar("T")
 
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old has no live writer, whoever wrote it
 HANDOVER_DIR, MANIFEST = "handover", "manifest.json"
+SWEEP_SECONDS = 5.0  # hand-overs past their hold are looked for at least this often
 MAX_QUARANTINE_FILES = 256  # the oldest quarantined files go beyond this
 Item = tuple[bytes, Sequence[int] | None]  # (chain hash, the block's token ids or None)
 
@@ -134,6 +137,8 @@ class SSDStore:
         self._writes: queue.Queue[tuple | Callable[[], None] | None] = queue.Queue(maxsize=4096)
         self._full_until: float | None = None  # while the disk is full: when to look for space again
         self._queued: set[tuple[int, bytes]] = set()  # (kind, key) of the writes waiting in `_writes`
+        self._handover_hold: float | None = None  # a prefill replica's `hold_seconds` (`keep_handovers_for`)
+        self._next_sweep = 0.0
         self.events: KVEventLog | None = None  # told of block files this daemon writes and removes (KV events)
         self.used_bytes = 0
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -301,7 +306,11 @@ class SSDStore:
 
     def _write_loop(self) -> None:
         while True:
-            item = self._writes.get()
+            try:
+                item = self._writes.get(timeout=self._until_sweep())
+            except queue.Empty:
+                self._sweep_if_due()
+                continue
             try:
                 if item is None:
                     return
@@ -317,6 +326,7 @@ class SSDStore:
                     with self._lock:
                         self._queued.discard((item[0], item[1]))
                 self._writes.task_done()
+            self._sweep_if_due()
 
     def _write(self, kind: int, block_hash: bytes, tokens: tuple[int, ...], payload: Sequence[bytes],
                parent: bytes | None) -> None:
@@ -413,6 +423,23 @@ class SSDStore:
     def handover_dir(self, transfer_id: str) -> Path:
         return self.root / HANDOVER_DIR / transfer_id
 
+    def keep_handovers_for(self, hold_seconds: float) -> None:
+        """A prefill replica's store: hand-overs older than `hold_seconds` go, swept by the writer thread
+        every quarter of that (at most `SWEEP_SECONDS`), whether or not another is written."""
+        self._handover_hold = hold_seconds
+        self._next_sweep = time.monotonic()
+        with contextlib.suppress(queue.Full):
+            self._writes.put_nowait(lambda: None)  # the writer wakes to time its first sweep
+
+    def _until_sweep(self) -> float | None:
+        return None if self._handover_hold is None else max(0.0, self._next_sweep - time.monotonic())
+
+    def _sweep_if_due(self) -> None:
+        hold = self._handover_hold
+        if hold is not None and time.monotonic() >= self._next_sweep:
+            self._sweep_handovers(hold)
+            self._next_sweep = time.monotonic() + min(hold / 4, SWEEP_SECONDS)
+
     def hand_over(self, transfer_id: str, entries: Sequence[tuple[int, bytes]], hold_seconds: float) -> bool:
         """Once the writes queued before it are done, link `entries` ((kind, key): a prefix's blocks in
         order, then the snapshot where it ends) into `handover/<transfer_id>/` with a manifest, for a
@@ -480,17 +507,23 @@ class SSDStore:
                     if stale:
                         shutil.rmtree(folder, ignore_errors=True)
 
+    def file_size(self, kind: int, n_tokens: int) -> int:
+        """The exact size of a file of `kind` holding `n_tokens` token ids (what a peer's is checked against
+        before it is read)."""
+        return HEADER_BYTES + 4 * n_tokens + len(self.layout) + self.payload_bytes[kind] + FOOTER_BYTES
+
     def import_file(self, kind: int, key: bytes, data: bytes | bytearray | memoryview,
-                    parent: bytes | None = None) -> int:
-        """A file fetched from another replica's hand-over: checked as a read checks it (StoreFileError
-        if it is not a file this store would serve under that key), then written under this store's
-        own name for it → bytes written (0: the store holds it already)."""
-        decode(data, kind, self.namespace, key, None, self.layout, self.payload_bytes[kind])
-        tokens = file_tokens(data)
+                    parent: bytes | None, tokens: bytes) -> int:
+        """A file fetched from another replica's hand-over: checked as a read checks it, holding exactly
+        `tokens` (packed as files store them) and, for a response end, continuing `parent` (StoreFileError
+        otherwise), then written under this store's own name for it → bytes written (0: the store holds
+        it already)."""
+        decode(data, kind, self.namespace, key, tokens, self.layout, self.payload_bytes[kind])
+        ids = file_tokens(data)
         if kind == KIND_RESPONSE:
-            if parent is None or chain_hash(parent, tokens) != key:
+            if parent is None or chain_hash(parent, ids) != key:
                 raise StoreFileError("collision", "a response end that does not continue the block it names")
-            path = self.response_path(parent, len(tokens), key)
+            path = self.response_path(parent, len(ids), key)
         else:
             path = self.path(kind, key)
         if path.exists():
@@ -503,7 +536,7 @@ class SSDStore:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        self._written(kind, key, path, len(data), parent, tokens)
+        self._written(kind, key, path, len(data), parent, ids)
         return len(data)
 
     # ---- reading ----------------------------------------------------------------------------------

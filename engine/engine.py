@@ -101,7 +101,6 @@ class EngineConfig:
     # there (each row gathers its own window and entries). Tests set it to compare static with eager.
     rowwise_drafts: bool | None = None
     kv_transfer: KVTransferConfig | None = None  # prefill and decode on separate replicas (None: neither role)
-    kv_transfer_key: str | None = None  # sent to prefill replicas; their hand-overs must be signed with it
 
 
 @dataclass
@@ -227,13 +226,15 @@ class LLMEngine:
         if config.kv_transfer is not None and store is None:
             raise ValueError("--kv-transfer-config hands KV over as SSD-store files: it needs the store "
                              "(--kv-store-dir, not --no-kv-store) and prefix caching")
+        if config.kv_transfer is not None and config.kv_transfer.producer and store is not None:
+            store.keep_handovers_for(config.kv_transfer.hold_seconds)
         events = KVEventLog(block) if config.kv_events is not None else None
         self.kv = KVCacheManager(self.cache_config, self.device_kv, namespace, store, events)
         self.kv_events = ZmqEventPublisher(events, config.kv_events) if events and config.kv_events else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-            max_waiting=config.max_waiting, kv_transfer=config.kv_transfer, transfer_key=config.kv_transfer_key),
+            max_waiting=config.max_waiting, kv_transfer=config.kv_transfer),
             self.kv, self._drafter(config.speculative), self.eos_token_id)
         # The pass of this step, while its drafted requests' drafts are judged: each row's last state
         # and token, and each request's first row (what the MTP layer reads of kept rows).
@@ -777,7 +778,8 @@ class LLMEngine:
         sched, cache = self.scheduler, self.kv.stats()
         s, io = sched.stats, cache.store
         stats = EngineStats(
-            running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
+            running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading) - sched.fetching,
+            fetching=sched.fetching,
             state_cache_usage=cache.state_cache_usage, block_cache_usage=cache.block_cache_usage,
             prefix_queries=s.prefix_queries, prefix_hits_device=s.prefix_hits, prefix_hits_disk=s.prefix_hits_disk,
             recomputed_tokens=s.recomputed, preemptions=s.preemptions, evictions=cache.evictions,

@@ -36,7 +36,6 @@ class SchedulerConfig:
     max_waiting: int = 1024
     max_captured_states: int = MAX_CAPTURED_STATES  # slot states a step may capture inside its chunks
     kv_transfer: KVTransferConfig | None = None  # prefill and decode apart (None: neither role)
-    transfer_key: str | None = None  # what a decode replica sends prefill replicas (and checks their signatures by)
 
 
 @dataclass
@@ -121,6 +120,11 @@ class Scheduler:
         elif request in self.loading:
             self.loading.remove(request)
         self.kv.free(request.kv)
+
+    @property
+    def fetching(self) -> int:
+        """Requests waiting for their hand-over to be fetched."""
+        return sum(r.kv.fetch is not None for r in self.loading)
 
     def has_work(self) -> bool:
         """Anything to compute: paused requests alone are not (the engine waits instead of spinning)."""
@@ -312,7 +316,7 @@ class Scheduler:
         transfer, source = self.config.kv_transfer, request.kv_source
         assert source is not None
         if transfer is None or not transfer.consumer or not self.kv.start_fetch(
-                request.kv, source, transfer.fetch_timeout, self.config.transfer_key, transfer.trusted_producers):
+                request.kv, source, request.token_slice, request.num_prompt_tokens, transfer):
             self.stats.fetch_fallbacks["store"] += 1
             log.warning("%s names a hand-over but this replica cannot fetch one: it computes its prompt",
                         request.request_id)

@@ -52,6 +52,7 @@ class EngineStats:
     # scheduler queues
     running: int = 0
     waiting: int = 0  # waiting for admission, including requests whose prefix is being read from disk
+    fetching: int = 0  # waiting for their hand-over to be fetched from a prefill replica (not in `waiting`)
     # cache usage, fractions 0..1
     state_cache_usage: float = 0.0
     block_cache_usage: float = 0.0

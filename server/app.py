@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import json
+import math
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -24,7 +24,7 @@ from v4serve.server.connections import RequestCap
 from v4serve.server.errors import ApiError, echo, error_json, error_responses, install_error_handlers
 from v4serve.server.framing import SERVER_SEND
 from v4serve.server.generation import FrontEnd, ServerConfig
-from v4serve.server.handover import PATH, Handovers
+from v4serve.server.handover import FILES_BODY_BYTES, PATH, Handovers, bounded_body
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import Preprocessor
@@ -52,7 +52,7 @@ class Authenticate:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or path in self.open_paths:
+        if scope["type"] != "http" or path in self.open_paths or path.startswith(PATH):  # PATH: peers' own proof
             await self.app(scope, receive, send)
             return
         try:
@@ -276,24 +276,37 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
         engine.limits.check_token_ids(body.tokens, "tokens")
         return {"prompt": await front.prep.run(jobs.decode, body.tokens)}
 
-    # Prefill and decode apart: a decode replica fetches this (prefill) replica's hand-overs here.
+    # Prefill and decode apart: a decode replica fetches this (prefill) replica's hand-overs here, proving
+    # it holds the fleet's peer secret (these paths take no API key: `Authenticate`).
     @app.get(PATH + "{transfer_id}", include_in_schema=False)
-    async def kv_transfer_manifest(transfer_id: str, wait: float = 0.0) -> dict[str, Any]:
+    async def kv_transfer_manifest(transfer_id: str, raw: Request) -> Response:
         handovers = _handovers()
-        return await handovers.manifest_when_made(transfer_id, min(max(wait, 0.0), handovers.config.fetch_timeout))
+        nonce = handovers.authenticate(raw)
+        try:
+            wait = float(raw.query_params.get("wait", "0"))
+        except ValueError as exc:
+            raise ApiError(400, "wait must be a number of seconds", param="wait") from exc
+        return await handovers.manifest_when_made(transfer_id, wait if math.isfinite(wait) else 0.0, nonce)
 
     @app.post(PATH + "{transfer_id}/files", include_in_schema=False)
     async def kv_transfer_files(transfer_id: str, raw: Request) -> StreamingResponse:
-        try:
-            names = json.loads(await raw.body())["names"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ApiError(400, 'the body must be {"names": [...]}', param="names") from exc
-        files = _handovers().files(transfer_id, names, metrics.sent, metrics.sent_bytes)
-        return StreamingResponse(files, media_type="application/octet-stream")
+        handovers = _handovers()
+        body = await bounded_body(raw, FILES_BODY_BYTES)
+        nonce = handovers.authenticate(raw, body)
+        names = await asyncio.to_thread(handovers.file_names, transfer_id, body)
+        return handovers.files(transfer_id, names, nonce, metrics.sent, metrics.sent_bytes)
+
+    @app.delete(PATH + "{transfer_id}", include_in_schema=False)
+    async def kv_transfer_release(transfer_id: str, raw: Request) -> dict[str, Any]:
+        handovers = _handovers()
+        handovers.authenticate(raw)
+        await asyncio.to_thread(handovers.release, transfer_id)
+        return {"released": transfer_id}
 
     def _handovers() -> Handovers:
         if config.handovers is None:
             raise ApiError(404, "this replica hands no KV over (--kv-transfer-config)", code="not_found")
+        config.handovers.producing()
         return config.handovers
 
     store_param = {"parameters": [{"name": "store", "in": "query", "required": False, "schema": {"type": "boolean"},

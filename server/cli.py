@@ -79,9 +79,11 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
                                 "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
                                 "\"\"}' (BlockStored/BlockRemoved/AllBlocksCleared, msgpack over ZeroMQ)"),
     ("--kv-transfer-config", str, "prefill and decode on separate replicas, as vLLM's JSON: '{\"kv_role\": "
-                                  "\"kv_producer\"}' on prefill replicas, '{\"kv_role\": \"kv_consumer\"}' on decode "
-                                  "replicas (or kv_both); the KV is handed over as store files, over HTTP or through "
-                                  "a shared --kv-store-dir (README: Prefill and decode apart)"),
+                                  "\"kv_producer\"}' on prefill replicas, '{\"kv_role\": \"kv_consumer\", "
+                                  "\"kv_connector_extra_config\": {\"producers\": [\"HOST:PORT\"]}}' on decode "
+                                  "replicas (or kv_both), every replica with the fleet's $V4SERVE_KV_PEER_SECRET; the "
+                                  "KV is handed over as store files, over HTTP or through a shared --kv-store-dir "
+                                  "(README: Prefill and decode apart)"),
     ("--max-model-len", int, "longest prompt + completion, in tokens"),
     ("--max-num-seqs", int, "State Cache slots = most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one engine step"),

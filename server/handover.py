@@ -4,8 +4,14 @@ carries, and the endpoints decode replicas fetch hand-overs from.
 
 The protocol is vLLM's, as its router drives it: the prefill leg carries `{"do_remote_decode": true}`
 and `max_tokens: 1`; its reply's `kv_transfer_params` say where the KV is (`remote_host`,
-`remote_port`, `remote_request_id`, plus v4serve's `signature`); the decode leg is the original request
-with those params (`do_remote_prefill: true`).
+`remote_port`, `remote_request_id`); the decode leg is the original request with those params
+(`do_remote_prefill: true`). A decode leg may name only a producer this replica lists (a 400 otherwise:
+a client cannot make it fetch from, or talk to, an address of its choosing).
+
+The endpoints (`PATH`) answer only the fleet's replicas: each request must carry a proof made with the
+peer secret (`cache/peer_auth.py`), in place of an API key. Their reads are bounded (the files request's
+body, each name once, files opened one at a time as they are sent and closed when the reader goes), and
+only the consumer that fetched a hand-over (`DELETE`) or the store's sweep removes it.
 """
 
 from __future__ import annotations
@@ -15,12 +21,24 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from v4serve.cache.kv_transfer import PATH, TRANSFER_ID, KVSource, KVTransferConfig, new_transfer_id, signature
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from v4serve.cache.kv_transfer import PATH, TRANSFER_ID, KVSource, KVTransferConfig, new_transfer_id
+from v4serve.cache.peer_auth import (
+    PEER_HEADER,
+    REPLY_HEADER,
+    NonceWindow,
+    PeerRefused,
+    check_request,
+    file_mac,
+    reply_proof,
+)
 from v4serve.cache.ssd_store import HANDOVER_DIR, MANIFEST
 from v4serve.server.errors import ApiError
 from v4serve.server.protocol import note_once
@@ -29,6 +47,8 @@ log = logging.getLogger(__name__)
 
 READ_CHUNK = 1 << 20  # bytes of a hand-over file read at a time while it is sent
 MANIFEST_POLL = 0.005  # seconds between looks for a hand-over's manifest
+MAX_MANIFEST_BYTES = 64 << 20  # no manifest a producer wrote is larger (a million-token prompt's is ~4 MB)
+FILES_BODY_BYTES = 16 << 20  # a files request's body: names of at most a manifest's files
 
 
 @dataclass(frozen=True)
@@ -39,7 +59,7 @@ class Handovers:
     store_root: Path
     host: str  # where decode replicas reach this one
     port: int
-    secret: str | None  # what the address is signed with (the daemons' shared API key)
+    seen: NonceWindow = field(default_factory=NonceWindow, compare=False, repr=False)
 
     @property
     def engine_id(self) -> str:
@@ -66,48 +86,125 @@ class Handovers:
             await asyncio.sleep(MANIFEST_POLL)
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                 "remote_block_ids": None, "remote_host": self.host, "remote_port": self.port,
-                "remote_request_id": transfer_id, "signature": signature(self.secret, transfer_id, self.host,
-                                                                         self.port)}
+                "remote_request_id": transfer_id}
 
-    def manifest(self, transfer_id: str) -> dict[str, Any]:
+    # ---- the endpoints decode replicas fetch from ------------------------------------------------------
+    def producing(self) -> None:
+        """A role mismatch is answered at once (a consumer-only replica holds no hand-overs)."""
         if not self.config.producer:
             raise ApiError(404, "this replica hands no KV over (--kv-transfer-config kv_role)", code="not_found")
+
+    def authenticate(self, raw: Request, body: bytes = b"") -> str:
+        """The request's nonce if it carries a proof made with the peer secret; a 401 otherwise."""
+        target = raw.scope.get("raw_path", raw.url.path.encode()).decode("latin-1")
+        if raw.scope.get("query_string"):
+            target += "?" + raw.scope["query_string"].decode("latin-1")
         try:
-            return json.loads((self.folder(transfer_id) / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            raise ApiError(404, f"no hand-over {transfer_id} here (fetched already, or older than "
+            return check_request(self.config.secret, raw.method, target, body, raw.headers.get(PEER_HEADER),
+                                 self.seen)
+        except PeerRefused as exc:
+            log.warning("a hand-over request from %s refused: %s", raw.client.host if raw.client else "?", exc)
+            raise ApiError(401, str(exc), code="peer_unauthenticated") from exc
+
+    def _manifest_bytes(self, transfer_id: str) -> bytes:
+        try:
+            with open(self.folder(transfer_id) / MANIFEST, "rb") as file:
+                data = file.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as exc:
+            raise ApiError(404, f"no hand-over {transfer_id} here (released already, or older than "
                                 f"{self.config.hold_seconds:g} s)", code="not_found") from exc
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ApiError(404, f"hand-over {transfer_id}'s manifest is not one this replica wrote", code="not_found")
+        return data
 
-    async def manifest_when_made(self, transfer_id: str, wait: float) -> dict[str, Any]:
-        """The manifest, waiting up to `wait` seconds for it to be made (SGLang's router sends the decode
-        leg as the prefill leg starts; vLLM's only once it has ended, when it is there already)."""
-        deadline = time.monotonic() + wait
-        while not (self.folder(transfer_id) / MANIFEST).is_file() and time.monotonic() < deadline:
-            await asyncio.sleep(MANIFEST_POLL * 4)
-        return self.manifest(transfer_id)
-
-    def files(self, transfer_id: str, names: Any, sent: Any, sent_bytes: Any) -> Iterator[bytes]:
-        """The named files of a hand-over, back to back in the order asked (each must be in its
-        manifest); once all are sent the hand-over is dropped. `sent`/`sent_bytes`: metric series."""
-        listed = {e["name"] for e in self.manifest(transfer_id)["files"]}
-        if not isinstance(names, list) or not all(isinstance(n, str) and n in listed for n in names):
-            raise ApiError(400, "names must list files of the hand-over's manifest", param="names")
+    async def manifest_when_made(self, transfer_id: str, wait: float, nonce: str) -> Response:
+        """The manifest, proven for this request, waiting up to `wait` seconds for it to be made (SGLang's
+        router sends the decode leg as the prefill leg starts; vLLM's only once it has ended, when it is
+        there already)."""
         folder = self.folder(transfer_id)
-        handles = [open(folder / n, "rb") for n in names]  # noqa: SIM115 - closed by the generator
-        return self._send(folder, handles, sent, sent_bytes)
+        deadline = time.monotonic() + min(max(wait, 0.0), self.config.fetch_timeout)
+        while not (folder / MANIFEST).is_file() and time.monotonic() < deadline:
+            await asyncio.sleep(MANIFEST_POLL * 4)
+        body = await asyncio.to_thread(self._manifest_bytes, transfer_id)
+        return Response(body, media_type="application/json",
+                        headers={REPLY_HEADER: reply_proof(self.config.secret, nonce, body)})
 
-    @staticmethod
-    def _send(folder: Path, handles: list[Any], sent: Any, sent_bytes: Any) -> Iterator[bytes]:
+    def file_names(self, transfer_id: str, body: bytes) -> list[str]:
+        """The files a request asks for: each a file of the manifest, each once, at least one."""
         try:
-            for f in handles:
-                while chunk := f.read(READ_CHUNK):
+            names = json.loads(body)["names"]
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ApiError(400, 'the body must be {"names": [...]}', param="names") from exc
+        listed = {e.get("name") for e in json.loads(self._manifest_bytes(transfer_id))["files"]}
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n in listed for n in names):
+            raise ApiError(400, "names must list one or more files of the hand-over's manifest", param="names")
+        if len(set(names)) != len(names):
+            raise ApiError(400, "names must list each file once", param="names")
+        return names
+
+    def files(self, transfer_id: str, names: list[str], nonce: str, sent: Any, sent_bytes: Any) -> StreamingResponse:
+        """The named files back to back, each followed by its MAC; `sent`/`sent_bytes`: metric series."""
+        return ClosingStream(self._send(self.folder(transfer_id), names, nonce, sent, sent_bytes),
+                             media_type="application/octet-stream")
+
+    async def _send(self, folder: Path, names: list[str], nonce: str, sent: Any, sent_bytes: Any
+                    ) -> AsyncIterator[bytes]:
+        for index, name in enumerate(names):
+            mac = file_mac(self.config.secret, nonce, index, name)
+            try:
+                file = await asyncio.to_thread(open, folder / name, "rb")
+            except OSError as exc:  # released or swept meanwhile: the reply ends short, the reader falls back
+                log.warning("hand-over %s: %s went while it was sent (%s)", folder.name, name, exc)
+                return
+            try:
+                while chunk := await asyncio.to_thread(_read_into_mac, file, mac):
                     sent_bytes.inc(len(chunk))
                     yield chunk
-        finally:
-            for f in handles:
-                f.close()
+            finally:
+                file.close()
+            yield mac.digest()
         sent.inc()
-        shutil.rmtree(folder, ignore_errors=True)  # fetched: held no longer
+
+    def release(self, transfer_id: str) -> None:
+        """The consumer has what it needed: the hand-over is held no longer."""
+        shutil.rmtree(self.folder(transfer_id), ignore_errors=True)
+
+
+def _read_into_mac(file: IO[bytes], mac: Any) -> bytes:
+    chunk = file.read(READ_CHUNK)
+    mac.update(chunk)  # off the event loop, beside the read (hashlib releases the GIL for large chunks)
+    return chunk
+
+
+class ClosingStream(StreamingResponse):
+    """A stream whose source is closed however the response ends, the reader's leaving included: the file
+    it has open is closed then, not whenever the garbage collector gets to it."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def bounded_body(raw: Request, limit: int) -> bytes:
+    """The request's body, a 400 once it passes `limit` bytes (nothing more is kept)."""
+    parts, size = [], 0
+    async for part in raw.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError(400, f"the body is over {limit} bytes", param="names")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _listed(handovers: Handovers, host: str, port: int) -> None:
+    if not handovers.config.lists(host, port):
+        note_once(f"pd-unlisted-{host}:{port}", "a decode leg names %s:%d, which is not among this replica's "
+                  "producers (kv_connector_extra_config.producers): refused with a 400", host, port,
+                  level=logging.WARNING)
+        raise ApiError(400, f"kv_transfer_params name {host}:{port}, which is not a prefill replica this replica "
+                            "fetches from", param="kv_transfer_params")
 
 
 def sglang_transfer(handovers: Handovers | None, host: str | None, port: int | None,
@@ -128,6 +225,7 @@ def sglang_transfer(handovers: Handovers | None, host: str | None, port: int | N
     if handovers.config.producer and (here or not handovers.config.consumer):
         return transfer_id, None
     if handovers.config.consumer:
+        _listed(handovers, host, port)
         return None, KVSource(host, port, transfer_id, wait=True)
     return None, None
 
@@ -136,7 +234,7 @@ def request_transfer(handovers: Handovers | None, params: dict[str, Any] | None,
                      prompts: int) -> tuple[str | None, KVSource | None]:
     """(the transfer id to hand this request's KV over under, the prefill replica to fetch it from) as
     its `kv_transfer_params` ask and this replica's role allows; a request a replica cannot serve that
-    way is computed as any other (logged once), never refused."""
+    way is computed as any other (logged once), a decode leg naming an unlisted producer is a 400."""
     if not params:
         return None, None
     if params.get("do_remote_decode"):
@@ -156,7 +254,10 @@ def request_transfer(handovers: Handovers | None, params: dict[str, Any] | None,
                       "(--kv-transfer-config kv_role kv_consumer or kv_both): it computes the prompt",
                       level=logging.WARNING)
             return None, None
-        return None, source(params)
+        found = source(params)
+        if found is not None:
+            _listed(handovers, found.host, found.port)
+        return None, found
     return None, None
 
 
@@ -165,13 +266,11 @@ def source(params: dict[str, Any]) -> KVSource | None:
     host, port, transfer_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
     if host is None and transfer_id is None:
         return None
-    sig = params.get("signature")
     if (not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int)
-            or not 0 < port < 65536 or not isinstance(transfer_id, str) or not TRANSFER_ID.fullmatch(transfer_id)
-            or (sig is not None and not isinstance(sig, str))):
+            or not 0 < port < 65536 or not isinstance(transfer_id, str) or not TRANSFER_ID.fullmatch(transfer_id)):
         raise ApiError(400, "kv_transfer_params must name remote_host, remote_port and a remote_request_id from a "
                             "v4serve prefill replica's reply", param="kv_transfer_params")
-    return KVSource(host, port, transfer_id, sig)
+    return KVSource(host, port, transfer_id)
 
 
-__all__ = ["PATH", "Handovers", "request_transfer", "sglang_transfer", "source"]
+__all__ = ["FILES_BODY_BYTES", "PATH", "Handovers", "bounded_body", "request_transfer", "sglang_transfer", "source"]

@@ -54,6 +54,8 @@ _GAUGES = (
     ("v4serve_block_cache_usage", "Fraction of Block Cache blocks in use", "block_cache_usage"),
     ("v4serve_requests_running", "Requests in the running batch", "running"),
     ("v4serve_requests_waiting", "Requests waiting to be admitted (including SSD store reads)", "waiting"),
+    ("v4serve_kv_transfer_fetching", "Requests waiting for their hand-over to be fetched from a prefill replica "
+     "(not counted as waiting)", "fetching"),
     ("v4serve_kv_store_usage_bytes", "Bytes the SSD prefix store holds", "store_usage_bytes"),
     ("v4serve_kv_store_quarantine_files", "Bad SSD store files kept aside in quarantine/ (bounded)",
      "store_quarantine_files"),

@@ -160,7 +160,6 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
     max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
     interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
     store_dir = None if cfg.no_kv_store or cfg.no_prefix_caching else (cfg.kv_store_dir or default_store_dir())
-    transfer = cfg.kv_transfer
     digest = None
     if store_dir is not None and cfg.model != "tiny":  # the files' bytes, cached beside the store
         digest = checkpoint_digest(cfg.model, Path(store_dir) / "weights-digests.json")
@@ -173,8 +172,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         kv_cache_dtype=cfg.kv_cache_dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
                         async_scheduling=cfg.async_scheduling,
                         grammar_cache_bytes=cfg.grammar_cache_bytes, speculative=cfg.speculative,
-                        kv_events=cfg.kv_events, kv_transfer=transfer,
-                        kv_transfer_key=(transfer.peer_api_key or cfg.api_key) if transfer is not None else None)
+                        kv_events=cfg.kv_events, kv_transfer=cfg.kv_transfer)
 
 
 def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,

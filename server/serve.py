@@ -154,7 +154,7 @@ def handovers(cfg: ServeConfig) -> Handovers | None:
     if transfer is None:
         return None
     host, port = cfg.kv_transfer_address(transfer)
-    return Handovers(transfer, Path(cfg.kv_store_dir or default_store_dir()), host, port, cfg.api_key)
+    return Handovers(transfer, Path(cfg.kv_store_dir or default_store_dir()), host, port)
 
 
 def uvicorn_config(cfg: ServeConfig, app: FastAPI, port: int) -> uvicorn.Config:

@@ -20,6 +20,7 @@ import pytest
 from tests.daemon import PATIENCE, start_daemon
 from tests.routers import SGLANG_ROUTER, VLLM_ROUTER, router
 from tests.test_kv_transfer import dead_port
+from v4serve.cache.peer_auth import PEER_HEADER, request_proof
 
 DOCUMENT = "a long shared document, read once and asked about many times. " * 12
 COMPLETION = {"model": "v4serve-tiny", "prompt": DOCUMENT + "Q: what is it?", "max_tokens": 12, "temperature": 0}
@@ -47,22 +48,30 @@ def series(url: str, name: str, **labels: str) -> float:
     return total
 
 
+SECRET = {"V4SERVE_KV_PEER_SECRET": "the-fleets-peer-secret-0123456789"}
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[dict[str, object]]:
     root = tmp_path_factory.mktemp("pd")
     producer = '{"kv_role": "kv_producer"}'
-    consumer = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {"fetch_timeout": PATIENCE}})
     # The prefill replica answers requests without transfer params as any replica does: the truth.
-    daemons = {"prefill": start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config", producer)}
+    daemons = {"prefill": start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config", producer, env=SECRET)}
     daemons["alone"] = daemons["prefill"]
+    port = int(daemons["prefill"].url.rsplit(":", 1)[1])
+    proxy, dead = CuttingProxy(port), dead_port()
+    # Listed: the prefill replica, a proxy in front of it that cuts replies, and an address nothing answers at.
+    consumer = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {
+        "fetch_timeout": PATIENCE, "producers": [f"127.0.0.1:{p}" for p in (port, proxy.port, dead)]}})
     try:
-        daemons["decode"] = [start_daemon("--kv-store-dir", str(root / f"d{i}"), "--kv-transfer-config", consumer)
-                             for i in range(2)]
+        daemons["decode"] = [start_daemon("--kv-store-dir", str(root / f"d{i}"), "--kv-transfer-config", consumer,
+                                          env=SECRET) for i in range(2)]
         with router(VLLM_ROUTER, [], policy="round_robin", extra=[
                 "--vllm-pd-disaggregation", "--prefill", daemons["prefill"].url,
                 *[a for d in daemons["decode"] for a in ("--decode", d.url)]]) as url:
-            yield {**daemons, "router": url}
+            yield {**daemons, "router": url, "proxy": proxy, "dead_port": dead}
     finally:
+        proxy.close()
         for d in [daemons["prefill"], *daemons.get("decode", [])]:
             if d is not None:
                 d.stop()
@@ -171,7 +180,7 @@ def test_a_hand_over_that_cannot_be_fetched_is_computed(fleet) -> None:
     alone = httpx.post(fleet["alone"].url + "/v1/completions", json=COMPLETION, timeout=PATIENCE).json()
     before = series(decode.url, "v4serve_kv_transfer_fallbacks_total", reason="unreachable")
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_host": "127.0.0.1",
-              "remote_port": dead_port(), "remote_request_id": "0" * 32}
+              "remote_port": fleet["dead_port"], "remote_request_id": "0" * 32}
     got = httpx.post(decode.url + "/v1/completions", json={**COMPLETION, "kv_transfer_params": params},
                      timeout=PATIENCE)
     assert got.status_code == 200 and got.json()["choices"][0]["text"] == alone["choices"][0]["text"]
@@ -184,38 +193,60 @@ def test_a_hand_over_that_cannot_be_fetched_is_computed(fleet) -> None:
     assert series(decode.url, "v4serve_kv_transfer_fallbacks_total", reason="refused") >= 1
 
 
-def test_malformed_transfer_params_are_a_400(fleet) -> None:
+def test_malformed_transfer_params_or_an_unlisted_producer_are_a_400(fleet) -> None:
     decode = fleet["decode"][0]
     bad = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "80", "remote_request_id": "x"}
-    reply = httpx.post(decode.url + "/v1/completions", json={**COMPLETION, "kv_transfer_params": bad},
-                       timeout=PATIENCE)
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "kv_transfer_params"
-    # The hand-over endpoints take only a hand-over's own id and files.
+    unlisted = {**bad, "remote_port": dead_port(), "remote_request_id": "3" * 32}
+    sglang = {"bootstrap_host": "127.0.0.1", "bootstrap_port": dead_port(), "bootstrap_room": 7}
+    for body in ({**COMPLETION, "kv_transfer_params": bad}, {**COMPLETION, "kv_transfer_params": unlisted},
+                 {**COMPLETION, **sglang}):
+        reply = httpx.post(decode.url + "/v1/completions", json=body, timeout=PATIENCE)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "kv_transfer_params", reply.text
+    # The hand-over endpoints answer only the fleet's replicas, and then only a hand-over's own id and files.
     prefill = fleet["prefill"].url
-    assert httpx.get(prefill + "/v4serve/kv_transfer/..%2f..%2fetc", timeout=PATIENCE).status_code == 404
-    assert httpx.post(prefill + "/v4serve/kv_transfer/" + "2" * 32 + "/files", json={"names": ["../x"]},
+    traversal, absent = "/v4serve/kv_transfer/..%2f..%2fetc", "/v4serve/kv_transfer/" + "2" * 32
+    assert httpx.get(prefill + traversal, headers=peer(SECRET, "GET", traversal), timeout=PATIENCE).status_code == 404
+    assert httpx.get(prefill + absent, timeout=PATIENCE).status_code == 401
+    assert httpx.get(prefill + absent, headers=peer(SECRET, "GET", absent), timeout=PATIENCE).status_code == 404
+    target, body = "/v4serve/kv_transfer/" + "2" * 32 + "/files", json.dumps({"names": ["../x"]}).encode()
+    assert httpx.post(prefill + target, content=body, timeout=PATIENCE).status_code == 401
+    assert httpx.post(prefill + target, content=body, headers=peer(SECRET, "POST", target, body),
                       timeout=PATIENCE).status_code == 404
 
 
-@contextlib.contextmanager
-def cutting_proxy(target_port: int, keep: int) -> Iterator[int]:
-    """A TCP proxy to `target_port` that passes requests whole and then only the first `keep` bytes of
-    what comes back before closing both sides: a hand-over cut mid-transfer (the injected fault)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
+def peer(secret: dict[str, str], method: str, target: str, body: bytes = b"") -> dict[str, str]:
+    """The header a replica holding the fleet's secret proves a request with."""
+    return {PEER_HEADER: request_proof(secret["V4SERVE_KV_PEER_SECRET"].encode(), method, target, body)[0]}
 
-    def serve() -> None:
+
+class CuttingProxy:
+    """A TCP proxy to `target_port` that passes requests whole and then only the first `keep` bytes of
+    what comes back (all of it while `keep` is None) before closing both sides: a hand-over cut
+    mid-transfer (the injected fault). Listed among the decode replicas' producers."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.keep = target_port, None
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _serve(self) -> None:
         while True:
             try:
-                client, _ = listener.accept()
+                client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", target_port))
-            threading.Thread(target=pipe, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=pipe, args=(upstream, client, keep), daemon=True).start()
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.keep), daemon=True).start()
 
-    def pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
         passed = 0
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
@@ -229,12 +260,6 @@ def cutting_proxy(target_port: int, keep: int) -> Iterator[int]:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        listener.close()
-
 
 def test_a_hand_over_cut_mid_transfer_is_computed(fleet) -> None:
     """The files' reply ends 100 KB in (inside a block file): the files before the cut are kept, the rest
@@ -246,10 +271,14 @@ def test_a_hand_over_cut_mid_transfer_is_computed(fleet) -> None:
                                                         "kv_transfer_params": {"do_remote_decode": True}},
                      timeout=PATIENCE).json()
     before = series(decode.url, "v4serve_kv_transfer_fallbacks_total")
-    with cutting_proxy(int(prefill.rsplit(":", 1)[1]), keep=100_000) as port:
-        params = {**pre["kv_transfer_params"], "remote_port": port}
+    proxy = fleet["proxy"]
+    proxy.keep = 100_000
+    try:
+        params = {**pre["kv_transfer_params"], "remote_port": proxy.port}
         got = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": params},
                          timeout=PATIENCE).json()
+    finally:
+        proxy.keep = None
     assert got["choices"][0]["text"] == alone["choices"][0]["text"]
     assert series(decode.url, "v4serve_kv_transfer_fallbacks_total") == before + 1
     cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -213,7 +213,8 @@ class AsyncEngine:
             raise EngineDead(reason)
         with self._lock:
             waiting = self._stats.waiting + self._pending
-        check_requests(requests, self.limits, self.engine.check_grammar, waiting, self.max_waiting)
+        check_requests(requests, self.limits, self.engine.check_grammar, waiting, self.max_waiting,
+                       self._stats.fetching)
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their cache at once; each open choice ends with an

@@ -94,12 +94,17 @@ class EngineClient(Protocol):
 
 
 def check_requests(requests: list[Request], limits: RequestLimits, check_grammar: Callable[[GrammarSpec], None],
-                   waiting: int, max_waiting: int) -> None:
+                   waiting: int, max_waiting: int, fetching: int = 0) -> None:
     """The admission check both engines make before a response starts: RequestError for a request
-    the engine cannot serve, EngineOverloaded when the waiting queue would overflow."""
+    the engine cannot serve, EngineOverloaded when the waiting queue would overflow. Requests waiting
+    for a hand-over fetch (a decode replica's) have an allowance of their own, as large: a slow
+    producer can fill that, never the queue everyone else waits in."""
     for r in requests:
         limits.validate(r)
         if r.sampling.grammar is not None:
             check_grammar(r.sampling.grammar)
-    if waiting + len(requests) > max_waiting:
+    fetches = sum(r.kv_source is not None for r in requests)
+    if waiting + len(requests) - fetches > max_waiting:
         raise EngineOverloaded(f"{waiting} requests are already waiting")
+    if fetches and fetching + fetches > max_waiting:
+        raise EngineOverloaded(f"{fetching} requests are already waiting for their hand-over to be fetched")

@@ -250,7 +250,7 @@ class EngineCoreClient:
             raise EngineDead(reason)
         assert self.limits is not None
         waiting = self._stats.waiting + self._submitted - self._accepted
-        check_requests(requests, self.limits, self._check_grammar, waiting, self.max_waiting)
+        check_requests(requests, self.limits, self._check_grammar, waiting, self.max_waiting, self._stats.fetching)
 
     def _check_grammar(self, spec: GrammarSpec) -> None:
         require(self._grammars, spec).check(spec)
