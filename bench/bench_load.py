@@ -7,8 +7,10 @@ leaked afterwards, and every completed temperature-0 request equal to its solo o
 runs it against a fresh daemon and writes bench/results/bench_load.json. With --hostile it then
 probes a greedy request quietly, beside the load, and beside the load plus hostile clients
 (requests meant to cost or break, idle and slow-header connections) and writes
-bench/results/bench_load_hostile.json. tests/test_load.py runs the
-same load against an in-process server, where it also checks the cache's integrity.
+bench/results/bench_load_hostile.json, then runs the prefill/decode cases (hostile peers beside an
+innocent client on a decode replica; `--pd-only` runs just those) into bench/results/
+bench_load_pd_hostile.json. tests/test_load.py runs the same load against an in-process server, where
+it also checks the cache's integrity.
 """
 
 from __future__ import annotations
@@ -435,6 +437,155 @@ def report_hostile(figures: dict[str, Any]) -> Path:
     return write_results("bench_load_hostile", figures)
 
 
+# ---- prefill and decode apart: hostile peers beside an innocent client ----------------------------------------
+PD_SECRET = {"V4SERVE_KV_PEER_SECRET": "bench-load-pd-peer-secret-0123456789"}
+PD_DOC = "a document handed over from the prefill replica, block after block. " * 12
+HUGE = b"a" * (40 << 20)
+
+
+def pd_body(prompt: str, **fields: Any) -> dict[str, Any]:
+    return {"model": "v4serve-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+
+
+async def prefill_leg(client: httpx.AsyncClient, producer: str, prompt: str) -> dict[str, Any]:
+    reply = await client.post(producer + "/v1/completions",
+                              json=pd_body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    reply.raise_for_status()
+    return reply.json()["kv_transfer_params"]
+
+
+async def run_pd_hostile(quiet_seconds: float = 5.0) -> dict[str, Any]:
+    """A prefill and a decode replica (fetches given 3 s, --max-waiting 16) and two hostile producers the
+    decode replica lists (one holding the fleet's secret, one not); each case runs while an innocent greedy
+    client and a /health poller use the decode replica. Cases: a client naming its own server, zeroed KV
+    from an impostor, another tenant's hand-over, an endless manifest, a negative size, sixteen manifests
+    dripped a byte at a time, the files endpoint asked one name 20,000 times, eight 40 MB header lines."""
+    import tempfile
+
+    from tests.daemon import start_daemon
+    from tests.hostile_peer import HostileProducer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        producer = start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config",
+                                '{"kv_role": "kv_producer"}', env=PD_SECRET)
+        forger = HostileProducer(PD_SECRET["V4SERVE_KV_PEER_SECRET"].encode())
+        impostor = HostileProducer(b"not-the-fleets-secret-0123456789")
+        ports = [int(producer.url.rsplit(":", 1)[1]), forger.port, impostor.port]
+        consumer = start_daemon("--kv-store-dir", str(root / "d"), "--max-waiting", "16", "--kv-transfer-config",
+                                json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {
+                                    "fetch_timeout": 3, "producers": [f"127.0.0.1:{p}" for p in ports]}}),
+                                env=PD_SECRET)
+        try:
+            return await _pd_cases(producer.url, consumer.url, root / "p" / "handover", forger, impostor,
+                                   quiet_seconds)
+        finally:
+            producer.stop()
+            consumer.stop()
+            forger.close()
+            impostor.close()
+
+
+async def _pd_cases(producer: str, consumer: str, handovers: Path, forger: Any, impostor: Any,
+                    quiet_seconds: float) -> dict[str, Any]:
+    from tests.hostile_peer import HandOver
+    from v4serve.cache.kv_transfer import PATH
+    from v4serve.cache.peer_auth import PEER_HEADER, request_proof
+
+    secret = PD_SECRET["V4SERVE_KV_PEER_SECRET"].encode()
+    client = httpx.AsyncClient(timeout=600)
+    cases: dict[str, Any] = {}
+
+    async def quiet() -> None:
+        await asyncio.sleep(quiet_seconds)
+
+    async def decode_leg(prompt: str, params: dict[str, Any]) -> int:
+        return (await client.post(consumer + "/v1/completions", json=pd_body(prompt, kv_transfer_params=params))
+                ).status_code
+
+    async def hostile_legs(mode: str, producer_of: Any, count: int = 1) -> list[int]:
+        legs = []
+        for i in range(count):
+            prompt = PD_DOC + f"Q: {mode} {i} {time.monotonic()}?"
+            params = await prefill_leg(client, producer, prompt)
+            producer_of.handovers[params["remote_request_id"]] = HandOver(mode, handovers / params["remote_request_id"])
+            legs.append(decode_leg(prompt, {**params, "remote_port": producer_of.port}))
+        return list(await asyncio.gather(*legs))
+
+    async def unlisted() -> list[int]:
+        prompt = PD_DOC + f"Q: unlisted {time.monotonic()}?"
+        params = await prefill_leg(client, producer, prompt)
+        return [await decode_leg(prompt, {**params, "remote_port": 9})]
+
+    async def another_tenant() -> list[int]:  # a salt stands for the tenant: another root, the same prompt
+        prompt = PD_DOC + f"Q: tenant {time.monotonic()}?"
+        params = await prefill_leg(client, producer, prompt)
+        body = pd_body(prompt, kv_transfer_params=params, cache_salt="another-tenant")
+        return [(await client.post(consumer + "/v1/completions", json=body)).status_code]
+
+    async def repeated_names() -> list[int]:
+        params = await prefill_leg(client, producer, PD_DOC + f"Q: names {time.monotonic()}?")
+        target = PATH + params["remote_request_id"]
+        proof = {PEER_HEADER: request_proof(secret, "GET", target)[0]}
+        name = (await client.get(producer + target, headers=proof)).json()["files"][0]["name"]
+        body = json.dumps({"names": [name] * 20_000}).encode()
+        files = target + "/files"
+        reply = await client.post(producer + files, content=body,
+                                  headers={PEER_HEADER: request_proof(secret, "POST", files, body)[0]})
+        return [reply.status_code]
+
+    async def plain_prompt() -> list[int]:  # what a fallback costs anyway: the same prompt, computed
+        prompt = PD_DOC + f"Q: plain {time.monotonic()}?"
+        return [(await client.post(consumer + "/v1/completions", json=pd_body(prompt))).status_code]
+
+    def one_huge_header() -> int:  # on a thread: the attacker's bytes are not the probes' event loop's work
+        import socket
+
+        host, port = httpx.URL(consumer).host, httpx.URL(consumer).port
+        with socket.create_connection((host, port)) as sock:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + HUGE + b"\r\n\r\n")
+            return int(sock.recv(64).split(b" ")[1])
+
+    async def huge_headers() -> list[int]:
+        return list(await asyncio.gather(*(asyncio.to_thread(one_huge_header) for _ in range(8))))
+
+    def rounds(case: Any, n: int = 3) -> Any:
+        async def run() -> list[int]:
+            return [status for _ in range(n) for status in await case()]
+        return run
+
+    work = {"quiet": None, "a plain prompt of the same length (what a fallback computes)": rounds(plain_prompt),
+            "unlisted producer (a client's own server)": rounds(unlisted),
+            "zeroed KV from an impostor": rounds(lambda: hostile_legs("zeroed", impostor)),
+            "another tenant's hand-over": rounds(another_tenant),
+            "endless manifest": rounds(lambda: hostile_legs("endless", forger)),
+            "negative size": rounds(lambda: hostile_legs("negative_size", forger)),
+            "16 dripped manifests": lambda: hostile_legs("drip", forger, 16),
+            "files: one name x 20,000": rounds(repeated_names), "8 x a 40 MB header line": rounds(huge_headers)}
+    try:
+        for name, case in work.items():
+            greedy, health, statuses = await beside(consumer, case or quiet)
+            counts: dict[int, int] = {}
+            for status in statuses or []:
+                counts[status] = counts.get(status, 0) + 1
+            cases[name] = {"greedy_p50_s": statistics.median(greedy), "greedy_max_s": max(greedy),
+                           "health_max_s": max(health), "probes": len(greedy), "statuses": counts}
+    finally:
+        await client.aclose()
+    return cases
+
+
+def report_pd_hostile(cases: dict[str, Any]) -> Path:
+    quiet = cases["quiet"]["greedy_p50_s"]
+    rows = [[name, json.dumps(c["statuses"]), f"{c['greedy_p50_s'] / quiet:.2f}", f"{c['greedy_max_s'] / quiet:.2f}",
+             f"{c['health_max_s'] * 1000:.0f}", c["probes"]] for name, c in cases.items()]
+    print_table("prefill and decode apart, hostile peers: an innocent greedy request on the decode replica (ratio to "
+                "its quiet median) and /health's worst while each case runs (goals: p50 <= 2x, /health < 500 ms)",
+                ["case", "statuses", "p50 ratio", "max ratio", "/health max ms", "probes"], rows)
+    return write_results("bench_load_pd_hostile", cases)
+
+
 def main() -> None:
     from tests.daemon import daemon
 
@@ -445,7 +596,13 @@ def main() -> None:
                         help="also run the load with hostile clients beside it, probing a greedy request")
     parser.add_argument("--heavy-only", action="store_true",
                         help="only the costly single requests beside an innocent client (--hostile runs them too)")
+    parser.add_argument("--pd-only", action="store_true",
+                        help="only the hostile prefill/decode peers beside an innocent client (--hostile runs "
+                             "them too)")
     args = parser.parse_args()
+    if args.pd_only:
+        report_pd_hostile(asyncio.run(run_pd_hostile()))
+        return
     with daemon("--max-num-seqs", "16") as url:
         if not args.heavy_only:
             result, _ = asyncio.run(run_load(url, args.clients, args.requests))
@@ -454,6 +611,8 @@ def main() -> None:
             report_heavy(asyncio.run(run_heavy(url)))
         if args.hostile:
             report_hostile(asyncio.run(run_hostile(url, args.clients, args.requests)))
+    if args.hostile:
+        report_pd_hostile(asyncio.run(run_pd_hostile()))
 
 
 if __name__ == "__main__":

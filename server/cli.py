@@ -135,6 +135,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--keep-alive-timeout", float, "seconds an idle keep-alive connection stays open (default 5)"),
     ("--header-timeout", float, "seconds a connection has to send a request's headers, from when it opens or "
                                 "its last response ends (default 10)"),
+    ("--h11-max-incomplete-event-size", int, "bytes one request's headers (its request line and header lines) may "
+                                             "take; past it, or past 64 KiB in one line, the request gets 431 "
+                                             "(default 4194304)"),
+    ("--h11-max-header-count", int, "header lines one request may send; past it, 431 (default 256)"),
     ("--max-connections", int, "open connections (past it the one idle longest is closed) and requests running "
                                "at once (past it new ones get 503; /health and /metrics are always answered) "
                                "(default 2048)"),

@@ -100,6 +100,8 @@ class ServeConfig:
     stream_keepalive: float = 10.0  # seconds a stream may go without an event before a keep-alive is sent
     keep_alive_timeout: float = 5.0
     header_timeout: float = 10.0
+    h11_max_incomplete_event_size: int = 4 << 20  # bytes of one request's headers (vLLM's name; 431 past it)
+    h11_max_header_count: int = 256  # header lines of one request (vLLM's name; 431 past it)
     max_connections: int = 2048
     stall_timeout: float = 60.0  # /health answers 503 once the engine has been silent this long
     watchdog_timeout: float = 300.0  # the daemon exits 1 once it has been silent this long (0: never)
@@ -194,7 +196,8 @@ class ServeConfig:
         self.speculative  # noqa: B018 - so is parsing this
         self.kv_events  # noqa: B018 - and this
         self.kv_transfer  # noqa: B018 - and this
-        for name in ("keep_alive_timeout", "header_timeout", "max_connections", "stall_timeout", "max_unread_tokens",
+        for name in ("keep_alive_timeout", "header_timeout", "h11_max_incomplete_event_size", "h11_max_header_count",
+                     "max_connections", "stall_timeout", "max_unread_tokens",
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes", "responses_store_bytes",
                      "max_preprocess_seconds", "stream_keepalive"):
             if getattr(self, name) <= 0:

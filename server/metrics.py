@@ -354,8 +354,9 @@ class Metrics:
             self.limited.labels(**self.label, limit=limit)
         self.closed = Counter("v4serve_connections_closed", "Connections the daemon closed before a request came "
                               "(header_timeout: idle, or headers too slow; idle_evicted: the longest idle, to make "
-                              "room past --max-connections)", [*label, "reason"], registry=r)
-        for reason in ("header_timeout", "idle_evicted"):
+                              "room past --max-connections; header_size: headers past their bounds, answered 431)",
+                              [*label, "reason"], registry=r)
+        for reason in ("header_timeout", "idle_evicted", "header_size"):
             self.closed.labels(**self.label, reason=reason)
         # A prefill replica's side of hand-overs: what its HTTP server sent decode replicas.
         self.sent_bytes = Counter("v4serve_kv_transfer_sent_bytes", "Store-file bytes a prefill replica sent decode "

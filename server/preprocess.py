@@ -7,7 +7,10 @@ every other client and `/health` would wait. In a worker process it holds nothin
 workers run at a lower priority (`nice`) than the front end and the engine, each job is bounded by
 `cpu_seconds` of CPU time (a 400 past it, `PreprocessTooCostly`; the worker is then replaced, since
 the job was cut anywhere), and a worker stuck in native code, where the bound's signal cannot reach
-it, is killed once it has used `HARD_DEADLINE_FACTOR` times that, and replaced. CPU time, not wall
+it, is killed once it has used `HARD_DEADLINE_FACTOR` times that, and replaced. A worker that dies
+mid-job (killed from outside, out of memory) is replaced and the job run once more on the fresh one
+(every job is a pure function of its arguments, so running it again is safe); if that one dies too,
+the request gets a retryable 503 (`PreprocessWorkerDied`), never a 500. CPU time, not wall
 time: a busy machine makes a job slower, never refused. With `workers = 0` jobs run on a thread
 of the front end instead (no CPU bound: for tests and debugging).
 
@@ -49,6 +52,13 @@ IDLE_DEADLINE = 600.0
 # Worker processes run this much nicer than the front end: under contention the engine and the event
 # loop come first, preprocessing takes what is left.
 WORKER_NICENESS = 10
+
+
+class PreprocessWorkerDied(ApiError):
+    def __init__(self) -> None:
+        super().__init__(503, "the process preparing this request died twice running it (a fresh one was started "
+                         "each time); retry the request", "server_error", code="preprocess_worker_died",
+                         headers={"Retry-After": "1"})
 
 
 class PreprocessTooCostly(ApiError):
@@ -179,15 +189,23 @@ class Preprocessor:
         if kind in ("cpu_limit", "hung"):
             self.on_cpu_limit()
             raise PreprocessTooCostly(self.config.cpu_seconds)
+        if kind == "died":
+            log.error("a preprocessing worker died running %s twice over: the request gets a 503", job.__name__)
+            raise PreprocessWorkerDied
         raise internal_error(RuntimeError(value), f"preprocessing ({job.__name__}) failed")
 
     def _round_trip(self, job: Callable[..., Any], arguments: tuple[tuple[Any, ...], dict[str, Any]]
                     ) -> tuple[str, Any]:
         """On an IO thread: hand the job to a free worker and wait for its answer (replacing a worker
-        that hit the CPU bound, died or hangs)."""
+        that hit the CPU bound, died or hangs; a job whose worker died runs once more on its replacement)."""
         slot = self._free.get_nowait()
         try:
-            return self._on_worker(slot, job, arguments)
+            kind, value = self._on_worker(slot, job, arguments)
+            if kind == "died":
+                log.warning("a preprocessing worker died running %s (%s): replaced, the job runs again",
+                            job.__name__, value)
+                kind, value = self._on_worker(slot, job, arguments)
+            return kind, value
         finally:
             self._free.put_nowait(slot)
 
@@ -203,7 +221,7 @@ class Preprocessor:
             kind, value = pickle.loads(worker.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             self._replace(slot)
-            return "failed", f"the preprocessing worker died ({type(exc).__name__})"
+            return "died", type(exc).__name__
         if kind == "cpu_limit":
             log.warning("a request's preprocessing (%s) passed %g s of CPU time: refused, its worker replaced",
                         job.__name__, self.config.cpu_seconds)

@@ -163,7 +163,8 @@ def uvicorn_config(cfg: ServeConfig, app: FastAPI, port: int) -> uvicorn.Config:
                           timeout_graceful_shutdown=cfg.shutdown_timeout + SHUTDOWN_MARGIN,
                           timeout_keep_alive=cfg.keep_alive_timeout,
                           http=protocol_with_header_timeout(cfg.header_timeout, metrics.count_closed,
-                                                            cfg.max_connections))
+                                                            cfg.max_connections, cfg.h11_max_incomplete_event_size,
+                                                            cfg.h11_max_header_count))
 
 
 # Seconds the engine has to list its requests for SIGUSR1's dump (it answers between steps).
@@ -268,16 +269,29 @@ class GracefulServer(uvicorn.Server):
         """From any thread: uvicorn polls should_exit. The first cause is the one reported."""
         self.failed(reason, f"the engine has stopped ({reason})")
 
-    def failed(self, reason: str, said: str | None = None) -> None:
+    def failed(self, reason: str, said: str | None = None, grace: float = ENGINE_DEATH_GRACE) -> None:
         """The daemon cannot go on (the engine, or another API server, has stopped): it exits
-        non-zero after ENGINE_DEATH_GRACE. From any thread."""
+        non-zero after `grace` seconds. From any thread."""
         if self.engine_failure is not None:
             return
         self.engine_failure = reason
-        log.error("%s; exiting in %.0f s", said or reason, ENGINE_DEATH_GRACE)
-        timer = threading.Timer(ENGINE_DEATH_GRACE, lambda: setattr(self, "should_exit", True))
+        log.error("%s; exiting in %.0f s", said or reason, grace)
+        timer = threading.Timer(grace, lambda: setattr(self, "should_exit", True))
         timer.daemon = True
         timer.start()
+
+    def api_server_failed(self, reason: str) -> None:
+        """Another API server exited unasked (from the thread that saw it): the engine still runs, so the
+        daemon shuts down as on SIGTERM, decided now. /health and new requests answer 503 from this
+        moment; running requests, this process's and the other API servers', get --shutdown-timeout and
+        then end with an error (each stream an error event and [DONE]); the port closes once they have."""
+        if self.engine_failure is not None:
+            return
+        self.engine.begin_shutdown(self.shutdown_timeout)
+        if self.others is not None:
+            self.others.signal(signal.SIGTERM)
+        self.failed(reason, f"{reason}: shutting down (running requests have {self.shutdown_timeout:.0f} s)",
+                    self.shutdown_timeout + ENGINE_DEATH_GRACE)
 
 
 class PortUnavailable(OSError):
@@ -399,7 +413,7 @@ def run(cfg: ServeConfig) -> None:
                                     abandon_engine=engine.abandon if isinstance(engine, EngineCoreClient) else None,
                                     others=others)
             if others is not None:
-                others.on_failure(server.failed)
+                others.on_failure(server.api_server_failed)
             server.run(sockets=sockets)
         finally:
             if others is not None:

@@ -10,7 +10,13 @@ The keys file holds one `KEY TENANT` per line (`#` starts a comment), read as by
 encoding is fine, a key is printable ASCII (what an HTTP header carries), a tenant a short name. A
 watcher thread reads it again whenever its modification time or size changes (and on SIGHUP), never a
 request: a request only looks a key up in the table in force. A file that no longer parses, has grown
-past `MAX_KEYS_FILE_BYTES` or has gone keeps the keys in force, and says why once per change.
+past `MAX_KEYS_FILE_BYTES`, has gone or is not a regular file (a FIFO, a socket, a device: opened
+without blocking, refused) keeps the keys in force, and says why once per change.
+
+A file caught mid-write is never loaded: one whose last line has no newline may end inside a key or a
+tenant's name (`sk-globex-1 glob`, a prefix of another tenant's scope), so it is read only once it has
+not changed for `SETTLE_SECONDS`; a file that ends with a newline is whole and read at once (end it
+with one, as editors and `echo` do, and a change applies within `RECHECK_SECONDS`).
 
 `caller` is the one place that decides who a request is, from its headers: authentication, the tenant,
 the owner of a stored response and the metrics' tenant label all take its answer.
@@ -23,7 +29,9 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
+import time
 from collections.abc import Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -44,10 +52,16 @@ _KEY = re.compile(rb"[\x21-\x7e]{1,512}")  # visible ASCII: what a header value 
 RECHECK_SECONDS = 1.0
 # A keys file larger than this is refused (keys in force kept): a million 16-byte keys fit in it.
 MAX_KEYS_FILE_BYTES = 32 << 20
+# Seconds a keys file that does not end with a newline must stay unchanged before it is read.
+SETTLE_SECONDS = 10.0
 
 
 class KeysFileError(ValueError):
     pass
+
+
+class TornKeysFile(KeysFileError):
+    """The file's last line has no newline: it may be a write caught halfway."""
 
 
 class CredentialsError(ValueError):
@@ -98,10 +112,11 @@ class ApiKeys:
         self._lock = threading.Lock()
         self._table = _Table(dict(self._fixed), None)
         self._refused: tuple[int, int] | str | None = None  # the stamp of a file found bad (said once), or MISSING
+        self._torn: tuple[int, int] | str | None = None  # the stamp of a file caught mid-write (said once)
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         if self.keys_file is not None:
-            self._table = self._read()  # a bad file at start is an error, not an empty table
+            self._table = self._read(settled=True)  # a bad file at start is an error, not an empty table
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -126,16 +141,23 @@ class ApiKeys:
         self._watcher.start()
 
     def close(self) -> None:
+        """Stop the watcher (without waiting for it: a read it is in cannot hold up shutdown)."""
         self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join()
 
-    def reload(self) -> bool:
-        """Read the keys file again (SIGHUP, or a change); a file that does not parse keeps the keys in force."""
+    def reload(self, settled: bool = False) -> bool:
+        """Read the keys file again (SIGHUP, or a change); a file that does not parse keeps the keys in
+        force. `settled`: the file has not changed for SETTLE_SECONDS (a torn last line is then taken as
+        the file's own)."""
         if self.keys_file is None:
             return False
         try:
-            table = self._read()
+            table = self._read(settled)
+        except TornKeysFile as exc:
+            stamp = _stamp(self.keys_file)
+            if stamp != self._torn:
+                self._torn = stamp
+                log.warning("%s", exc)
+            return False
         except (OSError, KeysFileError) as exc:
             stamp = _stamp(self.keys_file)
             if stamp != self._refused:
@@ -144,7 +166,7 @@ class ApiKeys:
                 log.error("keys file %s not reloaded, the %d keys read before stay in force: %s", self.keys_file,
                           len(self._table.by_digest), why)
             return False
-        self._refused = None
+        self._refused = self._torn = None
         with self._lock:
             before, self._table = self._table, table
         if before.by_digest != table.by_digest:
@@ -152,16 +174,24 @@ class ApiKeys:
                      len(set(table.by_digest.values())))
         return True
 
-    def _read(self) -> _Table:
+    def _read(self, settled: bool) -> _Table:
         assert self.keys_file is not None
-        with open(self.keys_file, "rb") as file:
+        # Non-blocking, so a FIFO put at the path cannot hold the open (or the watcher) forever.
+        fd = os.open(self.keys_file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as file:
             st = os.fstat(file.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise KeysFileError(f"{self.keys_file} is not a regular file (a FIFO, socket or device)")
             if st.st_size > MAX_KEYS_FILE_BYTES:
                 raise KeysFileError(f"{self.keys_file} is {st.st_size} bytes, more than a keys file may be "
                                     f"({MAX_KEYS_FILE_BYTES})")
             data = file.read(MAX_KEYS_FILE_BYTES + 1)
         if len(data) > MAX_KEYS_FILE_BYTES:  # grew while read
             raise KeysFileError(f"{self.keys_file} is more than a keys file may be ({MAX_KEYS_FILE_BYTES} bytes)")
+        if data and not data.endswith((b"\n", b"\r")) and not settled:
+            raise TornKeysFile(f"keys file {self.keys_file} ends inside a line (a write in progress?): read once it "
+                               f"has not changed for {SETTLE_SECONDS:g} s; end it with a newline to have it read "
+                               "at once")
         keys = parse_keys(data, str(self.keys_file))
         if not keys:
             raise KeysFileError(f"{self.keys_file} holds no keys")
@@ -170,10 +200,15 @@ class ApiKeys:
 
     def _watch(self) -> None:
         assert self.keys_file is not None
+        changed_at: dict[object, float] = {}  # the stamp seen last, and since when
         while not self._stop.wait(RECHECK_SECONDS):
             stamp = _stamp(self.keys_file)
-            if stamp != self._table.stamp and stamp != self._refused:
-                self.reload()
+            if stamp == self._table.stamp or stamp == self._refused:
+                continue
+            since = changed_at.setdefault(stamp, time.monotonic())
+            if len(changed_at) > 1:
+                changed_at = {stamp: since}
+            self.reload(settled=time.monotonic() - since >= SETTLE_SECONDS)
 
 
 MISSING = "missing"  # the stamp of a keys file that cannot be looked at (gone, or not ours to read)

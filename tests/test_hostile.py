@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import socket
@@ -21,7 +22,10 @@ import llguidance
 import pytest
 
 from tests.daemon import PATIENCE, Daemon, start_daemon, wait_until
+from tests.hostile_peer import HandOver, HostileProducer
 from tests.test_store_daemon import metric
+from v4serve.cache.kv_transfer import PATH
+from v4serve.cache.peer_auth import PEER_HEADER, request_proof
 from v4serve.server.text.tokenizer import ByteTokenizer
 from v4serve.server.tools import _regex_body
 
@@ -1189,3 +1193,451 @@ def test_a_schemas_own_meta_schema_url_is_never_fetched() -> None:
         server.shutdown()
         server.server_close()
     assert asked == []
+
+
+# ---- a fourth round: hand-overs, the keys file, API servers, headers, preprocess workers ----------------------------
+PEER = {"V4SERVE_KV_PEER_SECRET": "the-fleets-peer-secret-for-hostile-tests"}
+PD_KEYS = "sk-acme-pd-0123456789 acme\nsk-globex-pd-0123456789 globex\n"
+ACME = {"Authorization": "Bearer sk-acme-pd-0123456789"}
+GLOBEX = {"Authorization": "Bearer sk-globex-pd-0123456789"}
+PD_DOCUMENT = "a document handed from a prefill replica to a decode replica, block after block. " * 10
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A real prefill replica, a decode replica listing it and two hostile producers beside it (one holding the
+    fleet's secret: a listed replica gone bad; one without it: another process at a listed address), tenants
+    on both replicas, the decode replica's fetches given 3 s and its queue 16 requests."""
+    root = tmp_path_factory.mktemp("hostile-pd")
+    keys = root / "keys"
+    keys.write_text(PD_KEYS)
+    producer = start_daemon("--kv-store-dir", str(root / "p"), "--kv-transfer-config", '{"kv_role": "kv_producer"}',
+                            "--api-keys-file", str(keys), env=PEER)
+    forger, impostor = HostileProducer(PEER["V4SERVE_KV_PEER_SECRET"].encode()), HostileProducer(b"x" * 32)
+    port = int(producer.url.rsplit(":", 1)[1])
+    consumer_config = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {
+        "fetch_timeout": 3, "producers": [f"127.0.0.1:{p}" for p in (port, forger.port, impostor.port)]}})
+    consumer = None
+    try:
+        consumer = start_daemon("--kv-store-dir", str(root / "d"), "--kv-transfer-config", consumer_config,
+                                "--api-keys-file", str(keys), "--max-waiting", "16", env=PEER)
+        yield {"producer": producer, "consumer": consumer, "forger": forger, "impostor": impostor,
+               "handovers": root / "p" / "handover"}
+    finally:
+        for d in (producer, consumer):
+            if d is not None:
+                d.stop()
+        forger.close()
+        impostor.close()
+
+
+def pd_completion(prompt: str, **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+
+
+def prefill_leg(pd: dict[str, Any], prompt: str, headers: dict[str, str] = ACME) -> dict[str, Any]:
+    """The prefill leg as vLLM's router sends it: its reply's kv_transfer_params."""
+    reply = httpx.post(pd["producer"].url + "/v1/completions", headers=headers, timeout=PATIENCE,
+                       json=pd_completion(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    assert reply.status_code == 200, reply.text
+    return reply.json()["kv_transfer_params"]
+
+
+def cold_text(pd: dict[str, Any], prompt: str, headers: dict[str, str] = ACME) -> str:
+    """What the prompt gives served whole, with nothing handed over."""
+    reply = httpx.post(pd["producer"].url + "/v1/completions", json=pd_completion(prompt), headers=headers,
+                       timeout=PATIENCE)
+    return reply.json()["choices"][0]["text"]
+
+
+def decode_leg(pd: dict[str, Any], prompt: str, params: dict[str, Any], headers: dict[str, str] = ACME
+               ) -> httpx.Response:
+    return httpx.post(pd["consumer"].url + "/v1/completions", headers=headers, timeout=PATIENCE,
+                      json=pd_completion(prompt, kv_transfer_params=params))
+
+
+def consumer_greedy(pd: dict[str, Any]) -> str:
+    with httpx.Client(base_url=pd["consumer"].url, headers=ACME, timeout=PATIENCE) as client:
+        return completion_text(client)
+
+
+def fell_back(pd: dict[str, Any], reason: str) -> float:
+    return metric(pd["consumer"].url, "v4serve_kv_transfer_fallbacks_total", reason=reason)
+
+
+def received_bytes(pd: dict[str, Any]) -> float:
+    return metric(pd["consumer"].url, "v4serve_kv_transfer_received_bytes_total")
+
+
+def test_a_decode_leg_naming_a_clients_own_server_is_a_400_and_nothing_is_sent_there(pd) -> None:
+    """Once a client named its own server as the producer and the decode replica imported what it served (and
+    sent it the daemon's key): now an address the operator did not list is refused before anything is sent."""
+    prompt = PD_DOCUMENT + "Q: whose server?"
+    with socket.socket() as spy:
+        spy.bind(("127.0.0.1", 0))
+        spy.listen()
+        spy.setblocking(False)
+        params = {**prefill_leg(pd, prompt), "remote_port": spy.getsockname()[1]}
+        reply = decode_leg(pd, prompt, params)
+        assert_refused(reply, 400, "kv_transfer_params", "not a prefill replica this replica fetches from")
+        sglang = pd_completion(prompt, bootstrap_host="127.0.0.1", bootstrap_port=spy.getsockname()[1],
+                               bootstrap_room=99)
+        reply = httpx.post(pd["consumer"].url + "/v1/completions", json=sglang, headers=ACME, timeout=PATIENCE)
+        assert_refused(reply, 400, "kv_transfer_params", "not a prefill replica")
+        with pytest.raises(BlockingIOError):
+            spy.accept()  # nobody connected
+
+
+def test_zeroed_kv_from_an_impostor_at_a_listed_address_is_never_imported(pd) -> None:
+    """Another process at a producer's address replays a real hand-over with every payload zeroed and every
+    checksum made again (what poisoned a decode replica's cache for everyone): it cannot prove its answers
+    with the fleet's secret, so nothing is imported, and the prompt gives what it gives served whole, to
+    the decode leg and to everyone after it."""
+    prompt = PD_DOCUMENT + "Q: zeroed?"
+    want = cold_text(pd, prompt)
+    params = prefill_leg(pd, prompt)
+    impostor = pd["impostor"]
+    impostor.handovers[params["remote_request_id"]] = HandOver("zeroed", pd["handovers"] / params["remote_request_id"])
+    before, got_before = fell_back(pd, "unauthenticated"), received_bytes(pd)
+    reply = decode_leg(pd, prompt, {**params, "remote_port": impostor.port})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want
+    assert fell_back(pd, "unauthenticated") == before + 1 and received_bytes(pd) == got_before
+    served = impostor.handovers[params["remote_request_id"]].served
+    assert served.manifests == 1 and served.files_requests == 0  # refused at the manifest's proof
+    for headers in (ACME, GLOBEX):
+        again = httpx.post(pd["consumer"].url + "/v1/completions", json=pd_completion(prompt), headers=headers,
+                           timeout=PATIENCE)
+        assert again.json()["choices"][0]["text"] == cold_text(pd, prompt, headers)
+
+
+def test_a_hand_over_made_for_one_tenant_is_not_imported_for_another(pd) -> None:
+    """Acme's prefill leg, then a decode leg presented with globex's key: the hand-over is acme's chain, not
+    globex's, so none of it enters globex's scope (once one tenant's blocks could be written under another's
+    root); globex's prompt is computed, and what it gets is its cold text."""
+    prompt = PD_DOCUMENT + "Q: whose scope?"
+    params = prefill_leg(pd, prompt, ACME)
+    before, got_before = fell_back(pd, "unverified"), received_bytes(pd)
+    reply = decode_leg(pd, prompt, params, GLOBEX)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == cold_text(pd, prompt, GLOBEX)
+    assert fell_back(pd, "unverified") == before + 1 and received_bytes(pd) == got_before
+
+
+@pytest.mark.parametrize("mode", ["endless", "negative_size"])
+def test_a_listed_producers_endless_or_negative_manifest_is_read_only_to_its_bound(pd, mode: str) -> None:
+    """A manifest that never ends was read whole (1.5 GB took the engine to 7.6 GB); an entry of size -1 asked
+    for an endless body. Now a manifest is read up to what this prompt's could be, sizes are checked before
+    any file is asked for: a fallback, the prompt computed, the innocent client served meanwhile."""
+    prompt = PD_DOCUMENT + f"Q: {mode}?"
+    want = cold_text(pd, prompt)
+    params = prefill_leg(pd, prompt)
+    forger, handover = pd["forger"], HandOver(mode, pd["handovers"] / params["remote_request_id"])
+    forger.handovers[params["remote_request_id"]] = handover
+    reason = "unverified" if mode == "endless" else "corrupt"
+    before = fell_back(pd, reason)
+    with Beside(pd["consumer"].url, consumer_greedy(pd), headers=ACME):
+        reply = decode_leg(pd, prompt, {**params, "remote_port": forger.port})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want
+    assert fell_back(pd, reason) == before + 1
+    assert handover.served.files_requests == 0
+    assert handover.served.bytes_sent < 64 << 20  # what the sockets' buffers took, not what it had to send
+
+
+def test_dripped_manifests_end_at_the_fetch_deadline_and_turn_no_one_away(pd) -> None:
+    """Sixteen decode legs whose producer drips its manifest a byte at a time, forever, into a decode replica
+    with --max-waiting 16: each fetch ends at its deadline (3 s from arrival, on the socket), its prompt is
+    computed, and plain requests beside them are never refused as overloaded (they were, for ~45 s)."""
+    forger = pd["forger"]
+    prompts = [PD_DOCUMENT + f"Q: drip {i}?" for i in range(16)]
+    legs = []
+    for prompt in prompts:
+        params = prefill_leg(pd, prompt)
+        forger.handovers[params["remote_request_id"]] = HandOver("drip")
+        legs.append((prompt, {**params, "remote_port": forger.port}))
+    wants = [cold_text(pd, p) for p in prompts]
+    before = fell_back(pd, "timeout")
+    greedy = consumer_greedy(pd)
+    replies: list[httpx.Response] = []
+    with Beside(pd["consumer"].url, greedy, headers=ACME):
+        threads = [threading.Thread(target=lambda p=p, q=q: replies.append(decode_leg(pd, p, q))) for p, q in legs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(PATIENCE)
+    assert sorted(r.json()["choices"][0]["text"] for r in replies) == sorted(wants)
+    assert fell_back(pd, "timeout") == before + 16
+
+
+def proven(method: str, target: str, body: bytes = b"") -> dict[str, str]:
+    return {PEER_HEADER: request_proof(PEER["V4SERVE_KV_PEER_SECRET"].encode(), method, target, body)[0]}
+
+
+def test_the_hand_over_endpoints_answer_only_peers_and_bound_what_they_are_asked(pd) -> None:
+    """Without the fleet's proof: 401 (a keyless producer once served anyone). With it: each name once (one
+    name 20,000 times opened it 20,000 times), at least one (`[]` deleted someone's hand-over), a body that
+    nests or runs on is a 400 (was a 500), a proof used twice is refused, and only DELETE releases."""
+    url = pd["producer"].url
+    params = prefill_leg(pd, PD_DOCUMENT + "Q: endpoints?")
+    target = PATH + params["remote_request_id"]
+    manifest = httpx.get(url + target, headers=proven("GET", target), timeout=PATIENCE)
+    assert manifest.status_code == 200
+    name = manifest.json()["files"][0]["name"]
+    files = target + "/files"
+
+    def post(body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+        return httpx.post(url + files, content=body, headers=proven("POST", files, body) if headers is None
+                          else headers, timeout=PATIENCE)
+
+    for method in ("GET", "DELETE"):
+        assert httpx.request(method, url + target, timeout=PATIENCE).status_code == 401
+    assert post(b'{"names": []}', {}).status_code == 401
+    for body, says in [(json.dumps({"names": [name] * 20_000}).encode(), "each file once"),
+                       (b'{"names": []}', "one or more files"),
+                       (b'{"names": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", '{"names": [...]}'),
+                       (json.dumps({"names": [f"{i:064x}.blk" for i in range(50_000)]}).encode(), "one or more")]:
+        reply = post(body)
+        assert reply.status_code == 400 and says in reply.json()["error"]["message"], reply.text[:300]
+    assert post(b'{"names": ["' + b"a" * (17 << 20) + b'"]}').status_code == 413  # --max-request-bytes
+    headers = proven("GET", target)
+    assert httpx.get(url + target, headers=headers, timeout=PATIENCE).status_code == 200  # `[]` deleted nothing
+    assert httpx.get(url + target, headers=headers, timeout=PATIENCE).status_code == 401  # a replayed proof
+    assert httpx.delete(url + target, headers=proven("DELETE", target), timeout=PATIENCE).status_code == 200
+    assert httpx.get(url + target, headers=proven("GET", target), timeout=PATIENCE).status_code == 404
+    # A replica that is no producer answers at once, whatever wait it is asked for (it waited it out).
+    waiting = PATH + "4" * 32 + "?wait=100000"
+    reply = httpx.get(pd["consumer"].url + waiting, headers=proven("GET", waiting), timeout=PATIENCE)
+    assert reply.status_code == 404 and "hands no KV over" in reply.text
+
+
+def open_handover_files(pid: int, folder: Path) -> int:
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd).startswith(str(folder))
+    return count
+
+
+def test_an_unread_files_reply_holds_one_file_open_and_none_once_its_reader_goes(pd) -> None:
+    """A files request whose reader never reads pinned every file it named open, and kept them after it left,
+    until a later garbage collection: now the producer opens them one at a time as it sends them (at most
+    one is open while it waits on the reader), and none is open once the reader goes."""
+    prompt = "".join(f"[{i}] a long document's line, handed over and never read. " for i in range(540))
+    params = prefill_leg(pd, prompt)
+    folder = pd["handovers"] / params["remote_request_id"]
+    target = PATH + params["remote_request_id"]
+    names = [e["name"] for e in httpx.get(pd["producer"].url + target, headers=proven("GET", target),
+                                          timeout=PATIENCE).json()["files"]]
+    send_buffer = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    assert sum((folder / n).stat().st_size for n in names) > send_buffer + (2 << 20)  # more than buffers hold
+    body = json.dumps({"names": names}).encode()
+    files = target + "/files"
+    host, port = pd["producer"].url.removeprefix("http://").split(":")
+    pid = pd["producer"].proc.pid
+    sent = metric(pd["producer"].url, "v4serve_kv_transfer_sent_bytes_total")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect((host, int(port)))
+    head = "".join(f"{k}: {v}\r\n" for k, v in proven("POST", files, body).items())
+    reader.sendall(f"POST {files} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                   f"{len(body)}\r\n{head}\r\n".encode() + body)
+    try:
+        wait_until(lambda: metric(pd["producer"].url, "v4serve_kv_transfer_sent_bytes_total") > sent + (1 << 20),
+                   "the producer sending")
+        for _ in range(20):  # sending, then blocked on the unread socket: at most the file it is on is open
+            assert open_handover_files(pid, folder) <= 1
+            time.sleep(0.05)
+        assert metric(pd["producer"].url, "v4serve_kv_transfer_sent_requests_total") == 0  # still not all sent
+    finally:
+        reader.close()
+    wait_until(lambda: open_handover_files(pid, folder) == 0, "every file closed once the reader left")
+
+
+# ---- the keys file: never blocking, never half-read -----------------------------------------------------------------
+def test_a_fifo_at_the_keys_file_path_blocks_nothing_and_later_files_still_apply(tmp_path: Path) -> None:
+    """A FIFO put where the keys file was held the watcher in open() forever: later replacements never applied
+    (a revoked key kept working) and SIGTERM hung for minutes. Now it is refused as no regular file (the keys in
+    force kept), the next real file applies, and the daemon stops at once."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEYS[0]} acme\n")
+    served = start_daemon("--api-keys-file", str(keys))
+    log = Path(served.log.name)
+
+    def status(key: str) -> int:
+        return httpx.post(served.url + "/v1/completions", json=GREEDY, headers={"Authorization": f"Bearer {key}"},
+                          timeout=PATIENCE).status_code
+
+    try:
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        fifo.replace(keys)
+        wait_until(lambda: "is not a regular file" in log.read_text(errors="replace"), "the FIFO refused")
+        assert status(KEYS[0]) == 200  # the keys in force stay
+        write_file(keys, f"{KEYS[1]} globex\n".encode())  # KEYS[0] revoked, KEYS[1] new
+        wait_until(lambda: status(KEYS[1]) == 200, "the next keys file applied")
+        assert status(KEYS[0]) == 401
+        fifo = tmp_path / "fifo2"
+        os.mkfifo(fifo)
+        fifo.replace(keys)  # a FIFO again, as the daemon stops
+        wait_until(lambda: log.read_text(errors="replace").count("is not a regular file") >= 2, "the FIFO refused")
+    finally:
+        code = served.stop(signal.SIGTERM)
+    assert code == 0  # a clean stop, not the kill that follows an overstay
+
+
+def test_a_keys_file_caught_mid_write_is_not_read_until_whole(tmp_path: Path) -> None:
+    """`sk-globex-1 glob` on disk for a moment (a write caught halfway) ran that key's requests as tenant `glob`:
+    another cache scope, and a prefix of a tenant's name would share its cache. A file whose last line has no
+    newline is now read only once it has stayed unchanged for a while; once the write ends with its newline it
+    applies at once, as the tenant it names."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEYS[0]} acme\n")
+    served = start_daemon("--api-keys-file", str(keys))
+    log = Path(served.log.name)
+
+    def status(key: str) -> int:
+        return httpx.post(served.url + "/v1/completions", json=GREEDY, headers={"Authorization": f"Bearer {key}"},
+                          timeout=PATIENCE).status_code
+
+    try:
+        with open(keys, "ab") as file:  # appended in place, in two writes, as an editor or a script might
+            file.write(f"{KEYS[1]} glob".encode())
+            file.flush()
+            wait_until(lambda: "ends inside a line" in log.read_text(errors="replace"), "the torn write noticed")
+            assert status(KEYS[1]) == 401 and status(KEYS[0]) == 200  # the torn line is not in force
+            file.write(b"ex\n")
+        wait_until(lambda: status(KEYS[1]) == 200, "the whole file read")
+        text = httpx.get(served.url + "/metrics", timeout=PATIENCE).text
+        assert 'tenant="globex"' in text and 'tenant="glob"' not in text
+    finally:
+        served.stop()
+
+
+def test_a_torn_keys_file_that_stays_as_it_is_is_read_once_settled(tmp_path: Path, monkeypatch) -> None:
+    """A file without a final newline that nobody finishes is the operator's file after all: read once it has
+    not changed for SETTLE_SECONDS (here 0.5), not refused for ever."""
+    from v4serve.server import tenants
+
+    monkeypatch.setattr(tenants, "SETTLE_SECONDS", 0.5)
+    monkeypatch.setattr(tenants, "RECHECK_SECONDS", 0.05)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEYS[0]} acme\n")
+    table = tenants.ApiKeys(keys_file=keys)
+    table.watch()
+    try:
+        keys.write_text(f"{KEYS[0]} acme\n{KEYS[1]} globex")
+        wait_until(lambda: table.tenant_of(KEYS[1].encode()) == "globex", "the settled file read")
+    finally:
+        table.close()
+
+
+# ---- API servers: one dying ends the others' streams properly --------------------------------------------------------
+def test_an_api_server_that_dies_ends_the_other_streams_with_an_error_and_health_says_so() -> None:
+    """kill -9 of the second API server: streams on the first were cut without an error event or [DONE], and
+    /health said ok for seconds. Now shutdown is decided at once: /health answers 503, and every running
+    stream ends with an error event and [DONE] before the daemon exits 1."""
+    from tests.test_api_servers import named_children, on_server
+
+    served = start_daemon("--api-server-count", "2", "--shutdown-timeout", "5")
+    try:
+        first = on_server(served.url, 0)
+        body = {**GREEDY, "prompt": "A long story:", "max_tokens": 30_000, "ignore_eos": True, "stream": True}
+        with first.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(named_children(served.proc.pid)["v4serve-api"][0], signal.SIGKILL)
+            health = httpx.Client(base_url=served.url, timeout=PATIENCE)
+            wait_until(lambda: on_server_health(health) == 503, "/health to say the daemon is going")
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+        assert served.proc.wait(timeout=PATIENCE) == 1
+    finally:
+        served.stop(signal.SIGKILL)
+
+
+def on_server_health(client: httpx.Client) -> int:
+    try:
+        return client.get("/health").status_code
+    except httpx.TransportError:  # the first API server has stopped listening: past the point tested
+        return -1
+
+
+# ---- headers: bounded in size and number ------------------------------------------------------------------------
+def raw_exchange(url: str, request: bytes) -> bytes:
+    """Send `request` on a fresh connection and read what comes back until the server closes it."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    with socket.create_connection((host, port)) as sock:
+        with contextlib.suppress(OSError):  # the server may close before the client has sent it all
+            sock.sendall(request)
+        sock.settimeout(PATIENCE)
+        chunks = []
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 16):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+@pytest.mark.parametrize(("headers", "says"), [
+    (b"X-Big: " + b"a" * (40 << 20) + b"\r\n", "over (65536|4194304) bytes"),  # one 40 MB line got a 200
+    (b"".join(b"X-H%d: 1\r\n" % i for i in range(10_000)), "over 256 headers"),  # 10,000 headers got a 200
+    (b"".join(b"X-H%d: %s\r\n" % (i, b"b" * 60_000) for i in range(80)), "headers are over 4194304 bytes"),
+    (b"X-Long: " + b"d" * 70_000 + b"\r\n", "a header line is over 65536 bytes"),
+], ids=["one-huge-line", "ten-thousand", "many-long", "one-long-line"])
+def test_headers_past_their_bounds_are_a_431_and_everyone_else_is_served(url: str, greedy_text: str, headers: bytes,
+                                                                         says: str) -> None:
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    with Beside(url, greedy_text):
+        replies = [None] * 8
+        threads = [threading.Thread(target=lambda i=i: replies.__setitem__(i, raw_exchange(url, request)))
+                   for i in range(8)]  # eight at once took the front end from 375 to 769 MB
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(PATIENCE)
+    for reply in replies:
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head.lower(), reply[:200]
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_header_fields_too_large" and re.search(says, error["message"])
+    assert metric(url, "v4serve_connections_closed_total", reason="header_size") >= 8
+
+
+def test_headers_within_their_bounds_are_served(url: str) -> None:
+    """At the bounds, not past them: 255 headers besides Host, a 60 KB line (a large cookie or token)."""
+    request = (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Long: " + b"c" * 60_000 + b"\r\n"
+               + b"".join(b"X-H%d: 1\r\n" % i for i in range(253)) + b"\r\n")
+    assert raw_exchange(url, request).startswith(b"HTTP/1.1 200 ")
+
+
+# ---- a preprocessing worker that dies mid-job ------------------------------------------------------------------------
+def dies_once(_tokenizer: Any, marker: str) -> str:
+    """A job that kills its own worker the first time it runs (the injected fault), and answers the second."""
+    if not Path(marker).exists():
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "answered"
+
+
+def always_dies(_tokenizer: Any) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_job_whose_worker_dies_runs_again_and_twice_dead_is_a_retryable_503(tmp_path: Path) -> None:
+    """A worker killed mid-job (the OOM killer, a kill -9) gave its request a 500. Jobs are pure functions of
+    their arguments, so the fresh worker runs it once more; one that kills that worker too is a 503 with
+    Retry-After, never a 500, and the pool serves on."""
+    import asyncio
+
+    from v4serve.server.errors import ApiError
+    from v4serve.server.preprocess import PreprocessConfig, Preprocessor
+
+    pool = Preprocessor(ByteTokenizer(), PreprocessConfig(workers=1, cpu_seconds=30.0))
+    pool.start()
+    try:
+        assert asyncio.run(pool.run(dies_once, str(tmp_path / "marker"))) == "answered"
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(pool.run(always_dies))
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+        assert refused.value.code == "preprocess_worker_died"
+        assert asyncio.run(pool.run(dies_once, str(tmp_path / "marker"))) == "answered"  # served on
+        assert pool.replaced == 3
+    finally:
+        pool.close()
