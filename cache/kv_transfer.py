@@ -70,6 +70,7 @@ from v4serve.cache.ssd_file import (
     KIND_SNAPSHOT,
     SUFFIX,
     StoreFileError,
+    open_store_file,
     pack_tokens,
     read_store_file,
 )
@@ -425,7 +426,8 @@ def _parse_manifest(data: bytes) -> Any:
 
 def _fetch_local(store: SSDStore, folder: Path, expected: ExpectedPrefix, progress: list[int]) -> bool:
     try:
-        with open(folder / MANIFEST, "rb") as file:
+        fd, _ = open_store_file(folder / MANIFEST)  # never through a link, never a FIFO's endless wait
+        with open(fd, "rb") as file:
             data = file.read(expected.manifest_limit() + 1)
         if len(data) > expected.manifest_limit():
             raise FetchFailed("unverified", f"a manifest of over {expected.manifest_limit()} bytes where this "
@@ -437,6 +439,8 @@ def _fetch_local(store: SSDStore, folder: Path, expected: ExpectedPrefix, progre
             except StoreFileError as exc:
                 raise FetchFailed("corrupt", f"{entry.name}: {exc}") from exc
             _import(store, entry, data, progress)
+    except StoreFileError as exc:
+        raise FetchFailed("corrupt", f"the shared hand-over's manifest: {exc}") from exc
     except OSError as exc:
         raise FetchFailed("incomplete", f"the shared hand-over folder went away: {exc}") from exc
     shutil.rmtree(folder, ignore_errors=True)  # fetched: the prefill replica need not hold it longer
