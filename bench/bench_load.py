@@ -440,7 +440,21 @@ def report_hostile(figures: dict[str, Any]) -> Path:
 # ---- prefill and decode apart: hostile peers beside an innocent client ----------------------------------------
 PD_SECRET = {"V4SERVE_KV_PEER_SECRET": "bench-load-pd-peer-secret-0123456789"}
 PD_DOC = "a document handed over from the prefill replica, block after block. " * 12
-HUGE = b"a" * (40 << 20)
+# Eight connections at once, each sending a 40 MB header line; prints each one's status.
+HEADER_ATTACK = """
+import contextlib, socket, sys, threading
+request = b"GET /health HTTP/1.1\\r\\nHost: x\\r\\nX-Big: " + b"a" * (40 << 20) + b"\\r\\n\\r\\n"
+statuses = []
+def one():
+    with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as sock:
+        with contextlib.suppress(OSError):
+            sock.sendall(request)
+        statuses.append(sock.recv(64).split(b" ")[1].decode())
+threads = [threading.Thread(target=one) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(" ".join(statuses))
+"""
 
 
 def pd_body(prompt: str, **fields: Any) -> dict[str, Any]:
@@ -487,87 +501,95 @@ async def run_pd_hostile(quiet_seconds: float = 5.0) -> dict[str, Any]:
 
 
 async def _pd_cases(producer: str, consumer: str, handovers: Path, forger: Any, impostor: Any,
-                    quiet_seconds: float) -> dict[str, Any]:
+                    quiet_seconds: float, rounds: int = 8) -> dict[str, Any]:
+    """Each case: `rounds` attacks made ready first (their prefill legs on the prefill replica, which is not
+    what is measured), then sent one after another while the innocent client and the poller run."""
     from tests.hostile_peer import HandOver
     from v4serve.cache.kv_transfer import PATH
     from v4serve.cache.peer_auth import PEER_HEADER, request_proof
 
     secret = PD_SECRET["V4SERVE_KV_PEER_SECRET"].encode()
     client = httpx.AsyncClient(timeout=600)
-    cases: dict[str, Any] = {}
+    Attack = Any  # a zero-argument coroutine function returning the statuses it got
 
-    async def quiet() -> None:
-        await asyncio.sleep(quiet_seconds)
+    async def decode_leg(prompt: str, params: dict[str, Any], **fields: Any) -> int:
+        body = pd_body(prompt, kv_transfer_params=params, **fields)
+        return (await client.post(consumer + "/v1/completions", json=body)).status_code
 
-    async def decode_leg(prompt: str, params: dict[str, Any]) -> int:
-        return (await client.post(consumer + "/v1/completions", json=pd_body(prompt, kv_transfer_params=params))
-                ).status_code
+    async def handed_over(mode: str) -> tuple[str, dict[str, Any]]:
+        prompt = PD_DOC + f"Q: {mode} {time.monotonic()}?"
+        return prompt, await prefill_leg(client, producer, prompt)
 
-    async def hostile_legs(mode: str, producer_of: Any, count: int = 1) -> list[int]:
-        legs = []
-        for i in range(count):
-            prompt = PD_DOC + f"Q: {mode} {i} {time.monotonic()}?"
-            params = await prefill_leg(client, producer, prompt)
-            producer_of.handovers[params["remote_request_id"]] = HandOver(mode, handovers / params["remote_request_id"])
-            legs.append(decode_leg(prompt, {**params, "remote_port": producer_of.port}))
-        return list(await asyncio.gather(*legs))
+    async def legs(mode: str, hostile: Any, count: int = 1) -> Attack:
+        ready = []
+        for _ in range(count):
+            prompt, params = await handed_over(mode)
+            hostile.handovers[params["remote_request_id"]] = HandOver(mode, handovers / params["remote_request_id"])
+            ready.append((prompt, {**params, "remote_port": hostile.port}))
+        return lambda: asyncio.gather(*(decode_leg(p, q) for p, q in ready))
 
-    async def unlisted() -> list[int]:
-        prompt = PD_DOC + f"Q: unlisted {time.monotonic()}?"
-        params = await prefill_leg(client, producer, prompt)
-        return [await decode_leg(prompt, {**params, "remote_port": 9})]
+    async def unlisted() -> Attack:
+        prompt, params = await handed_over("unlisted")
+        return lambda: asyncio.gather(decode_leg(prompt, {**params, "remote_port": 9}))
 
-    async def another_tenant() -> list[int]:  # a salt stands for the tenant: another root, the same prompt
-        prompt = PD_DOC + f"Q: tenant {time.monotonic()}?"
-        params = await prefill_leg(client, producer, prompt)
-        body = pd_body(prompt, kv_transfer_params=params, cache_salt="another-tenant")
-        return [(await client.post(consumer + "/v1/completions", json=body)).status_code]
+    async def another_tenant() -> Attack:  # a salt stands for the tenant: another root, the same prompt
+        prompt, params = await handed_over("tenant")
+        return lambda: asyncio.gather(decode_leg(prompt, params, cache_salt="another-tenant"))
 
-    async def repeated_names() -> list[int]:
-        params = await prefill_leg(client, producer, PD_DOC + f"Q: names {time.monotonic()}?")
-        target = PATH + params["remote_request_id"]
-        proof = {PEER_HEADER: request_proof(secret, "GET", target)[0]}
-        name = (await client.get(producer + target, headers=proof)).json()["files"][0]["name"]
-        body = json.dumps({"names": [name] * 20_000}).encode()
-        files = target + "/files"
-        reply = await client.post(producer + files, content=body,
-                                  headers={PEER_HEADER: request_proof(secret, "POST", files, body)[0]})
-        return [reply.status_code]
-
-    async def plain_prompt() -> list[int]:  # what a fallback costs anyway: the same prompt, computed
+    async def plain_prompt() -> Attack:  # what a fallback costs anyway: the same prompt, computed
         prompt = PD_DOC + f"Q: plain {time.monotonic()}?"
-        return [(await client.post(consumer + "/v1/completions", json=pd_body(prompt))).status_code]
+        return lambda: asyncio.gather(decode_leg(prompt, {}))
 
-    def one_huge_header() -> int:  # on a thread: the attacker's bytes are not the probes' event loop's work
-        import socket
+    async def repeated_names() -> Attack:
+        _, params = await handed_over("names")
+        target, files = PATH + params["remote_request_id"], PATH + params["remote_request_id"] + "/files"
+        name = (await client.get(producer + target, headers={PEER_HEADER: request_proof(secret, "GET", target)[0]})
+                ).json()["files"][0]["name"]
+        body = json.dumps({"names": [name] * 20_000}).encode()
 
-        host, port = httpx.URL(consumer).host, httpx.URL(consumer).port
-        with socket.create_connection((host, port)) as sock:
-            with contextlib.suppress(OSError):
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + HUGE + b"\r\n\r\n")
-            return int(sock.recv(64).split(b" ")[1])
+        async def send() -> list[int]:
+            proof = {PEER_HEADER: request_proof(secret, "POST", files, body)[0]}
+            return [(await client.post(producer + files, content=body, headers=proof)).status_code]
+        return send
 
-    async def huge_headers() -> list[int]:
-        return list(await asyncio.gather(*(asyncio.to_thread(one_huge_header) for _ in range(8))))
+    async def huge_headers() -> Attack:
+        host, port = httpx.URL(consumer).host, str(httpx.URL(consumer).port)
 
-    def rounds(case: Any, n: int = 3) -> Any:
-        async def run() -> list[int]:
-            return [status for _ in range(n) for status in await case()]
-        return run
+        async def send() -> list[int]:  # from a process of its own, as an attacker's bytes come from elsewhere
+            attacker = await asyncio.create_subprocess_exec(sys.executable, "-c", HEADER_ATTACK, host, port,
+                                                            stdout=asyncio.subprocess.PIPE)
+            out, _ = await attacker.communicate()
+            return [int(status) for status in out.split()]
+        return send
 
-    work = {"quiet": None, "a plain prompt of the same length (what a fallback computes)": rounds(plain_prompt),
-            "unlisted producer (a client's own server)": rounds(unlisted),
-            "zeroed KV from an impostor": rounds(lambda: hostile_legs("zeroed", impostor)),
-            "another tenant's hand-over": rounds(another_tenant),
-            "endless manifest": rounds(lambda: hostile_legs("endless", forger)),
-            "negative size": rounds(lambda: hostile_legs("negative_size", forger)),
-            "16 dripped manifests": lambda: hostile_legs("drip", forger, 16),
-            "files: one name x 20,000": rounds(repeated_names), "8 x a 40 MB header line": rounds(huge_headers)}
+    # (make one attack, how many, whether one made attack may be sent again: refused ones change nothing)
+    cases_to_run = {
+        "a plain prompt of the same length (what a fallback computes)": (plain_prompt, rounds, False),
+        "unlisted producer (a client's own server)": (unlisted, 50 * rounds, True),
+        "zeroed KV from an impostor": (lambda: legs("zeroed", impostor), rounds, False),
+        "another tenant's hand-over": (another_tenant, rounds, False),
+        "endless manifest": (lambda: legs("endless", forger), rounds, False),
+        "negative size": (lambda: legs("negative_size", forger), rounds, False),
+        "16 dripped manifests": (lambda: legs("drip", forger, 16), 1, False),
+        "files: one name x 20,000": (repeated_names, 10 * rounds, True),
+        "8 x a 40 MB header line": (huge_headers, rounds, True)}
+    cases: dict[str, Any] = {}
     try:
-        for name, case in work.items():
-            greedy, health, statuses = await beside(consumer, case or quiet)
+        async def quiet() -> list[int]:
+            await asyncio.sleep(quiet_seconds)
+            return []
+        greedy, health, _ = await beside(consumer, quiet)
+        cases["quiet"] = {"greedy_p50_s": statistics.median(greedy), "greedy_max_s": max(greedy),
+                          "health_max_s": max(health), "probes": len(greedy), "statuses": {}}
+        for name, (make, n, again) in cases_to_run.items():
+            attacks = [await make()] * n if again else [await make() for _ in range(n)]
+
+            async def run(attacks: list[Attack] = attacks) -> list[int]:
+                return [status for attack in attacks for status in await attack()]
+
+            greedy, health, statuses = await beside(consumer, run)
             counts: dict[int, int] = {}
-            for status in statuses or []:
+            for status in statuses:
                 counts[status] = counts.get(status, 0) + 1
             cases[name] = {"greedy_p50_s": statistics.median(greedy), "greedy_max_s": max(greedy),
                            "health_max_s": max(health), "probes": len(greedy), "statuses": counts}

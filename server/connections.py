@@ -10,7 +10,8 @@ length. Here a request's header block (its request line and header lines) may ta
 past any of them the request gets 431 (Request Header Fields Too Large) in OpenAI's error shape and its
 connection is closed. The block is counted as it arrives (each piece the socket delivers while the
 headers are incomplete, never a piece in which a request began: never over, at most one read under),
-so a header that never ends costs at most the bound.
+and so is a line (pieces with no newline in them), so a header that never ends costs at most its
+bound, never the parser's quadratic joining of a line of many megabytes.
 
 uvicorn closes a connection idle after a response (`timeout_keep_alive`), but not one that was opened
 and never sent anything, nor one that sends its headers a line at a time: both would stay open for
@@ -38,13 +39,14 @@ import httptools
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from v4serve.server.body import DRAIN_BYTES, DRAIN_SECONDS
+from v4serve.server.body import DRAIN_SECONDS
 from v4serve.server.errors import error_json
 
 PROBES = frozenset({"/health", "/metrics"})
 MAX_HEADER_BYTES = 4 << 20  # a request's header block (vLLM's h11_max_incomplete_event_size default)
 MAX_HEADER_COUNT = 256  # header lines of one request (vLLM's h11_max_header_count default)
 MAX_HEADER_LINE = 64 << 10  # one header line, or the request line: far above any cookie or token sent
+HEADER_DRAIN_BYTES = 1 << 20  # what a client refused a 431 may still send before its connection is cut
 
 
 class _HeadersTooLarge(Exception):
@@ -68,6 +70,7 @@ def protocol_with_header_timeout(header_timeout: float, on_close: Callable[[str]
         _in_headers: bool = True  # between a request's start (or the connection's) and its headers' end
         _header_bytes: int = 0  # of the current request's header block, as counted in `data_received`
         _header_count: int = 0
+        _line_bytes: int = 0  # bytes of the pieces since the last one with a newline, while in headers
         _begun: int = 0  # requests begun on this connection
         _too_large: str | None = None  # why the headers were refused (the 431 is sent once)
         _drain_left: int = 0  # bytes the client may still send after the 431, dropped
@@ -79,6 +82,12 @@ def protocol_with_header_timeout(header_timeout: float, on_close: Callable[[str]
                 if self._drain_left <= 0:
                     self.transport.close()
                 return
+            if self._in_headers:  # a piece with no newline lies inside one line: a line that never ends stops here
+                self._line_bytes = self._line_bytes + len(data) if b"\n" not in data else 0
+                if self._line_bytes > line_cap:
+                    self._too_large = f"a header line is over {line_cap} bytes"
+                    self._refuse_headers()
+                    return
             begun = self._begun
             self._unset_keepalive_if_required()
             try:
@@ -135,14 +144,15 @@ def protocol_with_header_timeout(header_timeout: float, on_close: Callable[[str]
                                  b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n"
                                  b"\r\n" + body)
             on_close("header_size")
-            # A close with the client's bytes unread would reset the connection, and a reset can lose the 431
-            # before the client reads it: the write side is shut once the answer is out, and what the client
-            # still sends is dropped (up to DRAIN_BYTES, for DRAIN_SECONDS) until it closes its side.
+            # The write side is shut once the answer is out, and what the client still sends is read and
+            # dropped, up to HEADER_DRAIN_BYTES for DRAIN_SECONDS, so a client that went a little over the
+            # bound finishes sending and reads its 431; one still sending past that is cut off (reading
+            # a 40 MB header to its end cost eight at once more than they were worth).
             if not self.transport.can_write_eof():
                 self.transport.close()
                 return
             self.transport.write_eof()
-            self._drain_left = DRAIN_BYTES
+            self._drain_left = HEADER_DRAIN_BYTES
             self.loop.call_later(DRAIN_SECONDS, self.transport.close)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
