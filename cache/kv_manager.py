@@ -32,7 +32,15 @@ from v4serve.cache.block_pool import (
 )
 from v4serve.cache.config import CacheConfig
 from v4serve.cache.kv_events import DEVICE, KVEventLog
-from v4serve.cache.kv_transfer import ExpectedPrefix, FetchPool, FetchResult, KVSource, KVTransferConfig, fetch
+from v4serve.cache.kv_transfer import (
+    ExpectedPrefix,
+    FetchJob,
+    FetchPool,
+    FetchResult,
+    KVSource,
+    KVTransferConfig,
+    fetch,
+)
 from v4serve.cache.request_kv import NO_HIT, PrefixPlan, RequestKV
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_loader import DiskLoad, PayloadCodec, SSDLoader
@@ -325,7 +333,7 @@ class KVCacheManager:
             self._fetches = FetchPool(transfer.max_fetches)
         expected = ExpectedPrefix.of(kv.root, kv.block_hashes, tokens(0, num_prompt_tokens), self.config.block_size)
         deadline = time.monotonic() + transfer.fetch_timeout
-        kv.fetch = self._fetches.submit(lambda: fetch(store, source, expected, transfer, deadline))
+        kv.fetch = self._fetches.submit(lambda job: fetch(store, source, expected, transfer, deadline, job))
         return True
 
     def finish_fetch(self, kv: RequestKV) -> FetchResult:
@@ -416,7 +424,11 @@ class KVCacheManager:
 
     # ---- release ------------------------------------------------------------------------------------
     def free(self, kv: RequestKV) -> None:
-        """Give back the slot and every block reference at once (finish, abort or preemption)."""
+        """Give back the slot and every block reference at once (finish, abort or preemption); a hand-over
+        fetch still queued or running is abandoned (its thread is free again at once)."""
+        if isinstance(kv.fetch, FetchJob):
+            kv.fetch.abandon()
+            kv.fetch = None
         if kv.slot is not None:
             self.state.slots.free(kv.slot)
             kv.slot = None

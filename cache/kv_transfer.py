@@ -38,6 +38,7 @@ import hmac
 import http.client
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -181,7 +182,7 @@ class KVTransferConfig:
                              "computed on the decode replica)")
         for name in ("hold_seconds", "fetch_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"--kv-transfer-config: {name} must be a positive number of seconds")
         if isinstance(self.max_fetches, bool) or not isinstance(self.max_fetches, int) or self.max_fetches < 1:
             raise ValueError("--kv-transfer-config: max_fetches must be a whole number of fetches, at least 1")
@@ -315,40 +316,66 @@ class FetchFailed(Exception):
         self.reason = reason
 
 
+class FetchJob(Future):
+    """A fetch queued or running on a FetchPool, which its request can abandon (an abort): one not yet
+    started never starts, and a running one's socket is shut, so its thread is free again at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._abandoned = False
+        self._remote: _Remote | None = None
+        self._guard = threading.Lock()
+
+    def abandon(self) -> None:
+        with self._guard:
+            self._abandoned, remote = True, self._remote
+        self.cancel()
+        if remote is not None:
+            remote.abort()
+
+    def attach(self, remote: _Remote) -> bool:
+        """The fetch's connection, so an abandon can shut it; False if the job is abandoned already."""
+        with self._guard:
+            self._remote = remote
+            return not self._abandoned
+
+
 class FetchPool:
     """At most `size` fetches at once, on daemon threads (one blocked on a peer can hold up neither
     another pool's work nor the process's exit); the rest wait their turn in order."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[FetchJob, Callable[[FetchJob], Any]]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn))
+    def submit(self, fn: Callable[[FetchJob], Any]) -> FetchJob:
+        """Run `fn(job)` on a pool thread; the job is the Future of its result."""
+        job = FetchJob()
+        self._jobs.put((job, fn))
         with self._lock:
             if len(self._threads) < self.size:
                 thread = threading.Thread(target=self._work, name="v4serve-kv-fetch", daemon=True)
                 self._threads.append(thread)
                 thread.start()
-        return future
+        return job
 
     def _work(self) -> None:
         while True:
-            future, fn = self._jobs.get()
-            if future.set_running_or_notify_cancel():
+            job, fn = self._jobs.get()
+            if job.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn())
+                    job.set_result(fn(job))
                 except BaseException as exc:  # handed to whoever waits
-                    future.set_exception(exc)
+                    job.set_exception(exc)
 
 
 def fetch(store: SSDStore, source: KVSource, expected: ExpectedPrefix, config: KVTransferConfig,
-          deadline: float) -> FetchResult:
+          deadline: float, job: FetchJob | None = None) -> FetchResult:
     """Bring a hand-over's files this store lacks into it, each checked against `expected` (a fetch
-    thread's work; never raises). `deadline`: time.monotonic() by which it ends, whatever the peer does."""
+    thread's work; never raises). `deadline`: time.monotonic() by which it ends, whatever the peer does;
+    `job`: the pool's handle, through which the request can abandon it."""
     t0 = time.perf_counter()
     progress = [0, 0]  # files, bytes written so far
     local = store.handover_dir(source.transfer_id)
@@ -361,7 +388,10 @@ def fetch(store: SSDStore, source: KVSource, expected: ExpectedPrefix, config: K
         if (local / MANIFEST).is_file():
             complete = _fetch_local(store, local, expected, progress)
             return FetchResult(*progress, time.perf_counter() - t0, True, None if complete else "incomplete")
-        complete = _Remote(store, source, expected, config.secret, deadline).fetch(progress)
+        remote = _Remote(store, source, expected, config.secret, deadline)
+        if job is not None and not job.attach(remote):
+            raise FetchFailed("timeout", "the request was abandoned before its fetch began")
+        complete = remote.fetch(progress)
         return FetchResult(*progress, time.perf_counter() - t0, False, None if complete else "incomplete")
     except FetchFailed as exc:
         return FetchResult(*progress, time.perf_counter() - t0, local.exists(), exc.reason, str(exc))
@@ -450,22 +480,19 @@ def _fetch_local(store: SSDStore, folder: Path, expected: ExpectedPrefix, progre
 class _Remote:
     """One fetch over TCP from a listed producer: every request proven, every answer checked, the
     whole of it ended at `deadline` by shutting the socket (a peer that drips a byte at a time, or
-    stops answering mid-reply, cannot hold it longer)."""
+    stops answering mid-reply, cannot hold it longer), or at once when its request is abandoned."""
 
     def __init__(self, store: SSDStore, source: KVSource, expected: ExpectedPrefix, secret: bytes,
                  deadline: float) -> None:
         self.store, self.source, self.expected, self.secret, self.deadline = store, source, expected, secret, deadline
         self.conn: http.client.HTTPConnection | None = None
-        self.cut = threading.Event()  # set once the deadline has shut the socket
+        self.cut = threading.Event()  # set once the deadline (or an abandon) has shut the socket
         self.timer: threading.Timer | None = None
+        self.verified = False  # the manifest was this request's own: releasing the hand-over is ours to do
 
     def fetch(self, progress: list[int]) -> bool:
         try:
-            self._connect()
-            try:
-                return self._exchange(progress)
-            finally:
-                self._release()
+            return self._exchange(progress)
         except FetchFailed:
             raise
         except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -473,30 +500,59 @@ class _Remote:
                 raise FetchFailed("timeout", f"the fetch passed its deadline ({exc})") from exc
             raise FetchFailed("unreachable", f"{self.source.host}:{self.source.port}: {exc}") from exc
         finally:
-            if self.timer is not None:
-                self.timer.cancel()
-            if self.conn is not None:
-                self.conn.close()
+            self._finish()
+
+    def abort(self) -> None:
+        """The request went (from another thread): its socket is shut now."""
+        self.deadline = time.monotonic()
+        conn = self.conn
+        if conn is not None and conn.sock is not None:
+            self._cut(conn.sock)
 
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or self.cut.is_set():
             raise FetchFailed("timeout", "the fetch passed its deadline")
         return left
 
     def _connect(self) -> None:
-        self.conn = http.client.HTTPConnection(self.source.host, self.source.port, timeout=self._left())
-        self.conn.connect()
-        self.conn.auto_open = 0  # never a second socket, which the deadline would not shut
-        self.timer = threading.Timer(self._left(), self._cut, args=(self.conn.sock,))
+        """A connection, every address tried within what is left of the deadline, and the deadline's cut
+        armed on it."""
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.conn is not None:
+            self.conn.close()
+        sock, last = None, OSError(f"{self.source.host} has no address")
+        for family, kind, proto, _, address in socket.getaddrinfo(self.source.host, self.source.port,
+                                                                   type=socket.SOCK_STREAM):
+            candidate = socket.socket(family, kind, proto)
+            try:
+                candidate.settimeout(self._left())
+                candidate.connect(address)
+            except OSError as exc:
+                candidate.close()
+                last = exc
+                continue
+            except FetchFailed:
+                candidate.close()
+                raise
+            sock = candidate
+            break
+        if sock is None:
+            raise last
+        self.conn = http.client.HTTPConnection(self.source.host, self.source.port)
+        self.conn.sock = sock
+        self.conn.auto_open = 0  # never a socket of its own making, which the deadline would not shut
+        self.timer = threading.Timer(self._left(), self._cut, args=(sock,))
         self.timer.daemon = True
         self.timer.start()
 
     def _sock(self) -> socket.socket:
-        """The connection's socket, its timeout what is left of the deadline."""
-        assert self.conn is not None
-        if self.conn.sock is None:
-            raise FetchFailed("refused", f"{self.source.host}:{self.source.port} closed the connection")
+        """The connection's socket (a new one if the producer closed the last), its timeout what is left
+        of the deadline."""
+        if self.conn is None or self.conn.sock is None:
+            self._connect()
+        assert self.conn is not None and self.conn.sock is not None
         self.conn.sock.settimeout(self._left())
         return self.conn.sock
 
@@ -506,12 +562,12 @@ class _Remote:
             sock.shutdown(socket.SHUT_RDWR)  # every blocked or later read on it ends at once
 
     def _request(self, method: str, target: str, body: bytes = b"") -> tuple[http.client.HTTPResponse, str]:
-        assert self.conn is not None
         proof, nonce = request_proof(self.secret, method, target, body)
         headers = {PEER_HEADER: proof}
         if body:
             headers["Content-Type"] = "application/json"
         self._sock()
+        assert self.conn is not None
         self.conn.request(method, target, body=body or None, headers=headers)
         reply = self.conn.getresponse()
         if reply.status != 200:
@@ -532,6 +588,7 @@ class _Remote:
         except PeerRefused as exc:
             raise FetchFailed("unauthenticated", str(exc)) from exc
         wanted, complete = verify_manifest(self.store, _parse_manifest(body), self.expected)
+        self.verified = True
         if wanted:
             self._files(wanted, progress)
         return complete
@@ -552,12 +609,25 @@ class _Remote:
         if reply.read(1):
             raise FetchFailed("corrupt", "the files' reply goes on past the files asked for")
 
+    def _finish(self) -> None:
+        """The request goes on at once; the hand-over is released (only one that was this request's own,
+        and best effort: the producer's sweep drops it otherwise) on a thread of its own."""
+        if self.verified and not self.cut.is_set() and self.conn is not None:
+            threading.Thread(target=self._release, name="v4serve-kv-release", daemon=True).start()
+        else:
+            self._close()
+
     def _release(self) -> None:
-        """Tell the producer it may drop the hand-over (best effort: its sweep drops it otherwise)."""
-        if self.conn is None or self.cut.is_set():
-            return
-        with contextlib.suppress(Exception):
+        try:
             self.deadline = min(self.deadline, time.monotonic() + RELEASE_SECONDS)
             self._request("DELETE", PATH + self.source.transfer_id)[0].read(4096)
+        except Exception:  # noqa: BLE001 - a release is a courtesy: the sweep does it otherwise
+            pass
+        finally:
+            self._close()
 
-
+    def _close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.conn is not None:
+            self.conn.close()

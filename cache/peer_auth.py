@@ -23,13 +23,14 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
-PEER_HEADER = "x-v4serve-peer"  # a request's proof: "v1 t=<unix seconds> n=<nonce> mac=<hex>"
+PEER_HEADER = "x-v4serve-peer"  # a request's proof: "v1 t=<unix seconds> n=<nonce> d=<body's SHA-256> mac=<hex>"
 REPLY_HEADER = "x-v4serve-peer-reply"  # the manifest's proof, bound to the request's nonce
 MAC_BYTES = 32  # after each file in a files reply
 SKEW_SECONDS = 120.0  # how far a request's stamp may be from the producer's clock, either way
 MIN_SECRET_BYTES = 16
-_PROOF = re.compile(r"v1 t=(\d{1,12}) n=([0-9a-f]{32}) mac=([0-9a-f]{64})")
+_PROOF = re.compile(r"v1 t=(\d{1,12}) n=([0-9a-f]{32}) d=([0-9a-f]{64}) mac=([0-9a-f]{64})")
 
 
 class PeerRefused(Exception):
@@ -44,15 +45,21 @@ def _mac(secret: bytes, *parts: bytes) -> hmac.HMAC:
     return mac
 
 
-def _request_mac(secret: bytes, method: str, target: str, body: bytes, stamp: int, nonce: str) -> str:
-    return _mac(secret, b"v4serve-peer-request-1", method.encode(), target.encode(),
-                hashlib.sha256(body).digest(), str(stamp).encode(), nonce.encode()).hexdigest()
+def _request_mac(secret: bytes, method: str, target: str, digest: str, stamp: int, nonce: str) -> str:
+    return _mac(secret, b"v4serve-peer-request-1", method.encode(), target.encode(), digest.encode(),
+                str(stamp).encode(), nonce.encode()).hexdigest()
+
+
+def body_digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
 
 
 def request_proof(secret: bytes, method: str, target: str, body: bytes = b"") -> tuple[str, str]:
-    """(the PEER_HEADER value for this request, its nonce) — `target` is the path with its query."""
-    stamp, nonce = int(time.time()), secrets.token_hex(16)
-    return f"v1 t={stamp} n={nonce} mac={_request_mac(secret, method, target, body, stamp, nonce)}", nonce
+    """(the PEER_HEADER value for this request, its nonce) — `target` is the path with its query. The
+    body's digest is in the proof, so a producer checks the proof before it reads any body."""
+    stamp, nonce, digest = int(time.time()), secrets.token_hex(16), body_digest(body)
+    mac = _request_mac(secret, method, target, digest, stamp, nonce)
+    return f"v1 t={stamp} n={nonce} d={digest} mac={mac}", nonce
 
 
 def reply_proof(secret: bytes, nonce: str, body: bytes) -> str:
@@ -75,7 +82,7 @@ class NonceWindow:
     whose MAC checked are entered, so only holders of the secret can fill it; past `capacity` the
     oldest go first."""
 
-    def __init__(self, capacity: int = 1 << 16) -> None:
+    def __init__(self, capacity: int = 1 << 18) -> None:  # ~30 MB full: 1,000 requests a second for 240 s
         self.capacity = capacity
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
@@ -91,14 +98,27 @@ class NonceWindow:
             return True
 
 
-def check_request(secret: bytes, method: str, target: str, body: bytes, proof: str | None,
-                  seen: NonceWindow) -> str:
-    """The request's nonce if its proof checks; PeerRefused naming what is wrong otherwise."""
+@dataclass(frozen=True)
+class Proven:
+    """A request whose proof checked: its nonce (its answers are proven for it) and the digest its body
+    must have (`check_body`, once the body is read)."""
+
+    nonce: str
+    digest: str
+
+    def check_body(self, body: bytes) -> None:
+        if not hmac.compare_digest(body_digest(body), self.digest):
+            raise PeerRefused(f"the body is not the one the {PEER_HEADER} proof was made for")
+
+
+def check_request(secret: bytes, method: str, target: str, proof: str | None, seen: NonceWindow) -> Proven:
+    """The request's nonce and body digest if its proof checks; PeerRefused naming what is wrong
+    otherwise. Nothing of the body is needed: it is read only after this, and then `Proven.check_body`."""
     found = _PROOF.fullmatch(proof or "")
     if found is None:
         raise PeerRefused(f"no {PEER_HEADER} proof: these endpoints answer only replicas holding the peer secret")
-    stamp, nonce, mac = int(found.group(1)), found.group(2), found.group(3)
-    if not hmac.compare_digest(_request_mac(secret, method, target, body, stamp, nonce), mac):
+    stamp, nonce, digest, mac = int(found.group(1)), found.group(2), found.group(3), found.group(4)
+    if not hmac.compare_digest(_request_mac(secret, method, target, digest, stamp, nonce), mac):
         raise PeerRefused(f"the {PEER_HEADER} proof does not check (another peer secret, or the request was changed)")
     now = time.time()
     if abs(now - stamp) > SKEW_SECONDS:
@@ -106,4 +126,4 @@ def check_request(secret: bytes, method: str, target: str, body: bytes, proof: s
                           f"(at most {SKEW_SECONDS:g} s either way: are the clocks synchronised?)")
     if not seen.first_use(nonce, now):
         raise PeerRefused(f"the {PEER_HEADER} proof was used before (a replayed request)")
-    return nonce
+    return Proven(nonce, digest)

@@ -437,7 +437,10 @@ class SSDStore:
     def _sweep_if_due(self) -> None:
         hold = self._handover_hold
         if hold is not None and time.monotonic() >= self._next_sweep:
-            self._sweep_handovers(hold)
+            try:
+                self._sweep_handovers(hold)
+            except Exception:  # the writer must never die: a name it cannot judge waits for the next sweep
+                log.exception("sweeping hand-overs failed")
             self._next_sweep = time.monotonic() + min(hold / 4, SWEEP_SECONDS)
 
     def hand_over(self, transfer_id: str, entries: Sequence[tuple[int, bytes]], hold_seconds: float) -> bool:
@@ -454,7 +457,8 @@ class SSDStore:
         return True
 
     def _write_handover(self, transfer_id: str, entries: tuple[tuple[int, bytes], ...], hold_seconds: float) -> None:
-        self._sweep_handovers(hold_seconds)
+        if self._handover_hold is None:  # a store not told its hold yet (`keep_handovers_for`) is swept from now on
+            self.keep_handovers_for(hold_seconds)
         folder = self.handover_dir(transfer_id)
         tmp = folder.parent / temp_name()
         manifest: list[dict] = []
@@ -500,7 +504,7 @@ class SSDStore:
         now = time.time()
         with contextlib.suppress(OSError):
             for folder in (self.root / HANDOVER_DIR).iterdir():
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, ValueError, OverflowError):  # a name no writer of ours made
                     mtime = folder.lstat().st_mtime
                     stale = (temp_is_stale(folder.name, mtime, hold_seconds, now) if folder.name.startswith(".tmp-")
                              else now - mtime > hold_seconds)

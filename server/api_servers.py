@@ -68,6 +68,11 @@ class SharedFolder:
     def responses(self) -> str:
         return os.path.join(self.root, "responses")
 
+    @property
+    def handovers(self) -> str:
+        """The transfer ids a prefill replica's processes have taken prefill legs for (server/handover.py)."""
+        return os.path.join(self.root, "handovers")
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 

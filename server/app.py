@@ -24,7 +24,7 @@ from v4serve.server.connections import RequestCap
 from v4serve.server.errors import ApiError, echo, error_json, error_responses, install_error_handlers
 from v4serve.server.framing import SERVER_SEND
 from v4serve.server.generation import FrontEnd, ServerConfig
-from v4serve.server.handover import FILES_BODY_BYTES, PATH, Handovers, bounded_body
+from v4serve.server.handover import PATH, Handovers
 from v4serve.server.messages import CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, messages
 from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import Preprocessor
@@ -281,7 +281,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     @app.get(PATH + "{transfer_id}", include_in_schema=False)
     async def kv_transfer_manifest(transfer_id: str, raw: Request) -> Response:
         handovers = _handovers()
-        nonce = handovers.authenticate(raw)
+        nonce = handovers.authenticate(raw).nonce
         try:
             wait = float(raw.query_params.get("wait", "0"))
         except ValueError as exc:
@@ -291,10 +291,10 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, config: ServerConfig, 
     @app.post(PATH + "{transfer_id}/files", include_in_schema=False)
     async def kv_transfer_files(transfer_id: str, raw: Request) -> StreamingResponse:
         handovers = _handovers()
-        body = await bounded_body(raw, FILES_BODY_BYTES)
-        nonce = handovers.authenticate(raw, body)
+        proven = handovers.authenticate(raw)  # before a byte of the body is read
+        body = await handovers.proven_body(raw, proven)
         names = await asyncio.to_thread(handovers.file_names, transfer_id, body)
-        return handovers.files(transfer_id, names, nonce, metrics.sent, metrics.sent_bytes)
+        return handovers.files(transfer_id, names, proven.nonce, metrics.sent, metrics.sent_bytes)
 
     @app.delete(PATH + "{transfer_id}", include_in_schema=False)
     async def kv_transfer_release(transfer_id: str, raw: Request) -> dict[str, Any]:

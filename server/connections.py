@@ -138,6 +138,14 @@ def protocol_with_header_timeout(header_timeout: float, on_close: Callable[[str]
 
         def _refuse_headers(self) -> None:
             assert self._too_large is not None
+            if self._header_timer is not None:  # closed here, counted here: not also as a header timeout
+                self._header_timer.cancel()
+            if self.cycle is not None and not self.cycle.response_complete:
+                # A pipelined request past the bounds while the one before it is still answered: nothing
+                # may be written between that answer's bytes, so the connection is closed.
+                self.transport.close()
+                on_close("header_size")
+                return
             body = json.dumps(error_json(f"{self._too_large}: send smaller or fewer headers",
                                          code="request_header_fields_too_large")).encode()
             self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"

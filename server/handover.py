@@ -17,6 +17,7 @@ only the consumer that fetched a hand-over (`DELETE`) or the store's sweep remov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
@@ -35,6 +36,7 @@ from v4serve.cache.peer_auth import (
     REPLY_HEADER,
     NonceWindow,
     PeerRefused,
+    Proven,
     check_request,
     file_mac,
     reply_proof,
@@ -48,7 +50,8 @@ log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 20  # bytes of a hand-over file read at a time while it is sent
 MANIFEST_POLL = 0.005  # seconds between looks for a hand-over's manifest
 MAX_MANIFEST_BYTES = 64 << 20  # no manifest a producer wrote is larger (a million-token prompt's is ~4 MB)
-FILES_BODY_BYTES = 16 << 20  # a files request's body: names of at most a manifest's files
+FILES_BODY_BYTES = 4 << 20  # a files request's body: the names of 58,000 files (a 7M-token prompt's)
+UNKNOWN_GRACE = 5.0  # seconds a manifest request waits for a prefill leg this replica has not yet seen
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Handovers:
     store_root: Path
     host: str  # where decode replicas reach this one
     port: int
+    pending: PendingHandovers = field(default_factory=lambda: PendingHandovers(None), compare=False, repr=False)
     seen: NonceWindow = field(default_factory=NonceWindow, compare=False, repr=False)
 
     @property
@@ -94,17 +98,25 @@ class Handovers:
         if not self.config.producer:
             raise ApiError(404, "this replica hands no KV over (--kv-transfer-config kv_role)", code="not_found")
 
-    def authenticate(self, raw: Request, body: bytes = b"") -> str:
-        """The request's nonce if it carries a proof made with the peer secret; a 401 otherwise."""
+    def authenticate(self, raw: Request) -> Proven:
+        """The request as proven with the peer secret (its nonce, its body's digest), before any of its body
+        is read; a 401 otherwise."""
         target = raw.scope.get("raw_path", raw.url.path.encode()).decode("latin-1")
         if raw.scope.get("query_string"):
             target += "?" + raw.scope["query_string"].decode("latin-1")
         try:
-            return check_request(self.config.secret, raw.method, target, body, raw.headers.get(PEER_HEADER),
-                                 self.seen)
+            return check_request(self.config.secret, raw.method, target, raw.headers.get(PEER_HEADER), self.seen)
         except PeerRefused as exc:
-            log.warning("a hand-over request from %s refused: %s", raw.client.host if raw.client else "?", exc)
-            raise ApiError(401, str(exc), code="peer_unauthenticated") from exc
+            raise refused(raw, exc) from exc
+
+    async def proven_body(self, raw: Request, proven: Proven) -> bytes:
+        """A proven request's body (at most FILES_BODY_BYTES), checked against its proof."""
+        body = await bounded_body(raw, FILES_BODY_BYTES)
+        try:
+            proven.check_body(body)
+        except PeerRefused as exc:
+            raise refused(raw, exc) from exc
+        return body
 
     def _manifest_bytes(self, transfer_id: str) -> bytes:
         try:
@@ -120,12 +132,17 @@ class Handovers:
     async def manifest_when_made(self, transfer_id: str, wait: float, nonce: str) -> Response:
         """The manifest, proven for this request, waiting up to `wait` seconds for it to be made (SGLang's
         router sends the decode leg as the prefill leg starts; vLLM's only once it has ended, when it is
-        there already)."""
+        there already). A hand-over this replica has no prefill leg for is not waited for past
+        `UNKNOWN_GRACE` (a decode leg naming a room nobody prefills would hold its fetch for the whole wait)."""
         folder = self.folder(transfer_id)
-        deadline = time.monotonic() + min(max(wait, 0.0), self.config.fetch_timeout)
+        start = time.monotonic()
+        deadline = start + min(max(wait, 0.0), self.config.fetch_timeout)
         while not (folder / MANIFEST).is_file() and time.monotonic() < deadline:
+            if time.monotonic() - start > UNKNOWN_GRACE and not self.pending.known(transfer_id):
+                break
             await asyncio.sleep(MANIFEST_POLL * 4)
         body = await asyncio.to_thread(self._manifest_bytes, transfer_id)
+        self.pending.discard(transfer_id)
         return Response(body, media_type="application/json",
                         headers={REPLY_HEADER: reply_proof(self.config.secret, nonce, body)})
 
@@ -168,6 +185,50 @@ class Handovers:
     def release(self, transfer_id: str) -> None:
         """The consumer has what it needed: the hand-over is held no longer."""
         shutil.rmtree(self.folder(transfer_id), ignore_errors=True)
+
+
+class PendingHandovers:
+    """The transfer ids this producer has taken a prefill leg for, so a manifest request for one it has
+    never heard of is answered at once. Kept in memory and, with several API-server processes (a prefill
+    leg and the decode replica's request may reach different ones), as empty files in their shared
+    folder; an entry older than `hold` seconds is forgotten."""
+
+    def __init__(self, folder: Path | None, hold: float = 120.0) -> None:
+        self.folder, self.hold = folder, hold
+        self._ids: dict[str, float] = {}
+        if folder is not None:
+            folder.mkdir(mode=0o700, exist_ok=True)
+
+    def add(self, transfer_id: str) -> None:
+        now = time.monotonic()
+        self._ids[transfer_id] = now
+        if len(self._ids) > 4096:  # forget the stale (a prefill leg that failed before its hand-over)
+            self._ids = {t: at for t, at in self._ids.items() if now - at < self.hold}
+        if self.folder is not None:
+            with contextlib.suppress(OSError):
+                (self.folder / transfer_id).touch()
+
+    def known(self, transfer_id: str) -> bool:
+        at = self._ids.get(transfer_id)
+        if at is not None and time.monotonic() - at < self.hold:
+            return True
+        if self.folder is None:
+            return False
+        try:
+            return time.time() - (self.folder / transfer_id).stat().st_mtime < self.hold
+        except OSError:
+            return False
+
+    def discard(self, transfer_id: str) -> None:
+        self._ids.pop(transfer_id, None)
+        if self.folder is not None:
+            with contextlib.suppress(OSError):
+                (self.folder / transfer_id).unlink()
+
+
+def refused(raw: Request, exc: PeerRefused) -> ApiError:
+    log.warning("a hand-over request from %s refused: %s", raw.client.host if raw.client else "?", exc)
+    return ApiError(401, str(exc), code="peer_unauthenticated")
 
 
 def _read_into_mac(file: IO[bytes], mac: Any) -> bytes:
@@ -223,6 +284,7 @@ def sglang_transfer(handovers: Handovers | None, host: str | None, port: int | N
     transfer_id = f"{room:032x}"
     here = host == handovers.host and port == handovers.port
     if handovers.config.producer and (here or not handovers.config.consumer):
+        handovers.pending.add(transfer_id)
         return transfer_id, None
     if handovers.config.consumer:
         _listed(handovers, host, port)
@@ -246,7 +308,9 @@ def request_transfer(handovers: Handovers | None, params: dict[str, Any] | None,
             note_once("pd-stream", "a hand-over is made for one prompt, not streamed (as vLLM's router sends the "
                       "prefill leg); this request is served without one", level=logging.WARNING)
         else:
-            return new_transfer_id(), None
+            transfer_id = new_transfer_id()
+            handovers.pending.add(transfer_id)
+            return transfer_id, None
         return None, None
     if params.get("do_remote_prefill"):
         if handovers is None or not handovers.config.consumer:
@@ -273,4 +337,4 @@ def source(params: dict[str, Any]) -> KVSource | None:
     return KVSource(host, port, transfer_id)
 
 
-__all__ = ["FILES_BODY_BYTES", "PATH", "Handovers", "bounded_body", "request_transfer", "sglang_transfer", "source"]
+__all__ = ["PATH", "Handovers", "PendingHandovers", "request_transfer", "sglang_transfer", "source"]

@@ -160,6 +160,7 @@ class Preprocessor:
         self._io = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="v4serve-preprocess")
         self._lock = threading.Lock()
         self.replaced = 0  # workers replaced after a CPU bound or a hang
+        self._closed = False
         self.on_cpu_limit: Callable[[], None] = lambda: None  # a job refused for its CPU time (a metric)
 
     def start(self) -> None:
@@ -170,6 +171,7 @@ class Preprocessor:
         self._workers = [_Worker(self._context, self.config) for _ in range(self.config.workers)]
 
     def close(self) -> None:
+        self._closed = True  # the jobs whose workers this kills are not run again
         for worker in self._workers:
             if worker is not None:
                 worker.kill()
@@ -201,7 +203,7 @@ class Preprocessor:
         slot = self._free.get_nowait()
         try:
             kind, value = self._on_worker(slot, job, arguments)
-            if kind == "died":
+            if kind == "died" and not self._closed:
                 log.warning("a preprocessing worker died running %s (%s): replaced, the job runs again",
                             job.__name__, value)
                 kind, value = self._on_worker(slot, job, arguments)

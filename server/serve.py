@@ -45,7 +45,7 @@ from v4serve.server.config import (
 from v4serve.server.connections import protocol_with_header_timeout
 from v4serve.server.engine_process import EngineSpec, main
 from v4serve.server.generation import ServerConfig
-from v4serve.server.handover import Handovers
+from v4serve.server.handover import Handovers, PendingHandovers
 from v4serve.server.metrics import Metrics, use_multiprocess_values
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -143,18 +143,19 @@ def front_app(cfg: ServeConfig, tokenizer: Tokenizer, engine: EngineClient, info
                           allowed_origins=cfg.origins,
                           stall_timeout=cfg.stall_timeout, unknown_fields=cfg.unknown_fields,
                           stream_keepalive=cfg.stream_keepalive,
-                          version_info=info["version_info"], handovers=handovers(cfg),
+                          version_info=info["version_info"], handovers=handovers(cfg, shared),
                           **({"created": created} if created else {}))
     return build_app(engine, tokenizer, server, metrics, prep)
 
 
-def handovers(cfg: ServeConfig) -> Handovers | None:
+def handovers(cfg: ServeConfig, shared: SharedFolder | None = None) -> Handovers | None:
     """This replica's role with prefill and decode apart, and where its hand-overs are (None: neither)."""
     transfer = cfg.kv_transfer
     if transfer is None:
         return None
     host, port = cfg.kv_transfer_address(transfer)
-    return Handovers(transfer, Path(cfg.kv_store_dir or default_store_dir()), host, port)
+    pending = PendingHandovers(Path(shared.handovers) if shared else None, transfer.hold_seconds)
+    return Handovers(transfer, Path(cfg.kv_store_dir or default_store_dir()), host, port, pending)
 
 
 def uvicorn_config(cfg: ServeConfig, app: FastAPI, port: int) -> uvicorn.Config:

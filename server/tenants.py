@@ -116,7 +116,7 @@ class ApiKeys:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         if self.keys_file is not None:
-            self._table = self._read(settled=True)  # a bad file at start is an error, not an empty table
+            self._table = self._first_read()
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -144,10 +144,27 @@ class ApiKeys:
         """Stop the watcher (without waiting for it: a read it is in cannot hold up shutdown)."""
         self._stop.set()
 
-    def reload(self, settled: bool = False) -> bool:
+    def _first_read(self) -> _Table:
+        """The file at start: a bad one is an error, not an empty table; one caught mid-write is waited for
+        (until it ends with a newline, or has stayed as it is for SETTLE_SECONDS)."""
+        assert self.keys_file is not None
+        stamp, since, said = _stamp(self.keys_file), time.monotonic(), False
+        while True:
+            try:
+                return self._read(stamp if time.monotonic() - since >= SETTLE_SECONDS else None)
+            except TornKeysFile as exc:
+                if not said:
+                    log.warning("%s (waited for before serving)", exc)
+                    said = True
+            time.sleep(RECHECK_SECONDS / 4)
+            now = _stamp(self.keys_file)
+            if now != stamp:
+                stamp, since = now, time.monotonic()
+
+    def reload(self, settled: tuple[int, int] | str | None = None) -> bool:
         """Read the keys file again (SIGHUP, or a change); a file that does not parse keeps the keys in
-        force. `settled`: the file has not changed for SETTLE_SECONDS (a torn last line is then taken as
-        the file's own)."""
+        force. `settled`: the stamp the file has kept for SETTLE_SECONDS (read with that stamp, a torn last
+        line is taken as the file's own)."""
         if self.keys_file is None:
             return False
         try:
@@ -174,7 +191,7 @@ class ApiKeys:
                      len(set(table.by_digest.values())))
         return True
 
-    def _read(self, settled: bool) -> _Table:
+    def _read(self, settled: tuple[int, int] | str | None) -> _Table:
         assert self.keys_file is not None
         # Non-blocking, so a FIFO put at the path cannot hold the open (or the watcher) forever.
         fd = os.open(self.keys_file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -188,7 +205,7 @@ class ApiKeys:
             data = file.read(MAX_KEYS_FILE_BYTES + 1)
         if len(data) > MAX_KEYS_FILE_BYTES:  # grew while read
             raise KeysFileError(f"{self.keys_file} is more than a keys file may be ({MAX_KEYS_FILE_BYTES} bytes)")
-        if data and not data.endswith((b"\n", b"\r")) and not settled:
+        if data and not data.endswith((b"\n", b"\r")) and settled != (st.st_mtime_ns, st.st_size):
             raise TornKeysFile(f"keys file {self.keys_file} ends inside a line (a write in progress?): read once it "
                                f"has not changed for {SETTLE_SECONDS:g} s; end it with a newline to have it read "
                                "at once")
@@ -208,7 +225,7 @@ class ApiKeys:
             since = changed_at.setdefault(stamp, time.monotonic())
             if len(changed_at) > 1:
                 changed_at = {stamp: since}
-            self.reload(settled=time.monotonic() - since >= SETTLE_SECONDS)
+            self.reload(settled=stamp if time.monotonic() - since >= SETTLE_SECONDS else None)
 
 
 MISSING = "missing"  # the stamp of a keys file that cannot be looked at (gone, or not ours to read)

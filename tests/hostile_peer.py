@@ -37,7 +37,7 @@ class HandOver:
     """How the hostile producer answers for one transfer id: `mode` and, for the replays, the real hand-over
     (its folder on a real producer's disk)."""
 
-    mode: str  # "zeroed", "replay", "endless", "negative_size", "drip"
+    mode: str  # "zeroed", "replay" (the files as they are), "endless", "negative_size", "drip"
     folder: Path | None = None
     served: Served = field(default_factory=Served)
 
@@ -104,6 +104,7 @@ class HostileProducer:
         for name, value in headers.items():
             handler.send_header(name, value)
         handler.send_header("Transfer-Encoding", "chunked")
+        handler.send_header("Connection", "close")  # each answer on a connection of its own, as some proxies do
         handler.end_headers()
         try:
             for chunk in chunks():

@@ -1320,6 +1320,11 @@ def test_a_hand_over_made_for_one_tenant_is_not_imported_for_another(pd) -> None
     reply = decode_leg(pd, prompt, params, GLOBEX)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == cold_text(pd, prompt, GLOBEX)
     assert fell_back(pd, "unverified") == before + 1 and received_bytes(pd) == got_before
+    # Not its own, so not its to release: the hand-over is still there for the request it was made for.
+    target = PATH + params["remote_request_id"]
+    assert httpx.get(pd["producer"].url + target, headers=proven("GET", target), timeout=PATIENCE).status_code == 200
+    mine = decode_leg(pd, prompt, params, ACME)
+    assert mine.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == mine.json()["usage"]["prompt_tokens"] - 1
 
 
 @pytest.mark.parametrize("mode", ["endless", "negative_size"])
@@ -1365,6 +1370,97 @@ def test_dripped_manifests_end_at_the_fetch_deadline_and_turn_no_one_away(pd) ->
             thread.join(PATIENCE)
     assert sorted(r.json()["choices"][0]["text"] for r in replies) == sorted(wants)
     assert fell_back(pd, "timeout") == before + 16
+
+
+def test_a_listed_producer_that_closes_its_connection_after_each_answer_is_still_fetched_from(pd) -> None:
+    """A producer (or a proxy before it) that answers `Connection: close`: the files are asked for on a new
+    connection, proven as the first was, and the hand-over is imported whole (an independent producer: the
+    hostile one, replaying a real hand-over's files unchanged)."""
+    prompt = PD_DOCUMENT + "Q: a new connection each time?"
+    params = prefill_leg(pd, prompt)
+    forger = pd["forger"]
+    handover = HandOver("replay", pd["handovers"] / params["remote_request_id"])
+    forger.handovers[params["remote_request_id"]] = handover
+    got_before = received_bytes(pd)
+    reply = decode_leg(pd, prompt, {**params, "remote_port": forger.port})
+    usage = reply.json()["usage"]
+    assert reply.json()["choices"][0]["text"] == cold_text(pd, prompt)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert handover.served.files_requests == 1 and received_bytes(pd) > got_before
+
+
+def test_a_decode_leg_that_goes_frees_its_fetch_at_once(tmp_path: Path, pd) -> None:
+    """A decode replica with one fetch thread and a minute for each fetch: a leg whose producer drips and whose
+    client then leaves held the thread for the whole minute, and the next hand-over waited behind it. Now the
+    abandoned fetch's socket is shut, and the next one is fetched at once."""
+    forger, port = pd["forger"], int(pd["producer"].url.rsplit(":", 1)[1])
+    config = json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {
+        "fetch_timeout": 60, "max_fetches": 1, "producers": [f"127.0.0.1:{p}" for p in (port, forger.port)]}})
+    consumer = start_daemon("--kv-store-dir", str(tmp_path / "d"), "--kv-transfer-config", config,
+                            "--api-keys-file", str(pd["handovers"].parents[1] / "keys"), env=PEER)
+    try:
+        dripped = PD_DOCUMENT + "Q: left while dripping?"
+        params = prefill_leg(pd, dripped)
+        forger.handovers[params["remote_request_id"]] = HandOver("drip")
+        served = forger.handovers[params["remote_request_id"]].served
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves while its fetch is dripped
+            httpx.post(consumer.url + "/v1/completions", headers=ACME, timeout=2.0,
+                       json=pd_completion(dripped, kv_transfer_params={**params, "remote_port": forger.port}))
+        wait_until(lambda: served.closed_by_peer, "the abandoned fetch's connection shut")
+        prompt = PD_DOCUMENT + "Q: after one that left?"
+        reply = httpx.post(consumer.url + "/v1/completions", headers=ACME, timeout=PATIENCE,
+                           json=pd_completion(prompt, kv_transfer_params=prefill_leg(pd, prompt)))
+        usage = reply.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        assert metric(consumer.url, "v4serve_kv_transfer_fallbacks_total") == 0
+    finally:
+        consumer.stop()
+
+
+def test_a_manifest_for_a_hand_over_nobody_prefills_is_not_waited_for(tmp_path: Path, monkeypatch) -> None:
+    """SGLang's decode leg asks for its room's manifest and waits while the prefill leg runs; a room this
+    producer never took a prefill leg for (a client naming any number) held that wait, and its fetch thread,
+    for most of fetch_timeout. Now such a request is answered once the grace is over; a known room is
+    waited for as before."""
+    import asyncio
+
+    from v4serve.cache.kv_transfer import KVTransferConfig
+    from v4serve.server import handover as module
+    from v4serve.server.errors import ApiError
+    from v4serve.server.handover import Handovers
+
+    monkeypatch.setattr(module, "UNKNOWN_GRACE", 0.05)
+    config = KVTransferConfig(kv_role="kv_producer", peer_secret="s" * 32, fetch_timeout=PATIENCE)
+    handovers = Handovers(config, tmp_path, "127.0.0.1", 8001)
+    unknown, known = "a" * 32, "b" * 32
+
+    async def make_later() -> None:
+        await asyncio.sleep(0.2)
+        (tmp_path / "handover" / known).mkdir(parents=True)
+        (tmp_path / "handover" / known / "manifest.json").write_text('{"files": [], "complete": true}')
+
+    async def run() -> None:
+        with pytest.raises(ApiError) as refused:
+            await asyncio.wait_for(handovers.manifest_when_made(unknown, PATIENCE, "n" * 32), PATIENCE / 2)
+        assert refused.value.status == 404
+        handovers.pending.add(known)
+        maker = asyncio.ensure_future(make_later())
+        reply = await asyncio.wait_for(handovers.manifest_when_made(known, PATIENCE, "n" * 32), PATIENCE / 2)
+        await maker
+        assert json.loads(reply.body) == {"files": [], "complete": True} and not handovers.pending.known(known)
+
+    asyncio.run(run())
+
+
+def test_a_files_request_without_a_proof_is_refused_before_its_body_is_read(pd) -> None:
+    """The files request's proof carries its body's digest, so a request without one is refused before any
+    of its body is read (clients without a key could make a producer hold a 4 MB body each)."""
+    host, port = pd["producer"].url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {PATH}{'5' * 32}/files HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 4000000\r\n\r\n".encode())  # and never the body
+        sock.settimeout(PATIENCE)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
 
 
 def proven(method: str, target: str, body: bytes = b"") -> dict[str, str]:
@@ -1527,6 +1623,27 @@ def test_a_torn_keys_file_that_stays_as_it_is_is_read_once_settled(tmp_path: Pat
         wait_until(lambda: table.tenant_of(KEYS[1].encode()) == "globex", "the settled file read")
     finally:
         table.close()
+
+
+def test_a_keys_file_caught_mid_write_at_start_is_waited_for(tmp_path: Path, monkeypatch) -> None:
+    """At start too: a file whose last line is cut is not read as it is (its key would serve tenant `glob`),
+    but once its write is done."""
+    from v4serve.server import tenants
+
+    monkeypatch.setattr(tenants, "RECHECK_SECONDS", 0.05)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEYS[0]} acme\n{KEYS[1]} glob")
+
+    def finish() -> None:
+        time.sleep(0.3)
+        with open(keys, "a") as file:
+            file.write("ex\n")
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    table = tenants.ApiKeys(keys_file=keys)
+    writer.join()
+    assert table.tenant_of(KEYS[1].encode()) == "globex"
 
 
 # ---- API servers: one dying ends the others' streams properly --------------------------------------------------------
