@@ -1548,19 +1548,24 @@ def test_an_unread_files_reply_holds_one_file_open_and_none_once_its_reader_goes
 
 
 # ---- the keys file: never blocking, never half-read -----------------------------------------------------------------
-def test_a_fifo_at_the_keys_file_path_blocks_nothing_and_later_files_still_apply(tmp_path: Path) -> None:
-    """A FIFO put where the keys file was held the watcher in open() forever: later replacements never applied
-    (a revoked key kept working) and SIGTERM hung for minutes. Now it is refused as no regular file (the keys in
-    force kept), the next real file applies, and the daemon stops at once."""
+def keyed_daemon(tmp_path: Path) -> tuple[Path, Daemon, Path, Any]:
+    """(its keys file, holding KEYS[0] for acme; the daemon; its log; the status a key's request gets)."""
     keys = tmp_path / "keys"
     keys.write_text(f"{KEYS[0]} acme\n")
     served = start_daemon("--api-keys-file", str(keys))
-    log = Path(served.log.name)
 
     def status(key: str) -> int:
         return httpx.post(served.url + "/v1/completions", json=GREEDY, headers={"Authorization": f"Bearer {key}"},
                           timeout=PATIENCE).status_code
 
+    return keys, served, Path(served.log.name), status
+
+
+def test_a_fifo_at_the_keys_file_path_blocks_nothing_and_later_files_still_apply(tmp_path: Path) -> None:
+    """A FIFO put where the keys file was held the watcher in open() forever: later replacements never applied
+    (a revoked key kept working) and SIGTERM hung for minutes. Now it is refused as no regular file (the keys in
+    force kept), the next real file applies, and the daemon stops at once."""
+    keys, served, log, status = keyed_daemon(tmp_path)
     try:
         fifo = tmp_path / "fifo"
         os.mkfifo(fifo)
@@ -1584,15 +1589,7 @@ def test_a_keys_file_caught_mid_write_is_not_read_until_whole(tmp_path: Path) ->
     another cache scope, and a prefix of a tenant's name would share its cache. A file whose last line has no
     newline is now read only once it has stayed unchanged for a while; once the write ends with its newline it
     applies at once, as the tenant it names."""
-    keys = tmp_path / "keys"
-    keys.write_text(f"{KEYS[0]} acme\n")
-    served = start_daemon("--api-keys-file", str(keys))
-    log = Path(served.log.name)
-
-    def status(key: str) -> int:
-        return httpx.post(served.url + "/v1/completions", json=GREEDY, headers={"Authorization": f"Bearer {key}"},
-                          timeout=PATIENCE).status_code
-
+    keys, served, log, status = keyed_daemon(tmp_path)
     try:
         with open(keys, "ab") as file:  # appended in place, in two writes, as an editor or a script might
             file.write(f"{KEYS[1]} glob".encode())
