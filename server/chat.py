@@ -38,7 +38,7 @@ from v4serve.server.text.tool_calls import ToolCallDelta
 
 async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Request) -> Response:
     model = front.check_model(body.model)
-    thinking = body.thinking_mode()
+    thinking = body.thinking_mode(front.config.default_thinking)
     think_end = front.think_end_id if thinking else None
     prepared = await front.prep.run(jobs.chat, _messages(body), body.tools, body.tool_choice, body.parallel_tool_calls,
                                     body.response_format, think_end, front.config.max_model_len,
@@ -48,7 +48,7 @@ async def chat_completions(front: FrontEnd, body: ChatCompletionRequest, raw: Re
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     options = front.output_options(body, reasoning_end_token=think_end, tool_calls=prepared.parse_calls,
-                                   parallel_tool_calls=prepared.parallel)
+                                   parallel_tool_calls=prepared.parallel, inside_tool_calls=prepared.inside_calls)
     generation = front.generation(rid, prompt, body, max_tokens, logprobs, options, grammar=prepared.grammar)
     await front.check([generation], raw)
     created = int(time.time())
@@ -76,8 +76,9 @@ async def render(front: FrontEnd, body: ChatCompletionRequest) -> dict[str, Any]
     applied; nothing is generated."""
     model = front.check_model(body.model)
     prompt, text = await front.prep.run(jobs.rendered_chat, _messages(body), body.tools, body.tool_choice,
-                                        body.parallel_tool_calls, front.config.max_model_len,
-                                        thinking=body.thinking_mode(), reasoning_effort=body.v4_effort())
+                                        body.parallel_tool_calls, body.response_format, front.config.max_model_len,
+                                        thinking=body.thinking_mode(front.config.default_thinking),
+                                        reasoning_effort=body.v4_effort())
     return front.rendered(prompt.tolist(), text, model)
 
 

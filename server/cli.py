@@ -78,6 +78,10 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
     ("--kv-events-config", str, "publish KV-cache events for routers, as vLLM's JSON: '{\"publisher\": \"zmq\", "
                                 "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
                                 "\"\"}' (BlockStored/BlockRemoved/AllBlocksCleared, msgpack over ZeroMQ)"),
+    ("--default-chat-template-kwargs", str, "chat-template switches for chat requests that name none, as vLLM's JSON: "
+                                           "'{\"thinking\": false}' answers them in chat mode (default: the "
+                                           "model's: a checkpoint thinks, as DeepSeek's converter does; the "
+                                           "embedded tiny model does not)"),
     ("--kv-transfer-config", str, "prefill and decode on separate replicas, as vLLM's JSON: '{\"kv_role\": "
                                   "\"kv_producer\"}' on prefill replicas, '{\"kv_role\": \"kv_consumer\", "
                                   "\"kv_connector_extra_config\": {\"producers\": [\"HOST:PORT\"]}}' on decode "
@@ -161,7 +165,7 @@ SERVE_FLAGS: list[tuple[str, Any, str]] = [
 # Flags that take several values: `--served-model-name a b`, "a,b" in the environment, a list in --config.
 LIST_FLAGS = frozenset({"served_model_name"})
 # Flags that take a JSON object: a mapping in --config is written out as JSON.
-JSON_FLAGS = frozenset({"speculative_config", "kv_events_config", "kv_transfer_config"})
+JSON_FLAGS = frozenset({"speculative_config", "kv_events_config", "kv_transfer_config", "default_chat_template_kwargs"})
 
 
 def _bool(value: Any) -> bool:

@@ -4,6 +4,7 @@ resolved, which happens in the engine process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ class ServeConfig:
     grammar_cache_bytes: int = 8 << 20  # compiled grammars kept per process, weighed by their text
     speculative_config: str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, ...}
     kv_events_config: str | None = None  # vLLM's JSON: {"publisher": "zmq", "endpoint": "tcp://*:5557", ...}
+    # vLLM's: chat-template switches a request that names none gets ({"thinking": false}); none: the model's
+    default_chat_template_kwargs: str | None = None
     kv_transfer_config: str | None = None  # vLLM's JSON: {"kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}
     allowed_origins: str | None = None  # comma-separated web origins whose pages may call the API, or "*"
     responses_store_bytes: int = 256 << 20  # stored Responses API responses, all counted (metadata, tools, ...)
@@ -173,6 +176,26 @@ class ServeConfig:
                              f"--{'no-kv-store' if self.no_kv_store else 'no-prefix-caching'}")
         return config
 
+    @property
+    def default_thinking(self) -> bool:
+        """Whether a chat request naming no thinking mode thinks: --default-chat-template-kwargs, else the
+        model's default (DeepSeek's converter thinks; the embedded tiny model's random weights would never
+        end a reasoning, so it answers in chat mode)."""
+        from v4serve.server.protocol import CHAT_TEMPLATE_KWARGS, template_thinking
+
+        default = self.model != "tiny"
+        if not self.default_chat_template_kwargs:
+            return default
+        try:
+            kwargs = json.loads(self.default_chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--default-chat-template-kwargs is not JSON: {exc}") from exc
+        if not isinstance(kwargs, dict) or set(kwargs) - CHAT_TEMPLATE_KWARGS:
+            raise ValueError(f"--default-chat-template-kwargs must be a JSON object of {sorted(CHAT_TEMPLATE_KWARGS)}, "
+                             'e.g. \'{"thinking": false}\' (DeepSeek-V4 has no Jinja template: only these mean '
+                             "anything)")
+        return template_thinking(kwargs, default)
+
     def kv_transfer_address(self, transfer: KVTransferConfig) -> tuple[str, int]:
         """Where decode replicas reach this prefill replica: kv_ip/kv_port, else --host/--port (a wildcard
         host is this machine's name)."""
@@ -196,6 +219,7 @@ class ServeConfig:
         self.speculative  # noqa: B018 - so is parsing this
         self.kv_events  # noqa: B018 - and this
         self.kv_transfer  # noqa: B018 - and this
+        self.default_thinking  # noqa: B018 - and this
         for name in ("keep_alive_timeout", "header_timeout", "h11_max_incomplete_event_size", "h11_max_header_count",
                      "max_connections", "stall_timeout", "max_unread_tokens",
                      "max_logprob_entries", "unread_timeout", "grammar_cache_bytes", "responses_store_bytes",

@@ -56,6 +56,7 @@ class ServerConfig:
     keys: ApiKeys | None = None  # --api-key and --api-keys-file (None: no key asked)
     isolate_tenants: bool = False  # each tenant's prefix cache its own (a keys file, no --shared-prefix-cache)
     swa_cache_mode: str = "periodic"  # the daemon's (a request's own `swa_cache_mode` overrides it)
+    default_thinking: bool = True  # a chat request naming no thinking mode thinks (the converter's default)
     protect_metrics: bool = False  # /metrics needs the API key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
@@ -345,11 +346,12 @@ class FrontEnd:
 
     @staticmethod
     def output_options(body: SamplingFields, reasoning_end_token: int | None = None, tool_calls: bool = False,
-                       parallel_tool_calls: bool = True) -> OutputOptions:
+                       parallel_tool_calls: bool = True, inside_tool_calls: bool = False) -> OutputOptions:
         return OutputOptions(stop=tuple(body.stop_list()),
                              include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
                              skip_special_tokens=body.skip_special_tokens, reasoning_end_token=reasoning_end_token,
-                             min_tokens=body.min_tokens, tool_calls=tool_calls, parallel_tool_calls=parallel_tool_calls)
+                             min_tokens=body.min_tokens, tool_calls=tool_calls, parallel_tool_calls=parallel_tool_calls,
+                             inside_tool_calls=inside_tool_calls)
 
     def generation(self, request_id: str, prompt: list[int], body: SamplingFields, max_tokens: int,
                    logprobs: int | None, options: OutputOptions, prompt_logprobs: int | None = None,

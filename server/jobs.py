@@ -16,7 +16,7 @@ from typing import Any
 from v4serve.engine.request import GrammarSpec
 from v4serve.server.errors import ApiError
 from v4serve.server.text.chat_encoding import encode_messages
-from v4serve.server.tools import answer_grammar, plan_tools
+from v4serve.server.tools import ToolPlan, answer_grammar, plan_tools
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Prepared:
     parse_calls: bool = False  # look for tool calls in the output
     parallel: bool = True  # several calls in one reply
     grammar: GrammarSpec | None = None
+    inside_calls: bool = False  # the prompt opened the tool-call block: the output starts inside it
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -84,11 +85,18 @@ def decode_all(tokenizer: Any, prompts: list[list[int]]) -> list[str]:
 
 
 def rendered_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None, tool_choice: Any,
-                  parallel_tool_calls: bool | None, max_len: int, **options: Any) -> tuple[array, str]:
+                  parallel_tool_calls: bool | None, response_format: Any, max_len: int, **options: Any
+                  ) -> tuple[array, str]:
     """A render endpoint's conversation: its ids and their text."""
     plan = plan_tools(tools, tool_choice, parallel_tool_calls)
-    prompt = encode_chat(tokenizer, messages, max_len, tools=plan.offered, **options)
+    prompt = encode_chat(tokenizer, messages, max_len, tools=plan.offered, response_format=response_format,
+                         call_prefill=prefills_call(plan, options), **options)
     return prompt, decode(tokenizer, prompt)
+
+
+def prefills_call(plan: ToolPlan, options: dict[str, Any]) -> bool:
+    """A forced call in chat mode: the prompt opens its block (in thinking mode the reasoning comes first)."""
+    return plan.forced is not None and not options.get("thinking")
 
 
 def rendered_texts(tokenizer: Any, texts: list[str], max_len: int) -> list[tuple[array, str]]:
@@ -100,9 +108,11 @@ def chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None
          param: str = "messages", **options: Any) -> Prepared:
     """A chat request's tools checked, its answer's grammar built and its conversation tokenized."""
     plan = plan_tools(tools, tool_choice, parallel_tool_calls)
-    grammar = answer_grammar(plan, response_format, think_end)
-    prompt = encode_chat(tokenizer, messages, max_len, param, tools=plan.offered, **options)
-    return Prepared(prompt, plan.parse_calls, plan.parallel, grammar)
+    prefill = prefills_call(plan, options)
+    grammar = answer_grammar(plan, response_format, think_end, prefill)
+    prompt = encode_chat(tokenizer, messages, max_len, param, tools=plan.offered, response_format=response_format,
+                         call_prefill=prefill, **options)
+    return Prepared(prompt, plan.parse_calls, plan.parallel, grammar, prefill)
 
 
 def continuation(tokenizer: Any, before: list[dict[str, Any]], new: list[dict[str, Any]], earlier: array,

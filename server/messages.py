@@ -33,6 +33,7 @@ from v4serve.server.protocol import (
     MAX_TOOLS,
     Fields,
     SamplingFields,
+    effort_level,
     ignored,
     note_once,
     validation_context,
@@ -277,14 +278,14 @@ def _clear_thinking(turns: list[dict[str, Any]], kept: int | None) -> None:
 
 
 def effort(body: MessagesRequest | CountTokensRequest) -> str | None:
-    """V4's effort: `max` (and `xhigh`) prepend its maximum-effort instruction; the latest turn that sets
-    an effort wins over the request's."""
+    """The encoding's effort level (`protocol.effort_level`, as DeepSeek's converter maps it); the latest
+    turn that sets an effort wins over the request's."""
     if any(m.output_config and m.output_config.format for m in body.messages):
         raise ApiError(400, "an output format is set for the whole request (output_config.format), not per turn",
                        param="messages")
     efforts = [m.output_config.effort for m in body.messages if m.output_config and m.output_config.effort]
     requested = efforts[-1] if efforts else (body.output_config.effort if body.output_config else None)
-    return "max" if requested in ("xhigh", "max") else None
+    return effort_level(requested)
 
 
 def _assistant(blocks: list[Any]) -> dict[str, Any]:
@@ -324,9 +325,12 @@ def tool_plan(tools: list[AnthropicTool | ServerTool] | None, choice: AnthropicT
     return plan_tools(functions or None, openai_choice if functions or kind != "auto" else None, parallel)
 
 
-def thinking_mode(config: ThinkingConfig | None, max_tokens: int | None) -> tuple[bool, int | None]:
-    """(thinking on, its token budget): `enabled` with its budget, `adaptive` as V4 thinks."""
-    if config is None or config.type == "disabled":
+def thinking_mode(config: ThinkingConfig | None, max_tokens: int | None, default: bool) -> tuple[bool, int | None]:
+    """(thinking on, its token budget): `enabled` with its budget, `adaptive` as V4 thinks, none given
+    `default` (the daemon's: DeepSeek's converter thinks)."""
+    if config is None:
+        return default, None
+    if config.type == "disabled":
         return False, None
     if config.type == "adaptive":
         return True, None
@@ -348,7 +352,7 @@ class CountTokensHead(BaseModel):
     model: str
 
 
-def counted(tokenizer: Any, data: bytes, unknown_fields: str) -> int:
+def counted(tokenizer: Any, data: bytes, unknown_fields: str, default_thinking: bool) -> int:
     """count_tokens: the tokens of the conversation's prompt."""
     try:
         body = CountTokensRequest.model_validate_json(data, strict=True, context=validation_context(unknown_fields))
@@ -356,17 +360,17 @@ def counted(tokenizer: Any, data: bytes, unknown_fields: str) -> int:
         message, param = validation_message(exc)
         raise ApiError(400, message, param=param) from None
     tools = tool_plan(body.tools, body.tool_choice)
-    thinking, _ = thinking_mode(body.thinking, None)
+    thinking, _ = thinking_mode(body.thinking, None, default_thinking)
     turns = conversation(body.system, body.messages, body.context_management)
     return len(jobs.encode_chat(tokenizer, turns, sys.maxsize, thinking=thinking, tools=tools.offered,
                                 reasoning_effort=effort(body)))
 
 
 def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int,
-             unknown_fields: str) -> tuple[jobs.Prepared, bool]:
+             unknown_fields: str, default_thinking: bool) -> tuple[jobs.Prepared, bool]:
     """(the prompt, its tools and output grammar; whether a block carries a `cache_control` mark)."""
     body = MessagesRequest.model_validate_json(data, strict=True, context=validation_context(unknown_fields))
-    thinking, _ = thinking_mode(body.thinking, body.max_tokens)
+    thinking, _ = thinking_mode(body.thinking, body.max_tokens, default_thinking)
     think_end = think_end_id if thinking else None
     tools = tool_plan(body.tools, body.tool_choice)
     output = body.output_config or OutputConfig()
@@ -390,7 +394,8 @@ async def count_tokens(front: FrontEnd, raw: Request) -> Response:
     try:
         head = await parse_body(raw, CountTokensHead)
         front.check_model(head.model)
-        count = await front.prep.run(counted, await raw.body(), front.config.unknown_fields)
+        count = await front.prep.run(counted, await raw.body(), front.config.unknown_fields,
+                                     front.config.default_thinking)
     except Exception as exc:
         return error_response(exc)
     return JSONResponse({"input_tokens": count})
@@ -418,10 +423,10 @@ async def messages(front: FrontEnd, raw: Request) -> Response:
 
 
 async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request, data: bytes) -> Generation:
-    thinking, budget = thinking_mode(body.thinking, body.max_tokens)
+    thinking, budget = thinking_mode(body.thinking, body.max_tokens, front.config.default_thinking)
     think_end = front.think_end_id if thinking else None
     ready, marked = await front.prep.run(prepared, data, front.think_end_id, front.config.max_model_len,
-                                         front.config.unknown_fields)
+                                         front.config.unknown_fields, front.config.default_thinking)
     # A `cache_control` mark says the client will send this prefix again: under `auto` the request then
     # snapshots as `periodic` from its first time, instead of waiting for a hit to make its prefix hot.
     mode = body.swa_cache_mode or ("periodic" if marked and front.config.swa_cache_mode == "auto" else None)

@@ -204,6 +204,7 @@ class ChatMessage(Fields):
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    prefix: bool | None = None  # DeepSeek's chat prefix completion: the last assistant message, continued
     name: str | None = ignored("DeepSeek-V4's prompt format has no participant names")
     # What the SDK sends back when a reply's message object is appended to the conversation:
     refusal: str | None = ignored("a reply field, sent back with earlier assistant messages")
@@ -256,22 +257,40 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"unsupported chat_template_kwargs {unknown}; supported: {sorted(CHAT_TEMPLATE_KWARGS)}")
         return v
 
-    def thinking_mode(self) -> bool:
-        """V4's thinking mode: `thinking` as a boolean or DeepSeek's `{"type": "enabled"}`, else the
-        chat-template switches; `reasoning_effort: "none"` turns it off."""
-        if self.reasoning_effort == "none":
-            return False
+    def thinking_mode(self, default: bool = True) -> bool:
+        """V4's thinking mode, decided as DeepSeek's converter decides it: DeepSeek's `thinking` switch (or
+        a boolean) first, then `reasoning_effort: "none"` (off), then vLLM's `chat_template_kwargs`
+        switches, then any other effort (on), else `default` (the daemon's: `--default-chat-template-kwargs`,
+        or the model's)."""
         if isinstance(self.thinking, ThinkingSwitch):
             return self.thinking.type == "enabled"
         if self.thinking is not None:
             return self.thinking
-        kwargs = self.chat_template_kwargs or {}
-        return bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+        if self.reasoning_effort == "none":
+            return False
+        # An effort asks for reasoning (an OpenAI SDK user's `reasoning_effort="high"`), whatever the default.
+        return template_thinking(self.chat_template_kwargs, default or self.reasoning_effort is not None)
 
     def v4_effort(self) -> str | None:
-        """OpenAI's and DeepSeek's efforts on V4's two: `max` (and `xhigh`) prepend V4's fixed
-        maximum-effort instruction in thinking mode; every other value thinks as V4 does by default."""
-        return "max" if self.reasoning_effort in ("xhigh", "max") else None
+        return effort_level(self.reasoning_effort)
+
+
+def template_thinking(kwargs: dict[str, Any] | None, default: bool) -> bool:
+    """The thinking switch of chat-template kwargs (`thinking`, or `enable_thinking`), else `default`."""
+    kwargs = kwargs or {}
+    for name in ("thinking", "enable_thinking"):
+        if name in kwargs:
+            return bool(kwargs[name])
+    return default
+
+
+def effort_level(effort: str | None) -> str:
+    """A request's reasoning effort on the encoding's three levels, as DeepSeek's converter maps OpenAI's
+    and DeepSeek's values: none given (or "none" with thinking on) is its default, high; minimal and low
+    think with no instruction; medium, high and xhigh get the high instruction; max its own."""
+    if effort in ("minimal", "low"):
+        return "low"
+    return "max" if effort == "max" else "high"
 
 
 class CompletionRequest(SamplingFields):

@@ -43,6 +43,7 @@ from v4serve.server.protocol import (
     MAX_TOOLS,
     Fields,
     SamplingFields,
+    effort_level,
     ignored,
     note_once,
     validation_context,
@@ -457,14 +458,14 @@ async def create(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest,
 
 async def _plan(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, raw: Request) -> _Plan:
     model = front.check_model(body.model)
-    thinking = _thinking(body)
+    thinking = _thinking(body, front.config.default_thinking)
     earlier = None
     if body.previous_response_id is not None:
         found = stored.get(body.previous_response_id, owner_of(raw))
         earlier = (found.messages, found.settings, found.tokens)
     ready, messages, settings = await front.prep.run(prepared, await raw.body(), front.think_end_id,
                                                      front.config.max_model_len, earlier,
-                                                     front.config.unknown_fields)
+                                                     front.config.unknown_fields, front.config.default_thinking)
     prompt = ready.prompt.tolist()
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, swa_cache_mode=body.swa_cache_mode,
                             stream=body.stream, kv_transfer_params=body.kv_transfer_params)
@@ -477,8 +478,11 @@ async def _plan(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, 
     return _Plan(response_id, model, generation, messages, settings, prompt, body.previous_response_id, thinking)
 
 
-def _thinking(body: ResponsesRequest) -> bool:
-    return body.reasoning is not None and body.reasoning.effort not in (None, "none")
+def _thinking(body: ResponsesRequest, default: bool) -> bool:
+    """`reasoning.effort` "none" answers in chat mode, any other effort thinks, none given `default`."""
+    if body.reasoning is None or body.reasoning.effort is None:
+        return default
+    return body.reasoning.effort != "none"
 
 
 # ---- preprocessing (a job for `preprocess.Preprocessor`: the body's bytes in, parsed again there) -------------
@@ -486,13 +490,14 @@ Earlier = tuple[list[dict[str, Any]], tuple[Any, ...], array]  # a stored respon
 
 
 def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int, earlier: Earlier | None,
-             unknown_fields: str) -> tuple[jobs.Prepared, list[dict[str, Any]], tuple[Any, ...]]:
+             unknown_fields: str, default_thinking: bool
+             ) -> tuple[jobs.Prepared, list[dict[str, Any]], tuple[Any, ...]]:
     """(the prompt with its tools and grammar, the conversation to store, the settings that shaped it):
     a follow-up of a stored response with the same settings continues its tokens; anything else is
     rendered whole."""
     body = ResponsesRequest.model_validate_json(data, strict=True, context=validation_context(unknown_fields))
-    thinking = _thinking(body)
-    effort = "max" if thinking and body.reasoning and body.reasoning.effort in ("xhigh", "max") else None
+    thinking = _thinking(body, default_thinking)
+    effort = effort_level(body.reasoning.effort if body.reasoning else None) if thinking else None
     for tool in body.tools or []:
         if isinstance(tool, HostedTool):
             note_once(f"responses-tool-{tool.type[:64]}", "dropped a Responses tool of type %r from the prompt: the "

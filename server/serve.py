@@ -131,7 +131,7 @@ def front_app(cfg: ServeConfig, tokenizer: Tokenizer, engine: EngineClient, info
                       multiprocess_dir=shared.metrics if shared else None)
     server = ServerConfig(cfg.model_name, info["max_model_len"], aliases=cfg.model_names[1:], keys=keys,
                           isolate_tenants=keys is not None and keys.isolating and not cfg.shared_prefix_cache,
-                          swa_cache_mode=cfg.swa_cache_mode,
+                          swa_cache_mode=cfg.swa_cache_mode, default_thinking=cfg.default_thinking,
                           protect_metrics=cfg.protect_metrics, max_request_bytes=cfg.max_request_bytes,
                           max_unread_tokens=cfg.max_unread_tokens, max_logprob_entries=cfg.max_logprob_entries,
                           unread_timeout=cfg.unread_timeout,

@@ -88,6 +88,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     chosen = [t for t in checked if t.name == name]
     if not chosen:
         raise ApiError(400, f"tool_choice names {echo(name)}, which is not among the tools", param="tool_choice")
+    offered = [t for t, c in zip(offered, checked, strict=True) if c.name == name]  # as DeepSeek's converter offers it
     return ToolPlan(offered, parse_calls=True, forced=chosen, parallel=False, tools=tuple(checked))
 
 
@@ -178,18 +179,21 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 
 # ---- grammars ------------------------------------------------------------------------------------------
-def tool_call_grammar(forced: list[Tool], parallel: bool, after_token: int | None) -> GrammarSpec:
-    rules = ["start: calls", *_call_rules(forced, parallel)]
+def tool_call_grammar(forced: list[Tool], parallel: bool, after_token: int | None,
+                      prefilled: bool = False) -> GrammarSpec:
+    """A forced call; `prefilled`: the prompt opened the block (chat mode), the reply starts inside it."""
+    rules = ["start: inside" if prefilled else "start: calls", *_call_rules(forced, parallel)]
     return GrammarSpec("lark", "\n".join(rules), param="tool_choice", after_token=after_token)
 
 
-def answer_grammar(tools: ToolPlan, response_format: Any, think_end: int | None) -> GrammarSpec | None:
+def answer_grammar(tools: ToolPlan, response_format: Any, think_end: int | None,
+                   prefilled: bool = False) -> GrammarSpec | None:
     """What a reply must be: under a required or named tool choice a call (a `response_format` is for the
-    final answer, a later turn); under auto with a `response_format` a call or that answer; without
-    tools the answer."""
+    final answer, a later turn; `prefilled`: the prompt opened its block); under auto with a
+    `response_format` a call or that answer; without tools the answer."""
     if tools.forced is not None:
         response_format_schema(response_format)  # checked all the same
-        return tool_call_grammar(tools.forced, tools.parallel, think_end)
+        return tool_call_grammar(tools.forced, tools.parallel, think_end, prefilled)
     if tools.parse_calls:
         return call_or_answer_grammar(tools.tools, tools.parallel, response_format, think_end)
     return response_format_grammar(response_format, think_end)
@@ -213,8 +217,9 @@ def _call_rules(tools: list[Tool], parallel: bool) -> list[str]:
     rules = [rule for _, body in invokes for rule in body]
     any_invoke = " | ".join(name for name, _ in invokes)
     repeat = f"{{1,{MAX_PARALLEL_CALLS}}}" if parallel else ""
-    block = f'calls: {_lit(NL * 2 + f"<{DSML}tool_calls>" + NL)} call{repeat} {_lit(f"</{DSML}tool_calls>")}'
-    return [block, f"call: {any_invoke}", *rules]
+    block = f'calls: {_lit(NL * 2 + f"<{DSML}tool_calls>" + NL)} inside'
+    inside = f'inside: call{repeat} {_lit(f"</{DSML}tool_calls>")}'
+    return [block, inside, f"call: {any_invoke}", *rules]
 
 
 def _invoke_rules(i: int, tool: Tool) -> tuple[str, list[str]]:

@@ -105,8 +105,8 @@ def test_thinking_mode_multi_turn_exact() -> None:
     assert "Greet back." not in prompt and "Simple sum." not in prompt
 
 
-def test_thinking_mode_keeps_reasoning_after_last_user() -> None:
-    # The reference's "thinking without tools" case.
+def test_thinking_mode_keeps_reasoning_after_last_user_in_a_finished_exchange() -> None:
+    # DeepSeek's encoding's "thinking without tools" case: the conversation as it stands, no generation prompt.
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Hello"},
@@ -129,7 +129,11 @@ def test_thinking_mode_keeps_reasoning_after_last_user() -> None:
         + "<think>The user asks about the capital of France. It is Paris.</think>"
         + "The capital of France is Paris." + EOS
     )
-    assert encode_messages(messages, thinking=True) == expected
+    assert encode_messages(messages, thinking=True, add_generation_prompt=False) == expected
+    # Asked for an answer after it (DeepSeek's converter): the request's assistant turns are history, their
+    # reasoning dropped, and the generation prompt follows the last one.
+    asked = expected.replace("<think>The user asks about the capital of France. It is Paris.</think>", "</think>")
+    assert encode_messages(messages, thinking=True) == asked + ASSISTANT + "<think>"
 
 
 def test_without_system_and_without_generation_prompt() -> None:
@@ -141,7 +145,54 @@ def test_without_system_and_without_generation_prompt() -> None:
 
 def test_chat_mode_ignores_reasoning_content() -> None:
     messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
-    assert encode_messages(messages) == BOS + USER + "Q" + ASSISTANT + "</think>A" + EOS
+    finished = BOS + USER + "Q" + ASSISTANT + "</think>A" + EOS
+    assert encode_messages(messages, add_generation_prompt=False) == finished
+    assert encode_messages(messages) == finished + ASSISTANT + "</think>"
+
+
+def test_an_assistant_prefix_is_continued_open() -> None:
+    """DeepSeek's chat prefix completion: the last assistant message, `prefix: true`, stays open."""
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "Def", "prefix": True}]
+    assert encode_messages(messages) == BOS + USER + "Q" + ASSISTANT + "</think>Def"
+    with_reasoning = [messages[0], {**messages[1], "reasoning_content": "R"}]
+    assert encode_messages(with_reasoning, thinking=True) == BOS + USER + "Q" + ASSISTANT + "<think>R</think>Def"
+    with pytest.raises(ValueError, match="only the last message"):
+        encode_messages([messages[1], messages[0]])
+
+
+def test_every_system_message_goes_to_the_head() -> None:
+    messages = [{"role": "system", "content": "One."}, {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A"}, {"role": "system", "content": "Two."},
+                {"role": "user", "content": "R"}]
+    assert encode_messages(messages) == (BOS + "One.\n\nTwo." + USER + "Q" + ASSISTANT + "</think>A" + EOS
+                                         + USER + "R" + ASSISTANT + "</think>")
+
+
+def test_response_formats_in_the_head() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    messages = [{"role": "system", "content": "S."}, {"role": "user", "content": "Q json"}]
+    assert encode_messages(messages, response_format={"type": "json_schema", "json_schema": {"schema": schema}}) == (
+        BOS + "S.\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+        + json.dumps(schema) + USER + "Q json" + ASSISTANT + "</think>")
+    assert encode_messages(messages, response_format={"type": "json_object"}) == (
+        BOS + "S.\n\nYou are a helpful assistant designed to output JSON.\n## Response Format:\n\n"
+        "Reply with JSON object ONLY." + USER + "Q json" + ASSISTANT + "</think>")
+    assert encode_messages(messages, response_format={"type": "text"}) == encode_messages(messages)
+    with pytest.raises(ValueError, match="the word 'json'"):
+        encode_messages([{"role": "user", "content": "Q"}], response_format={"type": "json_object"})
+
+
+def test_an_image_is_unsupported_in_v4() -> None:
+    parts = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+    assert encode_messages([{"role": "user", "content": parts}]) == (
+        BOS + USER + "see\n\n[Unsupported Image]" + ASSISTANT + "</think>")
+
+
+def test_a_call_without_arguments_has_no_parameter_lines() -> None:
+    call = {"id": "x", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert encode_messages(messages, add_generation_prompt=False).endswith(
+        f"</think>\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"now\">\n</{DSML}invoke>\n</{DSML}tool_calls>" + EOS)
 
 
 def test_tool_calls_and_results_exact_chat_mode() -> None:
@@ -220,13 +271,13 @@ def test_developer_and_latest_reminder_roles() -> None:
         {"role": "latest_reminder", "content": "Today is Monday."},
     ]
     expected = (
-        BOS + USER + "Dev rules" + USER + "Q" + ASSISTANT + "</think>"
-        + f"<{BAR}latest_reminder{BAR}>Today is Monday."
+        BOS + USER + "Dev rules" + USER + "Q" + f"<{BAR}latest_reminder{BAR}>Today is Monday."
+        + ASSISTANT + "</think>"
     )
     assert encode_messages(messages) == expected
     # In thinking mode a developer message before the last user message is dropped.
     dropped = encode_messages(messages, thinking=True)
-    assert dropped == BOS + USER + "Q" + ASSISTANT + "<think>" + f"<{BAR}latest_reminder{BAR}>Today is Monday."
+    assert dropped == BOS + USER + "Q" + f"<{BAR}latest_reminder{BAR}>Today is Monday." + ASSISTANT + "<think>"
 
 
 def test_content_part_lists() -> None:
@@ -234,13 +285,16 @@ def test_content_part_lists() -> None:
     assert encode_messages([{"role": "user", "content": parts}]) == BOS + USER + "one\n\ntwo" + ASSISTANT + "</think>"
 
 
-def test_reasoning_effort_max_prefix_only_in_thinking_mode() -> None:
+def test_reasoning_effort_prefixes_only_in_thinking_mode() -> None:
     messages = [{"role": "user", "content": "Q"}]
-    prompt = encode_messages(messages, thinking=True, reasoning_effort="max")
-    assert prompt.startswith(BOS + "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n")
-    assert prompt.endswith("is left unchecked.\n\n" + USER + "Q" + ASSISTANT + "<think>")
+    high = encode_messages(messages, thinking=True, reasoning_effort="high")
+    assert high.startswith(BOS + "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n")
+    assert high.endswith("is left unchecked.\n\n" + USER + "Q" + ASSISTANT + "<think>")
+    top = encode_messages(messages, thinking=True, reasoning_effort="max")
+    assert top.startswith(BOS + "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n")
+    assert top.endswith("no error remains undiscovered.\n\n" + USER + "Q" + ASSISTANT + "<think>")
+    assert encode_messages(messages, thinking=True, reasoning_effort="low") == encode_messages(messages, thinking=True)
     assert encode_messages(messages, reasoning_effort="max") == encode_messages(messages)
-    assert encode_messages(messages, thinking=True, reasoning_effort="high") == encode_messages(messages, thinking=True)
 
 
 # --- prefix stability ---------------------------------------------------------------------------
@@ -254,10 +308,11 @@ def _assert_prefix_stable(turns: list[list[dict[str, Any]]], thinking: bool, **k
         history.extend(asked)
         prompt = encode_messages(history, thinking=thinking, **kwargs)
         reasoning = answer.get("reasoning_content", "") + "</think>" if thinking else ""
-        calls = encode_messages([answer], thinking=False, add_generation_prompt=False)[len(BOS) :]
+        alone = encode_messages([answer], thinking=False, add_generation_prompt=False)
+        calls = alone.removeprefix(BOS + ASSISTANT + "</think>")
         completion = reasoning + calls  # content + DSML block + EOS, exactly as generated
         history.append(answer)
-        finished = encode_messages(history, thinking=thinking, **kwargs)
+        finished = encode_messages(history, thinking=thinking, add_generation_prompt=False, **kwargs)
         assert finished == prompt + completion
         nxt = encode_messages([*history, {"role": "user", "content": "next"}], thinking=thinking, **kwargs)
         assert nxt.startswith(finished)
@@ -298,7 +353,8 @@ def test_thinking_mode_without_tools_breaks_prefix() -> None:
 
 def test_chat_mode_prefix_stable_turn_by_turn() -> None:
     for k in range(1, len(CONVERSATION)):
-        assert encode_messages(CONVERSATION[: k + 1]).startswith(encode_messages(CONVERSATION[:k]))
+        as_it_stands = encode_messages(CONVERSATION[:k], add_generation_prompt=False)
+        assert encode_messages(CONVERSATION[: k + 1]).startswith(as_it_stands)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -324,7 +380,7 @@ def test_unsupported_role_raises(message: dict[str, Any]) -> None:
         ([], "empty"),
         (["not a dict"], "object"),
         ([{"role": "developer", "content": ""}], "developer"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url"),
+        ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}], "input_audio"),
         ([{"role": "user", "content": 42}], "string"),
         ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}], "name"),
         ([{"role": "assistant", "content": "", "reasoning_content": 5}], "reasoning_content"),
@@ -338,6 +394,8 @@ def test_invalid_messages_raise(messages: list[Any], match: str) -> None:
 def test_invalid_reasoning_effort_raises() -> None:
     with pytest.raises(ValueError, match="reasoning_effort"):
         encode_messages([{"role": "user", "content": "Q"}], reasoning_effort="extreme")
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        encode_messages([{"role": "user", "content": "Q"}], reasoning_effort="medium")  # the request's: mapped first
 
 
 def test_input_messages_not_mutated() -> None:

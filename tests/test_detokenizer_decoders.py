@@ -398,7 +398,7 @@ def test_word_level_fuse_checkpoint_loads(fuse_checkpoint: Path) -> None:
 def test_word_level_fuse_checkpoint_serves_chat(fuse_checkpoint: Path) -> None:
     body = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
-    with daemon("--model", str(fuse_checkpoint)) as url:
+    with daemon("--model", str(fuse_checkpoint), "--default-chat-template-kwargs", '{"thinking": false}') as url:
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=PATIENCE)
         assert reply.status_code == 200, reply.text
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=PATIENCE) as s:

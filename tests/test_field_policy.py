@@ -62,7 +62,9 @@ def messages_request(messages: list[dict], **fields: object) -> MessagesRequest:
     return body
 
 
-def test_a_system_turn_inside_messages_renders_where_it_stands() -> None:
+def test_a_system_turn_inside_messages_joins_the_system_prompt() -> None:
+    """DeepSeek-V4 has no system marker: as DeepSeek's converter renders it, every system turn's text goes
+    to the head, in order, wherever it stands among the messages."""
     body = messages_request([{"role": "user", "content": "first"},
                              {"role": "system", "content": [{"type": "text", "text": "ENVIRONMENT"}],
                               "output_config": {"effort": "medium"}},
@@ -72,7 +74,7 @@ def test_a_system_turn_inside_messages_renders_where_it_stands() -> None:
     turns = conversation(body.system, body.messages)
     assert [t["role"] for t in turns] == ["system", "user", "system", "assistant", "user"]
     prompt = encode_messages(turns)
-    assert prompt.index("SYSTEM") < prompt.index("first") < prompt.index("ENVIRONMENT") < prompt.index("ok")
+    assert prompt.index("SYSTEM") < prompt.index("ENVIRONMENT") < prompt.index("first") < prompt.index("ok")
     assert prompt.index("ok") < prompt.index("second")
 
 
@@ -109,7 +111,8 @@ def test_the_latest_turn_that_sets_an_effort_wins() -> None:
     turn_max = {"role": "system", "content": "x", "output_config": {"effort": "max"}}
     turn_low = {"role": "system", "content": "y", "output_config": {"effort": "low"}}
     assert effort(messages_request([user, turn_max, user])) == "max"
-    assert effort(messages_request([user, turn_max, turn_low, user], output_config={"effort": "max"})) is None
+    assert effort(messages_request([user, turn_max, turn_low, user], output_config={"effort": "max"})) == "low"
+    assert effort(messages_request([user])) == "high"  # none set: the converter's default
     counted, _ = parse(CountTokensRequest, {"model": "m", "messages": [user], "output_config": {"effort": "max"}},
                        "refuse")
     assert effort(counted) == "max"  # the instruction is part of the prompt it counts

@@ -683,8 +683,9 @@ def test_a_request_picks_its_own_swa_cache_mode_on_every_endpoint(http: httpx.Cl
 
 
 def test_deepseeks_thinking_switch_and_every_reasoning_effort(http: httpx.Client) -> None:
-    """DeepSeek's `{"type": "enabled"|"disabled"}` is the boolean switch; `xhigh` is `max` (V4's
-    maximum-effort instruction, in thinking mode), `none` turns thinking off, the others think as V4 does."""
+    """DeepSeek's `{"type": "enabled"|"disabled"}` is the boolean switch; efforts map as DeepSeek's converter
+    maps them: none given is high (its instruction), minimal and low think with none, medium and xhigh are
+    high, max has its own (longer) instruction; an effort without a switch turns thinking on, `none` off."""
     def reply(**fields: Any) -> tuple[int, str]:
         body = {"model": MODEL, "messages": user("a question to think about"), "max_tokens": 6, "temperature": 0,
                 "ignore_eos": True, **fields}
@@ -694,12 +695,15 @@ def test_deepseeks_thinking_switch_and_every_reasoning_effort(http: httpx.Client
         return got.json()["usage"]["prompt_tokens"], (message.get("reasoning_content") or "") + message["content"]
 
     assert reply(thinking={"type": "enabled"}) == reply(thinking=True) != reply(thinking=False)
-    assert reply(thinking={"type": "disabled"}) == reply(thinking=False)
-    assert reply(thinking=True, reasoning_effort="xhigh") == reply(thinking=True, reasoning_effort="max")
-    assert reply(thinking=True, reasoning_effort="max")[0] > reply(thinking=True)[0]  # its instruction
-    assert reply(thinking=True, reasoning_effort="none") == reply(thinking=False)
-    for effort in ("minimal", "low", "medium", "high"):
-        assert reply(thinking=True, reasoning_effort=effort) == reply(thinking=True)
+    assert reply(thinking={"type": "disabled"}) == reply(thinking=False) == reply()  # the tiny model: chat mode
+    high, low = reply(thinking=True, reasoning_effort="high"), reply(thinking=True, reasoning_effort="low")
+    assert reply(thinking=True) == high and high[0] > low[0]  # the high instruction
+    assert reply(thinking=True, reasoning_effort="max")[0] > high[0]  # the max one, longer
+    for effort in ("medium", "xhigh"):
+        assert reply(thinking=True, reasoning_effort=effort) == high
+    assert reply(thinking=True, reasoning_effort="minimal") == low
+    assert reply(thinking=True, reasoning_effort="none") == high  # the switch wins
+    assert reply(reasoning_effort="high") == high and reply(reasoning_effort="none") == reply(thinking=False)
     for bad in ({"reasoning_effort": "turbo"}, {"thinking": {"type": "on"}}):
         got = http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("x"), **bad})
         assert got.status_code == 400 and got.json()["error"]["param"].split(".")[0] == next(iter(bad)), got.text

