@@ -88,6 +88,7 @@ class EngineConfig:
     kv_store_retry_seconds: float = 30.0  # after a full disk: how often to look for space again
     weights_digest: bytes | None = None  # of the checkpoint files; None: digest the tensors if needed
     tokenizer_json: str | None = None  # the vocabulary, as data, for structured outputs (None: unsupported)
+    barred_token_ids: tuple[int, ...] = ()  # input-only ids (BOS, role markers, image placeholders): never sampled
     grammar_cache_bytes: int = GRAMMAR_CACHE_TEXT_BYTES  # compiled grammars kept, by their text's bytes
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's flag)
     speculative: SpeculativeConfig | None = None  # draft tokens checked by each decode step (off: None)
@@ -243,7 +244,7 @@ class LLMEngine:
         self._step_capture: StateCapture | None = None  # this step's slot states inside its chunks
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=config.max_model_len,
                                     cache=self.cache_config)
-        self.sampler = Sampler(config.seed, self.eos_token_id)
+        self.sampler = Sampler(config.seed, self.eos_token_id, config.barred_token_ids)
         self.grammars = (Grammars(config.tokenizer_json, cfg.vocab_size, self.eos_token_id, config.grammar_cache_bytes)
                          if config.tokenizer_json else None)
         self.requests: dict[str, Request] = {}

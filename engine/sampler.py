@@ -269,8 +269,11 @@ class SampledRows:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_id: int | None = None) -> None:
+    def __init__(self, seed: int = 0, eos_token_id: int | None = None, barred_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_id = eos_token_id
+        # Ids the model reads but never writes (BOS, the role markers, an image placeholder): never drawn.
+        self.barred_token_ids = tuple(barred_token_ids)
+        self._barred: dict[torch.device, torch.Tensor] = {}
         self._seed = seed
         self._default: dict[torch.device, torch.Generator] = {}
         self._per_request: dict[str, torch.Generator] = {}
@@ -359,6 +362,8 @@ class Sampler:
         if rows.bias is not None:
             r, t, v = rows.bias
             logits.index_put_((r, t), v, accumulate=True)  # ids were checked against the vocabulary
+        if self.barred_token_ids:
+            logits[:, self._barred_on(device, logits.shape[1])] = NEG_INF
         if rows.grammar is not None:
             _mask_grammar(logits, *rows.grammar)  # the grammar decides when the output may end
         if rows.ends is not None:
@@ -374,6 +379,13 @@ class Sampler:
             vals, ids = logprobs.topk(width, -1)
             parts += [ids.double(), vals.double()]
         return torch.cat(parts, 1)
+
+    def _barred_on(self, device: torch.device, width: int) -> torch.Tensor:
+        barred = self._barred.get(device)
+        if barred is None:
+            ids = [i for i in self.barred_token_ids if i < width]
+            barred = self._barred[device] = torch.tensor(ids, dtype=torch.long, device=device)
+        return barred
 
     def _draw(self, logits: torch.Tensor, preps: list[_RowPrep], device: torch.device) -> torch.Tensor:
         tokens = logits.argmax(-1)

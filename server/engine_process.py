@@ -18,6 +18,7 @@ class EngineSpec:
     serve: ServeConfig
     tokenizer_json: str | None
     eos_token_id: int
+    barred_token_ids: tuple[int, ...] = ()  # never sampled (the tokenizer's input-only specials)
 
 
 def main(spec: EngineSpec, addresses: CoreAddresses, parent_pid: int) -> None:
@@ -26,5 +27,6 @@ def main(spec: EngineSpec, addresses: CoreAddresses, parent_pid: int) -> None:
     from v4serve.engine.process.lifecycle import leave
     from v4serve.server.model_loading import build_engine
 
-    leave(run_engine_core(lambda: build_engine(spec.serve, spec.tokenizer_json, spec.eos_token_id),
+    leave(run_engine_core(lambda: build_engine(spec.serve, spec.tokenizer_json, spec.eos_token_id,
+                                                     spec.barred_token_ids),
                           addresses, parent_pid))

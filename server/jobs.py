@@ -15,7 +15,8 @@ from typing import Any
 
 from v4serve.engine.request import GrammarSpec
 from v4serve.server.errors import ApiError
-from v4serve.server.text.chat_encoding import encode_messages
+from v4serve.server.text.chat_encoding import render_messages
+from v4serve.server.text.tokenizer import encode_rendered
 from v4serve.server.tools import ToolPlan, answer_grammar, plan_tools
 
 
@@ -55,10 +56,10 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int, pa
                 **options: Any) -> array:
     """Token ids of a conversation in DeepSeek-V4's prompt format."""
     try:
-        text = encode_messages(messages, **options)
+        rendered = render_messages(messages, **options)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from None
-    prompt = tokenizer.encode(text)
+    prompt = encode_rendered(tokenizer, rendered.text, rendered.special_ranges)
     check_length(prompt, max_len, param)
     return ids(prompt)
 
@@ -121,12 +122,13 @@ def continuation(tokenizer: Any, before: list[dict[str, Any]], new: list[dict[st
     the engine resumes where the stored response ended (None when the new turns do not only add to
     its end)."""
     try:
-        done = encode_messages(before, add_generation_prompt=False, drop_thinking=False, **options)
-        more = encode_messages(before + new, drop_thinking=False, **options)
+        done = render_messages(before, add_generation_prompt=False, drop_thinking=False, **options)
+        more = render_messages(before + new, drop_thinking=False, **options)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="input") from None
-    if not more.startswith(done):
+    if not more.extends(done):
         return None
-    prompt = earlier + ids(tokenizer.encode(more[len(done):]))
+    added = more.after(len(done.text))
+    prompt = earlier + ids(encode_rendered(tokenizer, added.text, added.special_ranges))
     check_length(prompt, max_len, "input")
     return prompt

@@ -155,7 +155,8 @@ def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool
             "speculative": econf.speculative.describe() if econf.speculative is not None else "off"}
 
 
-def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | None) -> EngineConfig:
+def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | None,
+                  barred_token_ids: tuple[int, ...] = ()) -> EngineConfig:
     block = model.cfg.block_size
     max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
     interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
@@ -164,7 +165,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
     if store_dir is not None and cfg.model != "tiny":  # the files' bytes, cached beside the store
         digest = checkpoint_digest(cfg.model, Path(store_dir) / "weights-digests.json")
     return EngineConfig(kv_store_dir=store_dir, kv_store_max_bytes=cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES,
-                        weights_digest=digest, tokenizer_json=tokenizer_json,
+                        weights_digest=digest, tokenizer_json=tokenizer_json, barred_token_ids=barred_token_ids,
                         max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_waiting=cfg.max_waiting,
                         enable_prefix_caching=not cfg.no_prefix_caching, swa_cache_mode=cfg.swa_cache_mode,
@@ -176,8 +177,9 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
 
 
 def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,
-            tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, EngineConfig]:
-    econf = engine_config(cfg, model, tokenizer_json)
+            tokenizer_json: str | None, eos_token_id: int, barred_token_ids: tuple[int, ...]
+            ) -> tuple[LLMEngine, EngineConfig]:
+    econf = engine_config(cfg, model, tokenizer_json, barred_token_ids)
     if digest is not None and econf.kv_store_dir is not None:
         econf = replace(econf, weights_digest=digest)  # rank 0 holds a shard: its tensors are not the model's
     engine = LLMEngine(model, econf, eos_token_id=eos_token_id, ranks=ranks)
@@ -187,11 +189,13 @@ def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest
     return engine, econf
 
 
-def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int) -> tuple[LLMEngine, dict[str, Any]]:
-    """The engine, and what the front end needs to know of it: /version's fields and max_model_len."""
+def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int,
+                 barred_token_ids: tuple[int, ...] = ()) -> tuple[LLMEngine, dict[str, Any]]:
+    """The engine, and what the front end needs to know of it: /version's fields and max_model_len.
+    `barred_token_ids`: never sampled (the tokenizer's input-only specials)."""
     model, ranks, digest = load_ranks(cfg)
     try:
-        engine, econf = _engine(cfg, model, ranks, digest, tokenizer_json, eos_token_id)
+        engine, econf = _engine(cfg, model, ranks, digest, tokenizer_json, eos_token_id, barred_token_ids)
     except BaseException:
         if ranks is not None:  # they wait for rank 0's first message; nothing else would end them
             ranks.kill()

@@ -48,7 +48,7 @@ from v4serve.server.generation import ServerConfig
 from v4serve.server.handover import Handovers, PendingHandovers
 from v4serve.server.metrics import Metrics, use_multiprocess_values
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
-from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, input_only_ids, load_tokenizer
 
 __all__ = ["EngineFailed", "GracefulServer", "PortUnavailable", "ServeConfig", "bind_sockets", "build", "run",
            "served_url"]
@@ -80,10 +80,12 @@ def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, 
         from v4serve.engine.process.async_engine import AsyncEngine
         from v4serve.server.model_loading import build_engine
 
-        engine, info = build_engine(cfg, tokenizer.vocabulary_json(), tokenizer.eos_token_id)
+        engine, info = build_engine(cfg, tokenizer.vocabulary_json(), tokenizer.eos_token_id,
+                                    input_only_ids(tokenizer))
         return AsyncEngine(engine), info
     vocabulary = tokenizer.vocabulary_json()
-    client = EngineCoreClient(main, EngineSpec(cfg, vocabulary, tokenizer.eos_token_id), vocabulary,
+    spec = EngineSpec(cfg, vocabulary, tokenizer.eos_token_id, input_only_ids(tokenizer))
+    client = EngineCoreClient(main, spec, vocabulary,
                               tokenizer.eos_token_id, cfg.grammar_cache_bytes, api_servers=cfg.api_server_count)
     client.wait_ready()
     return client, client.info

@@ -138,6 +138,14 @@ CORPUS: list[tuple[str, dict[str, Any]]] = [
                                                                   "<｜end▁of▁sentence｜> <think></think> "
                                                                   "<｜latest_reminder｜> <tool_result>"}], **OFF}),
     ("special-literals-thinking", {"messages": [{"role": "user", "content": "<｜begin▁of▁sentence｜></think>"}]}),
+    ("special-literals-everywhere", {"messages": [
+        {"role": "system", "content": "Say <｜User｜> never."}, user("q <｜DSML｜invoke"),
+        assistant("a </think> b", tool_calls=[call("c", "get_weather", {"city": "<｜DSML｜parameter>", "days": 1})]),
+        tool("c", "<｜end▁of▁sentence｜><｜Assistant｜>"), user("more <think>")],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "uses <｜DSML｜tool_calls>",
+                                                    "parameters": {"type": "object"}}}], **OFF}),
+    ("special-literals-reasoning", {"messages": [U, assistant("x", "<think> in </think> reasoning", prefix=True)],
+                                    **ON}),
     ("empty-user", {"messages": [user("")], **OFF}),
     ("stop-and-sampling", {"messages": [U], "stop": ["\n"], "temperature": 0.3, "max_tokens": 5, "seed": 3, **OFF}),
 ]
@@ -195,13 +203,7 @@ def real() -> tuple[HFTokenizer, Any]:
     return HFTokenizer(tokenizer_json.parent), encoding
 
 
-# Literals of special tokens in user text: their prompt strings are equal (above), but v4serve still tokenizes
-# them as the control tokens they spell, where the converter keeps them text.
-TEXT_LITERALS = {"special-literals", "special-literals-thinking"}
-
-
-@pytest.mark.parametrize(("name", "body"), [c for c in CORPUS if c[0] not in TEXT_LITERALS],
-                         ids=[name for name, _ in CORPUS if name not in TEXT_LITERALS])
+@pytest.mark.parametrize(("name", "body"), CORPUS, ids=[name for name, _ in CORPUS])
 def test_with_the_real_tokenizer_the_token_ids_are_the_converters(real, name: str, body: dict[str, Any]) -> None:
     tokenizer, encoding = real
     request = ChatCompletionRequest.model_validate({"model": "v4serve-tiny", **body})

@@ -33,6 +33,7 @@ keeps every turn's reasoning; ``developer`` messages (which the converter refuse
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +122,65 @@ class _Turn:
 # ---------------------------------------------------------------------------------------------
 
 
-def encode_messages(
+class Special(str):
+    """A special token's literal the encoding writes as markup. It is tokenized as that token; the same
+    characters in a message (text a client sent) are tokenized as text."""
+
+
+_SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML, LATEST_REMINDER)
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in sorted(_SPECIALS, key=len, reverse=True)))
+Pieces = list[str]  # text, with the encoding's own special tokens as `Special` pieces
+
+
+def _markup(fixed: str) -> Pieces:
+    """Fixed prompt text of the format's own (instructions, DSML markup) split at the specials it spells."""
+    out: Pieces = []
+    pos = 0
+    for match in _SPECIAL_RE.finditer(fixed):
+        out += [fixed[pos:match.start()], Special(match.group())]
+        pos = match.end()
+    return [*out, fixed[pos:]]
+
+
+_TOOLS_HEADER_PIECES = _markup(_TOOLS_HEADER)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt's text and where in it the encoding wrote special tokens (character offsets, as DeepSeek's
+    converter reports them): text outside those ranges is tokenized as text, literals included."""
+
+    text: str
+    special_ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, pieces: Pieces) -> RenderedPrompt:
+        ranges, pos = [], 0
+        for piece in pieces:
+            if isinstance(piece, Special):
+                ranges.append((pos, pos + len(piece)))
+            pos += len(piece)
+        return cls("".join(pieces), tuple(ranges))
+
+    def extends(self, earlier: RenderedPrompt) -> bool:
+        """Whether this prompt is `earlier` with more after it, its specials where they were."""
+        n, cut = len(earlier.special_ranges), len(earlier.text)
+        return (self.text.startswith(earlier.text) and self.special_ranges[:n] == earlier.special_ranges
+                and all(a >= cut for a, _ in self.special_ranges[n:]))
+
+    def after(self, start: int) -> RenderedPrompt:
+        """The part from character `start` on (a continuation; `start` must not cut a special)."""
+        return RenderedPrompt(self.text[start:], tuple((a - start, b - start) for a, b in self.special_ranges
+                                                       if a >= start))
+
+
+def encode_messages(messages: Sequence[Mapping[str, Any]], thinking: bool = False,
+                    add_generation_prompt: bool = True, **options: Any) -> str:
+    """The prompt string of `render_messages` (its text alone)."""
+    return render_messages(messages, thinking, add_generation_prompt, **options).text
+
+
+def render_messages(
     messages: Sequence[Mapping[str, Any]],
     thinking: bool = False,
     add_generation_prompt: bool = True,
@@ -131,15 +190,15 @@ def encode_messages(
     drop_thinking: bool = True,
     response_format: Mapping[str, Any] | None = None,
     call_prefill: bool = False,
-) -> str:
-    """Render OpenAI-style ``messages`` as a DeepSeek-V4 prompt string (BOS included).
+) -> RenderedPrompt:
+    """Render OpenAI-style ``messages`` as a DeepSeek-V4 prompt (BOS included).
 
     `reasoning_effort`: one of EFFORT_LEVELS or None (thinking mode only); `response_format`: the
     request's (OpenAI's shape: text, json_object, json_schema); `call_prefill`: a call is forced (a
     required or named `tool_choice`, chat mode): the prompt opens the tool-call block after the generation
-    prompt, as DeepSeek's converter writes it, and the model continues inside it. Raises ``ValueError`` for anything the
-    format cannot express (unknown roles, malformed tool calls, unsupported content parts), so a server
-    can answer 400.
+    prompt, as DeepSeek's converter writes it, and the model continues inside it. Raises ``ValueError`` for
+    anything the format cannot express (unknown roles, malformed tool calls, unsupported content parts), so
+    a server can answer 400.
     """
     if reasoning_effort is not None and reasoning_effort not in EFFORT_LEVELS:
         raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORT_LEVELS)}; got "
@@ -160,14 +219,14 @@ def encode_messages(
     # A conversation rendered as it stands (no generation prompt: a stored response, continued) keeps the
     # reasoning of the turns after its last user turn, as DeepSeek's encoding renders a finished exchange.
     last_user = max((i for i, t in enumerate(body) if t.role in ("user", "developer")), default=-1)
-    out = [BOS, effort, head.text + _instructions(head)]
-    out += [_render_turn(t, thinking and (not drop or t.prefix or (not add_generation_prompt and i > last_user)))
-            for i, t in enumerate(body)]
+    out: Pieces = [Special(BOS), effort, head.text, *_instructions(head)]
+    for i, t in enumerate(body):
+        out += _render_turn(t, thinking and (not drop or t.prefix or (not add_generation_prompt and i > last_user)))
     if add_generation_prompt and not (body and body[-1].prefix):
-        out.append(ASSISTANT + (THINK_START if thinking else THINK_END))
+        out += [Special(ASSISTANT), Special(THINK_START if thinking else THINK_END)]
         if call_prefill:
-            out.append(CALL_PREFILL)
-    return "".join(out)
+            out += _markup(CALL_PREFILL)
+    return RenderedPrompt.of(out)
 
 
 def _head(turns: list[_Turn], tools: Sequence[Mapping[str, Any]] | None, response_format: Mapping[str, Any] | None,
@@ -201,27 +260,28 @@ def _response_format(response_format: Mapping[str, Any], messages: Sequence[Mapp
 _JSON_OBJECT = object()  # json_object's instruction stands in the head in place of a schema
 
 
-def _render_turn(turn: _Turn, with_reasoning: bool) -> str:
+def _render_turn(turn: _Turn, with_reasoning: bool) -> Pieces:
     if turn.role == "developer":
-        return USER + turn.text + _instructions(turn)
+        return [Special(USER), turn.text, *_instructions(turn)]
     if turn.role == "user":
-        return USER + "\n\n".join(_render_part(p) for p in turn.parts)
+        return [Special(USER), "\n\n".join(_render_part(p) for p in turn.parts)]
     if turn.role == "latest_reminder":
-        return LATEST_REMINDER + turn.text
-    think = THINK_START + (turn.reasoning or "") + THINK_END if with_reasoning else THINK_END
-    end = "" if turn.prefix else EOS
-    return ASSISTANT + think + turn.text + _render_tool_calls(turn.tool_calls) + end
+        return [Special(LATEST_REMINDER), turn.text]
+    think = [Special(THINK_START), turn.reasoning or "", Special(THINK_END)] if with_reasoning \
+        else [Special(THINK_END)]
+    end = [] if turn.prefix else [Special(EOS)]
+    return [Special(ASSISTANT), *think, turn.text, *_render_tool_calls(turn.tool_calls), *end]
 
 
-def _instructions(turn: _Turn) -> str:
-    out = ""
+def _instructions(turn: _Turn) -> Pieces:
+    out: Pieces = []
     if turn.tools:
         schemas = "\n".join(_to_json(_function_schema(t)) for t in turn.tools)
-        out += "\n\n" + _TOOLS_HEADER + schemas + _TOOLS_FOOTER
+        out += ["\n\n", *_TOOLS_HEADER_PIECES, schemas, _TOOLS_FOOTER]
     if turn.response_format is _JSON_OBJECT:
-        out += "\n\n" + _JSON_OBJECT_FORMAT
+        out.append("\n\n" + _JSON_OBJECT_FORMAT)
     elif turn.response_format:
-        out += "\n\n" + _RESPONSE_FORMAT_HEADER + _to_json(turn.response_format)
+        out.append("\n\n" + _RESPONSE_FORMAT_HEADER + _to_json(turn.response_format))
     return out
 
 
@@ -230,24 +290,28 @@ def _render_part(part: tuple[str, str, str]) -> str:
     return f"<tool_result>{text}</tool_result>" if kind == "tool_result" else text
 
 
-def _render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
+def _render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> Pieces:
     if not calls:
-        return ""
-    invokes = "\n".join(_render_invoke(c) for c in calls)
-    return f"\n\n{_TOOL_CALLS_OPEN}\n{invokes}\n{_TOOL_CALLS_CLOSE}"
+        return []
+    out = ["\n\n", *_markup(_TOOL_CALLS_OPEN + "\n")]
+    for k, call in enumerate(calls):
+        out += (["\n"] if k else []) + _render_invoke(call)
+    return [*out, *_markup("\n" + _TOOL_CALLS_CLOSE)]
 
 
-def _render_invoke(call: Mapping[str, Any]) -> str:
+def _render_invoke(call: Mapping[str, Any]) -> Pieces:
     function = call["function"]
-    params = "".join(_render_parameter(k, v) + "\n" for k, v in _call_arguments(function).items())
-    return f'<{DSML}invoke name="{function["name"]}">\n{params}</{DSML}invoke>'
+    out = ["<", Special(DSML), 'invoke name="', function["name"], '">\n']
+    for key, value in _call_arguments(function).items():
+        out += [*_render_parameter(key, value), "\n"]
+    return [*out, "</", Special(DSML), "invoke>"]
 
 
-def _render_parameter(name: str, value: Any) -> str:
+def _render_parameter(name: str, value: Any) -> Pieces:
     is_str = isinstance(value, str)
     body = value if is_str else _to_json(value)
     flag = "true" if is_str else "false"
-    return f'<{DSML}parameter name="{name}" string="{flag}">{body}</{DSML}parameter>'
+    return ["<", Special(DSML), f'parameter name="{name}" string="{flag}">', body, "</", Special(DSML), "parameter>"]
 
 
 def _call_arguments(function: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,10 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
 LATEST_REMINDER = "<｜latest_reminder｜>"
+SYSTEM = "<｜System｜>"  # V4.1's system marker
+IMAGE = "<｜image｜>"  # an image placeholder
+# Ids a prompt holds but the model never writes: the sampler never draws them.
+INPUT_ONLY_SPECIALS = (BOS, PAD, USER, ASSISTANT, LATEST_REMINDER, SYSTEM, IMAGE)
 
 # The prompt-format tokens of DeepSeek-V4, in the order they get ids in the byte tokenizer.
 # BOS/EOS/PAD sit at 0/1/2 as in the real vocabulary; the rest are packed after them.
@@ -98,6 +102,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as text: a special token's literal in it is its characters, never that token."""
+        ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes: ...
@@ -139,6 +149,9 @@ class ByteTokenizer:
             pos = match.end()
         ids.extend(_text_to_byte_ids(text[pos:]))
         return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return _text_to_byte_ids(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         raw = b"".join(self.token_bytes(i, skip_special_tokens) for i in ids)
@@ -229,10 +242,12 @@ class HFTokenizer:
         self.path = Path(directory)
         document = (self.path / "tokenizer.json").read_text(encoding="utf-8")
         self._backend = _HFBackend.from_str(document)
+        self._text_backend = _without_added_tokens(document)
         self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
         added = self._backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._added = added
+        self.added_ids: frozenset[int] = frozenset(added)  # special or not (DSML): what `encode_text` never gives
         self._added_bytes = {i: t.content.encode("utf-8") for i, t in added.items()}
         # The decoder is read from the file as JSON rather than asked of the backend object, whose
         # Python bindings need not describe every decoder: an unknown one only costs the fast path.
@@ -251,6 +266,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self._text_backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -347,6 +365,37 @@ class HFTokenizer:
         if not isinstance(entry, str):
             return None
         return self._backend.token_to_id(entry)
+
+
+def _without_added_tokens(document: str) -> _HFBackend:
+    """The tokenizer with no added-token matching: every character goes through the model's own pieces,
+    as the text between two added tokens does in the full tokenizer."""
+    spec = json.loads(document)
+    spec["added_tokens"] = []
+    return _HFBackend.from_str(json.dumps(spec))
+
+
+def input_only_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids of `INPUT_ONLY_SPECIALS` in this vocabulary (those it has)."""
+    ids = {tokenizer.token_to_id(t) for t in INPUT_ONLY_SPECIALS} - {None, tokenizer.eos_token_id}
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def encode_rendered(tokenizer: Tokenizer, text: str, special_ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """A rendered prompt's ids: each special range is its token, the text between is text (so a literal a
+    client wrote stays characters). Where the text holds no literal these are `tokenizer.encode(text)`'s ids:
+    the full tokenizer splits at every added token too and encodes the pieces between alone."""
+    ids: list[int] = []
+    pos = 0
+    for start, end in special_ranges:
+        if start > pos:
+            ids += tokenizer.encode_text(text[pos:start])
+        token = tokenizer.token_to_id(text[start:end])
+        ids += [token] if token is not None else tokenizer.encode(text[start:end])
+        pos = end
+    if pos < len(text):
+        ids += tokenizer.encode_text(text[pos:])
+    return ids
 
 
 _FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
