@@ -362,8 +362,6 @@ class Sampler:
         if rows.bias is not None:
             r, t, v = rows.bias
             logits.index_put_((r, t), v, accumulate=True)  # ids were checked against the vocabulary
-        if self.barred_token_ids:
-            logits[:, self._barred_on(device, logits.shape[1])] = NEG_INF
         if rows.grammar is not None:
             _mask_grammar(logits, *rows.grammar)  # the grammar decides when the output may end
         if rows.ends is not None:
@@ -371,6 +369,8 @@ class Sampler:
         _penalise(logits, rows)
         flag = _flags(logits)
         logprobs = logits.log_softmax(-1)
+        if self.barred_token_ids:  # after the logprobs, which stay the model's: barring only changes the draw
+            logits[:, self._barred_on(device, logits.shape[1])] = NEG_INF
         tokens = self._draw(logits, preps, device)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
         parts = [tokens.double()[:, None], flag[:, None], chosen.double()[:, None]]

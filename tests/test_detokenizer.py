@@ -13,7 +13,7 @@ from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Sample
 from v4serve.server.text.detokenizer import IncrementalDetokenizer
 from v4serve.server.text.output import ChoiceText, OutputOptions
-from v4serve.server.text.tokenizer import BYTE_OFFSET, DSML, ByteTokenizer, HFTokenizer, write_byte_tokenizer_files
+from v4serve.server.text.tokenizer import BYTE_OFFSET, ByteTokenizer, HFTokenizer, write_byte_tokenizer_files
 
 BAR = "\uff5c"
 SP = "\u2581"
@@ -214,16 +214,6 @@ def choice_text(tok: ByteTokenizer | HFTokenizer, ids: Sequence[int], stop: tupl
     if not choice.finished:
         deltas.append(choice.push(TokenOutput(0, finished=True, finish_reason="length")))
     return "".join(d.text for d in deltas), deltas[-1].finish_reason
-
-
-def test_stop_split_by_a_dropped_dsml_token_still_matches(tok: ByteTokenizer | HFTokenizer) -> None:
-    """The tiny model's `O`, `｜DSML｜`, `-`: the client's text reads "O-" (the marker is dropped), so the
-    stop string "O-" ends it there, as it cuts the non-streamed text."""
-    dsml = tok.token_to_id(DSML)
-    assert dsml is not None
-    ids = [*tok.encode("xO"), dsml, *tok.encode("-y")]
-    assert choice_text(tok, ids, ()) == ("xO-y", "length")
-    assert choice_text(tok, ids, ("O-",)) == ("x", "stop")
 
 
 def test_stop_at_very_start(tok: ByteTokenizer | HFTokenizer) -> None:

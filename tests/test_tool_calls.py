@@ -83,17 +83,17 @@ def test_arguments_are_the_same_string_however_the_text_arrives() -> None:
 
 
 def test_a_call_cut_off_anywhere_is_a_call_so_far_and_never_markup() -> None:
-    """Cut at every character of a call (by the token limit): the content is the text before the block; once
-    the invoke tag is whole the call is there, its arguments a prefix of the whole call's, growing with
-    the cut; before it there is no call."""
+    """Cut at every character of a call (by the token limit): once markup has begun the content is the text
+    before it (its line breaks dropped), before that all of it; once the invoke tag is whole the call is there,
+    its arguments a prefix of the whole call's, growing with the cut; before it there is no call."""
     full = "Checking." + block(invoke("get_weather", ("city", True, "Paris"), ("days", False, "3")))
     named = full.index(f'<{D}invoke name="get_weather">') + len(f'<{D}invoke name="get_weather">')
     whole = '{"city": "Paris", "days": 3}'
-    opened = full.index(f"<{D}tool_calls>") + len(f"<{D}tool_calls>")
+    opened = full.index(f"<{D}tool_calls>") + len(f"<{D}")
     so_far = ""
     for cut in range(len("Checking."), len(full)):
         content, calls, parser = parse(full[:cut], list(full[:cut]) if cut % 7 == 0 else None, cut_off=True)
-        assert content == "Checking.", cut
+        assert content == ("Checking." if cut >= opened else full[:cut]), cut
         assert parser.truncated == (cut >= opened), cut
         if cut < named:
             assert calls == [], cut
@@ -109,7 +109,8 @@ def test_text_ending_in_line_breaks_keeps_them() -> None:
     assert parse("two lines\n\n")[0] == "two lines\n\n" and parse("x\n")[0] == "x\n"
     assert parse("x\n\n<")[0] == "x\n\n<"  # no DSML began
     assert parse(f"x\n\n<{D}")[0] == "x"  # a block began and was cut off
-    assert parse("x\n\n", cut_off=True)[0] == "x" and parse("x\n\n<", cut_off=True)[0] == "x"  # maybe a block
+    # Cut off by the token limit, text that began no markup is text still, as DeepSeek's parser keeps it.
+    assert parse("x\n\n", cut_off=True)[0] == "x\n\n" and parse("x\n\n<", cut_off=True)[0] == "x\n\n<"
 
 
 def test_only_the_first_call_without_parallel_calls() -> None:
@@ -118,9 +119,13 @@ def test_only_the_first_call_without_parallel_calls() -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("a", {"n": 1})]
 
 
-def test_markup_that_is_not_a_block_is_content_without_its_tags() -> None:
-    text = f"see <{D}tool_calls> here"  # the tag, then no invoke: not a call after all
-    content, calls, _ = parse(text)
-    assert calls == [] and content == "see  here"
+def test_once_markup_begins_only_its_calls_count_as_deepseeks_parser_reads_it() -> None:
+    content, calls, _ = parse(f"see <{D}tool_calls> here")  # the tag, then no invoke: no call, and no more text
+    assert calls == [] and content == "see "
     content, calls, _ = parse(block(f"<{D}invoke oops>"))
-    assert calls == [] and D not in content and content == "\n\n\n\n"
+    assert calls == [] and content == ""
+    text = f"a <{D}foo> b\n" + invoke("f", ("n", False, "1")) + "junk" + f"</{D}tool_calls> after" + block(invoke("g"))
+    content, calls, _ = parse(text)  # an unknown tag skipped, the invoke read, nothing after the close
+    assert content == "a " and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"n": 1})]
+    content, calls, _ = parse(f"a {D} b")  # the marker opening no tag is text
+    assert content == f"a {D} b" and calls == []

@@ -21,7 +21,7 @@ of ids twice, with and without the newest tokens, and emitting what they added.
 from __future__ import annotations
 
 from codecs import utf_8_decode
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from v4serve.server.text.tokenizer import Tokenizer
@@ -33,7 +33,6 @@ FFFD = "\ufffd"
 _MAX_HELD_TOKENS = 16
 
 # (text, final) -> the part of the text a client is sent; it may hold text back until final.
-TextFilter = Callable[[str, bool], str]
 
 
 class _TokenText(Protocol):
@@ -126,9 +125,6 @@ class IncrementalDetokenizer:
     When several stop strings occur, the one whose last character arrives first wins (ties go to
     the one starting earlier). That is the only rule that does not depend on how the text was split
     into tokens: a stream stops the moment any stop string is complete.
-
-    A ``text_filter`` (one dropping markup) runs before stop strings are matched, so they match the
-    text the client is sent: nothing it drops can split a stop string the client would see.
     """
 
     def __init__(
@@ -138,11 +134,9 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
-        text_filter: TextFilter | None = None,
     ) -> None:
         text_of = _ByteText if tokenizer.exact_token_bytes else _WindowText
         self._tokens: _TokenText = text_of(tokenizer, skip_special_tokens)
-        self._filter = text_filter
         # Stop strings only count in text that comes after the first `min_tokens` tokens.
         self._unstoppable = min_tokens
         self._include_stop = include_stop_str_in_output
@@ -176,8 +170,6 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         new = self._tokens.push(token_id)
-        if self._filter is not None:
-            new = self._filter(new, False)
         if not self._stops:  # the common case, and one call per token fewer: nothing to match or hold
             if new:
                 self._chunks.append(new)
@@ -194,10 +186,7 @@ class IncrementalDetokenizer:
         self._flushed = True
         if self.stopped:
             return ""
-        return self._advance(self._visible(self._tokens.flush(), final=True), final=True)
-
-    def _visible(self, text: str, final: bool) -> str:
-        return text if self._filter is None else self._filter(text, final)
+        return self._advance(self._tokens.flush(), final=True)
 
     def _advance(self, new: str, final: bool) -> str:
         if not new and not final:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Sample
-from v4serve.server.text.detokenizer import IncrementalDetokenizer, TextFilter
-from v4serve.server.text.tokenizer import Tokenizer
-from v4serve.server.text.tool_calls import MarkupFilter, ToolCallDelta, ToolCallParser
+from v4serve.server.text.detokenizer import IncrementalDetokenizer
+from v4serve.server.text.tokenizer import THINK_END, Tokenizer
+from v4serve.server.text.tool_calls import ReasoningSplit, ToolCallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -65,20 +65,20 @@ def joined(run: list[Delta]) -> Delta:
 
 class ChoiceText:
     def __init__(self, tokenizer: Tokenizer, options: OutputOptions) -> None:
-        def detok(stop: tuple[str, ...], text_filter: TextFilter | None = None) -> IncrementalDetokenizer:
+        def detok(stop: tuple[str, ...]) -> IncrementalDetokenizer:
             return IncrementalDetokenizer(tokenizer, skip_special_tokens=options.skip_special_tokens, stop=stop,
                                           include_stop_str_in_output=options.include_stop_str_in_output,
-                                          min_tokens=options.min_tokens, text_filter=text_filter)
+                                          min_tokens=options.min_tokens)
 
         self.options = options
         self.tools = ToolCallParser(options.parallel_tool_calls, options.inside_tool_calls) if options.tool_calls \
             else None
-        # No markup reaches a client's text: not from content, reasoning, or what the call parser leaves.
-        self.content_markup, self.reasoning_markup = MarkupFilter(), MarkupFilter()
-        # Without a call parser, markup goes before stop strings are matched, so they match the text the
-        # client is sent (a dropped `｜DSML｜` between two characters must not hide a stop string there).
-        self.content = detok(options.stop, self.content_markup.push if self.tools is None else None)
+        # Without tools DSML is text, as DeepSeek's parser reads it; with them a call may begin in the
+        # reasoning, which then ends there.
+        self.content = detok(options.stop)
         self.reasoning = detok(()) if options.reasoning_end_token is not None else None
+        self.think_end = tokenizer.token_to_id(THINK_END)
+        self.split = ReasoningSplit() if self.tools is not None and self.reasoning is not None else None
         self.num_tokens = 0  # tokens of this choice's completion (up to a stop string, if one matched)
         self.num_reasoning_tokens = 0  # of those, the thinking (its closing `</think>` included)
         self.num_cached_tokens = 0
@@ -98,6 +98,8 @@ class ChoiceText:
             self.num_tokens += 1
             delta.token_ids.append(token)
             delta.samples.append(sample)
+            if token == self.think_end and self.reasoning is None:
+                continue  # a `</think>` in the answer is no text, as DeepSeek's parser reads it
             if plain:
                 delta.text += content.push(token)
             else:
@@ -106,35 +108,47 @@ class ChoiceText:
             self._flush(delta, cut_off=out.finish_reason == "length" and not self.content.stopped)
             self.finished = delta.finished = True
             delta.finish_reason = "stop" if self.content.stopped else out.finish_reason
-            if delta.finish_reason == "stop" and self.tools is not None and self.tools.calls:
+            if delta.finish_reason == "stop" and self.tools is not None and self.tools.begun:
                 delta.finish_reason = "tool_calls"
         return delta
 
     def _route(self, token: int, delta: Delta) -> None:
         self.num_reasoning_tokens += self.reasoning is not None
         if self.reasoning is not None and token == self.options.reasoning_end_token:
-            delta.reasoning += self.reasoning_markup.push(self.reasoning.flush(), final=True)
+            self._reasoning(delta, self.reasoning.flush(), final=True)
             self.reasoning = None  # from here on, content
-            return
-        if self.reasoning is not None:
-            delta.reasoning += self.reasoning_markup.push(self.reasoning.push(token))
+        elif self.reasoning is not None:
+            self._reasoning(delta, self.reasoning.push(token))
         else:
             self._content(delta, self.content.push(token))
 
+    def _reasoning(self, delta: Delta, text: str, final: bool = False) -> None:
+        if self.split is None:
+            delta.reasoning += text
+            return
+        reasoning, rest = self.split.push(text, final)
+        delta.reasoning += reasoning
+        if self.split.ended:  # a call began in the reasoning: the rest is the call parser's
+            self.split = None
+            if self.reasoning is not None:
+                rest += self.reasoning.flush()
+                self.reasoning = None
+            self._content(delta, rest)
+
     def _content(self, delta: Delta, text: str, final: bool = False, cut_off: bool = False) -> None:
-        if self.tools is None:  # the content detokenizer has dropped the markup already
+        if self.tools is None:
             delta.text += text
             return
         content, calls = self.tools.push(text)
         if final:
             more, last = self.tools.finish(cut_off)
             content, calls = content + more, calls + last
-        delta.text += self.content_markup.push(content, final)
+        delta.text += content
         delta.tool_calls += calls
 
     def _flush(self, delta: Delta, cut_off: bool) -> None:
         if self.reasoning is not None:
-            delta.reasoning += self.reasoning_markup.push(self.reasoning.flush(), final=True)
+            self._reasoning(delta, self.reasoning.flush(), final=True)
         text = "" if self.content.stopped else self.content.flush()
         if cut_off and self.tools is not None:  # a character the limit cut in two is nothing in a call
             text = text.rstrip("\ufffd")

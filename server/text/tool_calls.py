@@ -1,6 +1,6 @@
 """DeepSeek-V4's DSML tool calls, parsed out of generated content as it streams.
 
-    text…\\n\\n<｜DSML｜tool_calls>
+    text…\n\n<｜DSML｜tool_calls>
     <｜DSML｜invoke name="get_weather">
     <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
     <｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>
@@ -9,13 +9,19 @@
 
 becomes the content "text…" and a call `get_weather` whose OpenAI `arguments` are the JSON string
 `{"city": "Paris", "days": 3}`: string="true" values are raw text (JSON-escaped here), the others
-JSON copied as written. The parser emits the call's id and name as soon as its invoke tag is
-complete and the arguments in fragments as they arrive, and never lets markup into the content (a
-possible partial tag is held back until the next text decides it). A non-streamed reply is the same
-fragments joined, so both agree exactly. A block still open when generation ends (the token limit
-cut it off) is `truncated`: its calls so far stand, the last one with the arguments produced so far,
-as OpenAI returns a call cut off by `max_tokens`. Text that opens a block but is not DSML after all
-is content without its DSML tags: no markup ever reaches a client's text.
+JSON copied as written. The rules are those of DeepSeek's own output parser (`deepseek-recipe`'s
+StreamProcessor, the oracle of tests/test_parsing_oracle.py):
+
+- the content ends where markup begins (`<｜DSML｜`), its trailing line breaks dropped; a `｜DSML｜`
+  that opens no tag is text;
+- from there on only markup counts: each invoke tag is a call (the `tool_calls` wrapper may be
+  missing), each parameter tag inside it an argument; anything else between them is skipped, and
+  nothing after the block's closing tag is read;
+- the call's id and name go out as soon as its invoke tag is whole, the arguments in fragments as
+  they arrive (a non-streamed reply is the same fragments joined, so both agree exactly). A block
+  still open when generation ends (the token limit cut it off) is `truncated`: its calls so far
+  stand, the last one with the arguments produced so far, as OpenAI returns a call cut off by
+  `max_tokens`.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ from v4serve.server.text.tokenizer import DSML
 
 BLOCK_OPEN, BLOCK_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
 INVOKE_CLOSE, PARAM_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>"
+MARKUP_OPEN = f"<{DSML}"  # where content ends: any tag, not only the block's
 _INVOKE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">')
 _PARAM = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
-_SEPARATOR = "\n\n"  # what the chat encoding puts between text and the block
-_TAG = re.compile(rf"</?{DSML}[^>\n]*>?")
+_INVOKE_CLOSE, _BLOCK_CLOSE = re.compile(re.escape(INVOKE_CLOSE)), re.compile(re.escape(BLOCK_CLOSE))
 
 
 @dataclass
@@ -47,29 +53,28 @@ class ToolCallParser:
     def __init__(self, parallel: bool = True, inside_block: bool = False) -> None:
         """`inside_block`: the prompt opened the tool-call block (a forced call): the output starts in it."""
         self.parallel = parallel  # False: only the first call counts
-        self.calls = 0
+        self.calls = 0  # calls whole (their invoke tag closed)
         self.truncated = False  # generation ended inside a block
-        self._cut_off = False
-        self._state = "block" if inside_block else "text"  # text | block | invoke | value | after
+        self._state = "markup" if inside_block else "text"  # text | markup | invoke | value | done
         self._buf = ""
-        self._raw = _SEPARATOR + BLOCK_OPEN if inside_block else ""  # everything from the separator before the block on
         self._out: list[ToolCallDelta] = []
         self._first_param = True
         self._quoted = False  # the value being read is a string="true" one
 
+    @property
+    def begun(self) -> int:
+        """Calls begun (their invoke tag read): a reply with one ends for `tool_calls`, as DeepSeek's does."""
+        return self.calls + (self._state in ("invoke", "value"))
+
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """More content text → (content that is safe to send, tool-call deltas)."""
         self._buf += text
-        if self._state not in ("text", "after"):
-            self._raw += text
         return self._run(final=False)
 
     def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        """End of generation: release held text; an unfinished block is `truncated`. `cut_off` (by the
-        token limit): line breaks held back as a block's possible start are dropped too."""
-        self._cut_off = cut_off
+        """End of generation: release held text; an unfinished block is `truncated`."""
         content, deltas = self._run(final=True)
-        self.truncated = self._state not in ("text", "after")
+        self.truncated = self._state in ("markup", "invoke", "value")
         return content, deltas
 
     # ---- the state machine --------------------------------------------------------------------------
@@ -82,56 +87,46 @@ class ToolCallParser:
             content += step
 
     def _text(self, final: bool) -> str | None:
-        start = self._buf.find(BLOCK_OPEN)
+        start = self._buf.find(MARKUP_OPEN)
         if start >= 0:
-            before = self._buf[:start]
-            text = before.removesuffix(_SEPARATOR)
-            self._raw = before[len(text):] + self._buf[start:]
-            self._buf = self._buf[start + len(BLOCK_OPEN):]
-            self._state = "block"
+            text, self._buf, self._state = self._buf[:start].rstrip("\n"), self._buf[start:], "markup"
             return text
-        keep = _held(self._buf, _SEPARATOR + BLOCK_OPEN)
-        if final:  # the end: a block's start cut off there is dropped; at a natural end line breaks are text
-            keep = keep if self._cut_off or keep > len(_SEPARATOR) + 1 else 0
-            text, self._buf = self._buf[:len(self._buf) - keep], ""
-            return text or None
-        if not self._buf or len(self._buf) == keep:
+        # Held back: line breaks (markup may follow, and they would go with it) and a possible start of it.
+        keep = _held(self._buf, MARKUP_OPEN)
+        keep += len(self._buf[:len(self._buf) - keep]) - len(self._buf[:len(self._buf) - keep].rstrip("\n"))
+        if final:
+            keep = 0
+        if len(self._buf) == keep:
             return None
         text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return text
 
-    def _next_tag(self, close: str, opener: re.Pattern[str]) -> bool | re.Match[str] | None:
-        """Inside a block or an invoke, after whitespace: True when `close` follows (consumed), the
-        opener's match when it follows (consumed), None otherwise (too early to tell, or malformed)."""
-        self._buf = self._buf.lstrip()
-        if self._buf.startswith(close):
-            self._buf = self._buf[len(close):]
-            return True
-        match = opener.match(self._buf)
-        if match is not None:
-            self._buf = self._buf[match.end():]
-        return match
-
-    def _block(self, final: bool) -> str | None:
-        match = self._next_tag(BLOCK_CLOSE, _INVOKE)
-        if match is True:
-            self._state = "after"
+    def _markup(self, final: bool) -> str | None:
+        """Between calls: the next invoke tag begins one, the block's close ends the markup."""
+        found = _next(self._buf, (_INVOKE, _BLOCK_CLOSE))
+        if found is None:
+            self._buf = _possible_tag(self._buf)
+            return None
+        match, self._buf = found, self._buf[found.end():]
+        if match.re is _BLOCK_CLOSE:
+            self._state = "done"
             return ""
-        if match is None:
-            return None if _may_start(self._buf, (BLOCK_CLOSE, f'<{DSML}invoke name="')) else self._malformed()
         self._emit(ToolCallDelta(self.calls, id=f"call_{uuid.uuid4().hex[:24]}", name=match.group(1)))
         self._state, self._first_param = "invoke", True
         return ""
 
     def _invoke(self, final: bool) -> str | None:
-        match = self._next_tag(INVOKE_CLOSE, _PARAM)
-        if match is True:
+        """Inside a call: parameter tags, up to its close."""
+        found = _next(self._buf, (_PARAM, _INVOKE_CLOSE, _BLOCK_CLOSE))
+        if found is None:
+            self._buf = _possible_tag(self._buf)
+            return None
+        match, self._buf = found, self._buf[found.end():]
+        if match.re is not _PARAM:
             self._emit(ToolCallDelta(self.calls, arguments="{}" if self._first_param else "}"))
             self.calls += 1
-            self._state = "block"
+            self._state = "markup" if match.re is _INVOKE_CLOSE else "done"
             return ""
-        if match is None:
-            return None if _may_start(self._buf, (INVOKE_CLOSE, f'<{DSML}parameter name="')) else self._malformed()
         self._quoted = match.group(2) == "true"
         lead = "{" if self._first_param else ", "
         self._emit(ToolCallDelta(self.calls, arguments=lead + json.dumps(match.group(1)) + ": " + '"' * self._quoted))
@@ -152,15 +147,9 @@ class ToolCallParser:
         self._emit(ToolCallDelta(self.calls, arguments=self._escaped(value)))
         return None
 
-    def _after(self, final: bool) -> str | None:
-        # Past the block only the end of the turn is expected; anything else is kept as content.
-        text, self._buf = self._buf, ""
-        return text or None
-
-    def _malformed(self) -> str:
-        """Not DSML after all: the block's text so far is content (its tags dropped), and parsing stops."""
-        text, self._buf, self._state = self._raw, "", "after"
-        return _TAG.sub("", text)
+    def _done(self, final: bool) -> str | None:
+        self._buf = ""  # past the block nothing is read
+        return None
 
     def _escaped(self, value: str) -> str:
         return json.dumps(value, ensure_ascii=False)[1:-1] if self._quoted else value
@@ -168,6 +157,21 @@ class ToolCallParser:
     def _emit(self, delta: ToolCallDelta) -> None:
         if self.parallel or delta.index == 0:
             self._out.append(delta)
+
+
+def _next(text: str, tags: tuple[re.Pattern[str], ...]) -> re.Match[str] | None:
+    """The first of `tags` in `text` (whole), or None."""
+    found = [m for m in (tag.search(text) for tag in tags) if m is not None]
+    return min(found, key=lambda m: m.start(), default=None)
+
+
+def _possible_tag(text: str) -> str:
+    """What of skipped markup text to keep: from its last `<` on, which may begin a tag still coming."""
+    start = text.rfind("<", max(0, len(text) - _LONGEST_TAG))
+    return text[start:] if start >= 0 and "\n" not in text[start:] else ""
+
+
+_LONGEST_TAG = 512  # a tag longer than this (a tool's name is at most 64 characters) is not waited for
 
 
 def _held(text: str, marker: str) -> int:
@@ -178,47 +182,24 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-def _may_start(text: str, tags: tuple[str, ...]) -> bool:
-    """Whether `text` may still turn into one of `tags` and what follows it: wait for more."""
-    return not text or any(tag.startswith(text) or text.startswith(tag) for tag in tags)
-
-
-# A stray DSML tag (or the lone `｜DSML｜` token, which a weak model can emit anywhere) outside a tool-call
-# block; a tag longer than this is not waited for.
-_STRAY = re.compile(rf"</?{DSML}[^>\n]*>|{DSML}")
-_LONGEST_TAG = 256
-
-
-class MarkupFilter:
-    """Keeps DSML markup out of text that is not parsed for calls (content without tools, reasoning,
-    and what the call parser leaves as content): tags and lone `｜DSML｜` tokens are dropped, on any
-    tokenizer (one that spells the marker over several tokens included). A possible start of one at the
-    end of a piece is held back until the next piece decides it."""
+class ReasoningSplit:
+    """Thinking mode with tools: the reasoning ends where markup begins in it, as DeepSeek's parser reads a
+    call the model opened without closing its thinking; the markup and what follows go to the call parser.
+    `push` gives (reasoning safe to send, the rest once it has ended); line breaks and a possible start of
+    markup are held back until the next text decides them."""
 
     def __init__(self) -> None:
         self._held = ""
+        self.ended = False
 
-    def push(self, text: str, final: bool = False) -> str:
-        if not self._held and not final and "<" not in text and DSML[0] not in text:
-            return text  # nothing that is or may become markup (most text: no call below)
+    def push(self, text: str, final: bool = False) -> tuple[str, str]:
         text, self._held = self._held + text, ""
-        if not final:  # an unclosed tag at the end waits whole; then part of a lone marker does
-            keep = _open_tag(text)
-            text, self._held = text[:len(text) - keep], text[len(text) - keep:]
-        if DSML[0] in text:
-            text = _STRAY.sub("", text)
-        if not final and not self._held:
-            keep = _held(text, DSML)
-            text, self._held = text[:len(text) - keep], text[len(text) - keep:]
-        return text
-
-
-def _open_tag(text: str) -> int:
-    """Length of the end of `text` that may still become a DSML tag (it has not closed yet)."""
-    start = text.rfind("<", max(0, len(text) - _LONGEST_TAG))
-    if start < 0:
-        return 0
-    tail = text[start:]
-    if tail.startswith(("<" + DSML, "</" + DSML)) and ">" not in tail and "\n" not in tail:
-        return len(tail)
-    return len(tail) if ("<" + DSML).startswith(tail) or ("</" + DSML).startswith(tail) else 0
+        start = text.find(MARKUP_OPEN)
+        if start >= 0:
+            self.ended = True
+            return text[:start].rstrip("\n"), text[start:]
+        keep = 0 if final else _held(text, MARKUP_OPEN)
+        if not final:
+            keep += len(text[:len(text) - keep]) - len(text[:len(text) - keep].rstrip("\n"))
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], ""
