@@ -38,6 +38,7 @@ from v4serve.server.protocol import (
     note_once,
     validation_context,
 )
+from v4serve.server.text.chat_encoding import UNSUPPORTED_IMAGE
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
 
@@ -62,11 +63,32 @@ class ToolUseBlock(Fields):
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
 
 
+class ImageSource(Fields):
+    where: ClassVar[str] = "content[].source."
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(Fields):
+    """An image: DeepSeek-V4 reads none, so it is `[Unsupported Image]` in the prompt, as DeepSeek's converter
+    writes it."""
+
+    where: ClassVar[str] = "content[]."
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
+
+
+ResultPart = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
 class ToolResultBlock(Fields):
     where: ClassVar[str] = "content[]."
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: str | list[ResultPart] = ""
     is_error: bool = False
     cache_control: dict[str, Any] | None = ignored(CACHE_CONTROL)
 
@@ -78,7 +100,7 @@ class ThinkingBlock(Fields):
     signature: str | None = ignored("v4serve's thinking is plain text; nothing to verify")
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class AnthropicTool(Fields):
@@ -234,8 +256,11 @@ def error_response(exc: Exception) -> JSONResponse:
 
 
 # ---- request → conversation ----------------------------------------------------------------------------------
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+def _text(content: str | list[Any]) -> str:
+    """Blocks' text as DeepSeek's converter joins it: a blank line between blocks, an image unsupported."""
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(b.text if isinstance(b, TextBlock) else UNSUPPORTED_IMAGE for b in content)
 
 
 def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicMessage],
@@ -253,18 +278,14 @@ def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicM
             if any(b.text for b in blocks):
                 out.append({"role": "system", "content": _text(blocks)})
             continue
-        text: list[str] = []
+        # In block order: the chat encoding merges them into one user turn, a blank line between parts.
         for block in blocks:
-            if isinstance(block, ToolResultBlock):
-                result = _text(block.content)
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": f"Error: {result}" if block.is_error else result})
-            elif isinstance(block, TextBlock):
-                text.append(block.text)
+            if isinstance(block, ToolResultBlock):  # an error is the result's text alone, as the converter has it
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+            elif isinstance(block, (TextBlock, ImageBlock)):
+                out.append({"role": "user", "content": _text([block])})
             else:
                 raise ApiError(400, f"a user turn cannot hold a {block.type} block", param="messages")
-        if text:
-            out.append({"role": "user", "content": "".join(text)})
     for edit in context.edits if context else []:
         _clear_thinking(out, edit.turns_kept())
     return out
@@ -290,10 +311,10 @@ def effort(body: MessagesRequest | CountTokensRequest) -> str | None:
 
 def _assistant(blocks: list[Any]) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "assistant", "content": ""}
-    calls = []
+    calls, texts = [], []
     for block in blocks:
         if isinstance(block, TextBlock):
-            turn["content"] += block.text
+            texts.append(block.text)
         elif isinstance(block, ThinkingBlock):
             turn["reasoning_content"] = turn.get("reasoning_content", "") + block.thinking
         elif isinstance(block, ToolUseBlock):
@@ -301,6 +322,7 @@ def _assistant(blocks: list[Any]) -> dict[str, Any]:
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
         else:
             raise ApiError(400, f"an assistant turn cannot hold a {block.type} block", param="messages")
+    turn["content"] = "\n\n".join(texts)
     if calls:
         turn["tool_calls"] = calls
     return turn
@@ -363,7 +385,14 @@ def counted(tokenizer: Any, data: bytes, unknown_fields: str, default_thinking: 
     thinking, _ = thinking_mode(body.thinking, None, default_thinking)
     turns = conversation(body.system, body.messages, body.context_management)
     return len(jobs.encode_chat(tokenizer, turns, sys.maxsize, thinking=thinking, tools=tools.offered,
-                                reasoning_effort=effort(body)))
+                                reasoning_effort=effort(body), call_prefill=_prefills(body, tools, thinking)))
+
+
+def _prefills(body: MessagesRequest | CountTokensRequest, tools: Any, thinking: bool) -> bool:
+    """A named tool (chat mode) opens the tool-call block in the prompt, as DeepSeek's converter writes it;
+    `any` leaves the block to the model (the grammar still holds the reply to a call)."""
+    return tools.forced is not None and not thinking and body.tool_choice is not None \
+        and body.tool_choice.type == "tool"
 
 
 def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int,
@@ -376,11 +405,12 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
     output = body.output_config or OutputConfig()
     response_format = output.format and {"type": "json_schema",
                                          "json_schema": {"name": "output", "schema": output.format.schema_}}
-    grammar = answer_grammar(tools, response_format, think_end)
+    prefill = _prefills(body, tools, thinking)
+    grammar = answer_grammar(tools, response_format, think_end, prefill)
     turns = conversation(body.system, body.messages, body.context_management)
     prompt = jobs.encode_chat(tokenizer, turns, max_len, thinking=thinking, tools=tools.offered,
-                              reasoning_effort=effort(body))
-    return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar), _marked(body)
+                              reasoning_effort=effort(body), call_prefill=prefill)
+    return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar, prefill), _marked(body)
 
 
 def _marked(body: MessagesRequest) -> bool:
@@ -441,7 +471,7 @@ async def _generation(front: FrontEnd, body: MessagesRequest, raw: Request, data
         raise ApiError(400, message.replace("stop", "stop_sequences", 1),
                        param=param and param.replace("stop", "stop_sequences", 1)) from None
     options = front.output_options(fields, reasoning_end_token=think_end, tool_calls=ready.parse_calls,
-                                   parallel_tool_calls=ready.parallel)
+                                   parallel_tool_calls=ready.parallel, inside_tool_calls=ready.inside_calls)
     rid = f"msg-{uuid.uuid4().hex}"
     generation = front.generation(rid, ready.prompt.tolist(), fields, body.max_tokens, None, options,
                                   grammar=ready.grammar, thinking_budget=budget)

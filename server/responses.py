@@ -49,6 +49,7 @@ from v4serve.server.protocol import (
     validation_context,
 )
 from v4serve.server.tenants import CURRENT_CALLER
+from v4serve.server.text.chat_encoding import UNSUPPORTED_IMAGE
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
 
@@ -66,8 +67,12 @@ log = logging.getLogger(__name__)
 # ---- the request ---------------------------------------------------------------------------------------------
 class ContentPart(Fields):
     where: ClassVar[str] = "content[]."
-    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
-    text: str
+    # An input image: DeepSeek-V4 reads none, so it is `[Unsupported Image]`, as DeepSeek's converter has it.
+    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text", "input_image"]
+    text: str = ""
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
     annotations: list[Any] | None = ignored("a reply field, sent back with earlier output items")
     logprobs: list[Any] | None = ignored("a reply field, sent back with earlier output items")
 
@@ -377,7 +382,10 @@ def owner_of(raw: Request) -> str:
 
 # ---- items → conversation --------------------------------------------------------------------------------------
 def _text(content: str | list[ContentPart]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    """Parts' text as DeepSeek's converter joins it: a blank line between parts."""
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(UNSUPPORTED_IMAGE if p.type == "input_image" else p.text for p in content)
 
 
 def conversation(items: str | list[Any]) -> list[dict[str, Any]]:
@@ -395,8 +403,9 @@ def conversation(items: str | list[Any]) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, MessageItem) and item.role == "assistant":
             assistant()["content"] += _text(item.content)
-        elif isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": _text(item.content)})
+        elif isinstance(item, MessageItem):  # a developer item is the user's, as the converter reads Responses
+            role = "user" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content)})
         elif isinstance(item, ReasoningItem):
             turn = assistant()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + _text(item.content or item.summary)
@@ -471,7 +480,8 @@ async def _plan(front: FrontEnd, stored: ResponseStore, body: ResponsesRequest, 
                             stream=body.stream, kv_transfer_params=body.kv_transfer_params)
     max_tokens = front.default_max_tokens(body.max_output_tokens, len(prompt))
     output = front.output_options(fields, reasoning_end_token=front.think_end_id if thinking else None,
-                                  tool_calls=ready.parse_calls, parallel_tool_calls=ready.parallel)
+                                  tool_calls=ready.parse_calls, parallel_tool_calls=ready.parallel,
+                                  inside_tool_calls=ready.inside_calls)
     response_id = f"resp_{uuid.uuid4().hex}"
     generation = front.generation(response_id, prompt, fields, max_tokens, None, output, grammar=ready.grammar)
     await front.check([generation], raw)
@@ -513,9 +523,11 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
     response_format = None if fmt is None or fmt.type == "text" else \
         {"type": "json_object"} if fmt.type == "json_object" else \
         {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_ or {}}}
-    grammar = answer_grammar(tools, response_format, think_end_id if thinking else None)
-    settings = (body.instructions, json.dumps(functions), thinking, effort)
-    options = {"thinking": thinking, "tools": tools.offered, "reasoning_effort": effort}
+    prefill = jobs.prefills_call(tools, {"thinking": thinking})
+    grammar = answer_grammar(tools, response_format, think_end_id if thinking else None, prefill)
+    settings = (body.instructions, json.dumps(functions), thinking, effort, json.dumps(response_format), prefill)
+    options = {"thinking": thinking, "tools": tools.offered, "reasoning_effort": effort,
+               "response_format": response_format, "call_prefill": prefill}
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     new = conversation(body.input)
     messages = new if earlier is None else earlier[0] + new
@@ -524,7 +536,7 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
         prompt = jobs.continuation(tokenizer, system + earlier[0], new, earlier[2], max_len, **options)
     if prompt is None:
         prompt = jobs.encode_chat(tokenizer, system + messages, max_len, "input", **options)
-    return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar), messages, settings
+    return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar, prefill), messages, settings
 
 
 def _keep(stored: ResponseStore, body: ResponsesRequest, plan: _Plan, response: dict[str, Any],

@@ -115,7 +115,7 @@ def test_a_stop_sequence_is_named(client: anthropic.Anthropic) -> None:
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}]},
      "messages.0.content"),
     ({"thinking": {"type": "enabled", "budget_tokens": 50}}, "less than max_tokens"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, '"tool" needs a "name"'),

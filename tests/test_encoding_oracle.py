@@ -19,6 +19,8 @@ import pytest
 
 from tests.daemon import PATIENCE, start_daemon
 from v4serve.server import jobs
+from v4serve.server import messages as messages_api
+from v4serve.server import responses as responses_api
 from v4serve.server.errors import ApiError
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.text.tokenizer import ByteTokenizer, HFTokenizer
@@ -233,3 +235,135 @@ def test_over_http_the_render_endpoint_gives_the_converters_prompts(thinking_dae
         for name, body in REFUSED:
             reply = client.post("/v1/chat/completions/render", json={"model": "v4serve-tiny", **body})
             assert reply.status_code == 400, (name, reply.text)
+
+
+# ---- Anthropic Messages and Responses bodies, against the converter's MessagesRequest and ResponsesRequest --------
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather",
+                "input_schema": WEATHER["function"]["parameters"]}
+NO_THINKING = {"thinking": {"type": "disabled"}}
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need the tool.", "signature": "s"},
+                                                {"type": "text", "text": "Checking."},
+                                                {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                 "input": {"city": "Paris"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]
+PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+MESSAGES: list[tuple[str, dict[str, Any]]] = [
+    ("plain", {"messages": [user("hi")]}),
+    ("system", {"system": "Be terse.", "messages": [user("hi")]}),
+    ("system-blocks", {"system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                       "messages": [user("hi")]}),
+    ("thinking-off", {"messages": [user("hi")], **NO_THINKING}),
+    ("thinking-budget", {"max_tokens": 4000, "thinking": {"type": "enabled", "budget_tokens": 1024},
+                         "messages": [user("hi")]}),
+    ("adaptive", {"thinking": {"type": "adaptive"}, "messages": [user("hi")]}),
+    *[(f"effort-{e}", {"output_config": {"effort": e}, "messages": [user("hi")]})
+      for e in ("low", "medium", "high", "xhigh", "max")],
+    ("user-blocks", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}], **NO_THINKING}),
+    ("assistant-blocks", {"messages": [user("q"), {"role": "assistant", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, user("z")], **NO_THINKING}),
+    ("multi-turn-thinking", {"messages": [user("q"), {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "t", "signature": "s"}, {"type": "text", "text": "a"}]}, user("z")]}),
+    ("prefill", {"messages": [user("hi"), {"role": "assistant", "content": "The answer is"}], **NO_THINKING}),
+    ("tools", {"tools": [WEATHER_TOOL], "messages": [user("Weather?")]}),
+    ("tool-use", {"tools": [WEATHER_TOOL], "messages": TOOL_TURNS}),
+    ("tool-use-off", {"tools": [WEATHER_TOOL], "messages": TOOL_TURNS, **NO_THINKING}),
+    ("tool-result-blocks", {"tools": [WEATHER_TOOL], "messages": [*TOOL_TURNS[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "p1"},
+                                                                 {"type": "text", "text": "p2"}]},
+        {"type": "text", "text": "thanks"}]}], **NO_THINKING}),
+    ("tool-error", {"tools": [WEATHER_TOOL], "messages": [*TOOL_TURNS[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "boom", "is_error": True}]}], **NO_THINKING}),
+    ("tool-choice-any", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}, "messages": [user("Weather?")],
+                         **NO_THINKING}),
+    ("tool-choice-tool", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "get_weather"},
+                          "messages": [user("Weather?")], **NO_THINKING}),
+    ("tool-choice-none", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "none"}, "messages": [user("Weather?")],
+                          **NO_THINKING}),
+    ("image", {"messages": [{"role": "user", "content": [{"type": "text", "text": "what"},
+                                                         {"type": "image", "source": PNG}]}], **NO_THINKING}),
+    ("special-literals", {"messages": [user("<｜User｜> <｜DSML｜invoke </think>")], **NO_THINKING}),
+]
+FUNCTION = {"type": "function", "name": "get_weather", "description": "Current weather",
+            "parameters": WEATHER["function"]["parameters"]}
+NO_REASONING = {"reasoning": {"effort": "none"}}
+RESPONSES: list[tuple[str, dict[str, Any]]] = [
+    ("string", {"input": "hi"}),
+    ("instructions", {"input": "hi", "instructions": "Be terse."}),
+    *[(f"effort-{e}", {"input": "hi", "reasoning": {"effort": e}}) for e in ("none", "low", "medium", "high", "xhigh")],
+    ("items", {"input": [user("q"), {"role": "assistant", "content": "a"}, user("z")], **NO_REASONING}),
+    ("parts", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                      {"type": "input_text", "text": "b"}]}], **NO_REASONING}),
+    ("developer", {"input": [{"role": "developer", "content": "Rules."}, user("q")], **NO_REASONING}),
+    ("system-item", {"input": [{"role": "system", "content": "sys"}, user("q")], **NO_REASONING}),
+    ("tools", {"input": "Weather?", "tools": [FUNCTION], **NO_REASONING}),
+    ("call-history", {"input": [user("Weather?"), {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                   "arguments": '{"city": "Paris"}'},
+                                {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+                      "tools": [FUNCTION], **NO_REASONING}),
+    ("reasoning-history", {"input": [user("q"), {"type": "reasoning", "id": "r1", "summary": [], "content": [
+        {"type": "reasoning_text", "text": "think"}]}, {"role": "assistant", "content": [
+            {"type": "output_text", "text": "a"}]}, user("z")], "tools": [FUNCTION]}),
+    ("required", {"input": "Weather?", "tools": [FUNCTION], "tool_choice": "required", **NO_REASONING}),
+    ("named", {"input": "Weather?", "tools": [FUNCTION], "tool_choice": {"type": "function", "name": "get_weather"},
+               **NO_REASONING}),
+    ("json-schema", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}},
+                     **NO_REASONING}),
+    ("json-object", {"input": "Reply in json.", "text": {"format": {"type": "json_object"}}, **NO_REASONING}),
+    ("image", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "what"}, {
+        "type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}], **NO_REASONING}),
+]
+
+
+def theirs_messages(body: dict[str, Any]) -> str:
+    conversation = deepseek_recipe.MessagesRequest({"model": "DeepSeek-V4-Pro", "max_tokens": 1000, **body}).convert(
+        deepseek_recipe.ConversionOptions()).conversation
+    return deepseek_recipe.DeepseekV4Encoding().render_conversation(conversation).prompt
+
+
+def theirs_responses(body: dict[str, Any]) -> str:
+    conversation = deepseek_recipe.ResponsesRequest({"model": "DeepSeek-V4-Pro", **body}).convert(
+        deepseek_recipe.ConversionOptions()).conversation
+    return deepseek_recipe.DeepseekV4Encoding().render_conversation(conversation).prompt
+
+
+def message_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
+    data = json.dumps({"model": "v4serve-tiny", "max_tokens": 1000, **body}).encode()
+    ready, _ = messages_api.prepared(tokenizer, data, tokenizer.token_to_id("</think>"), 1 << 30, "accept", True)
+    return list(ready.prompt)
+
+
+def response_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
+    data = json.dumps({"model": "v4serve-tiny", **body}).encode()
+    ready, _, _ = responses_api.prepared(tokenizer, data, tokenizer.token_to_id("</think>"), 1 << 30, None, "accept",
+                                         True)
+    return list(ready.prompt)
+
+
+def test_the_messages_and_responses_corpora_name_each_body_once() -> None:
+    for corpus in (MESSAGES, RESPONSES):
+        assert len(corpus) >= 15 and len({name for name, _ in corpus}) == len(corpus)
+
+
+@pytest.mark.parametrize(("name", "body"), MESSAGES, ids=[name for name, _ in MESSAGES])
+def test_each_messages_body_renders_as_deepseeks_converter_renders_it(real, name: str, body: dict[str, Any]) -> None:
+    tokenizer, encoding = real
+    tiny = ByteTokenizer()
+    assert tiny.decode(message_ids(tiny, body)) == theirs_messages(body)
+    conversation = deepseek_recipe.MessagesRequest({"model": "DeepSeek-V4-Pro", "max_tokens": 1000, **body}).convert(
+        deepseek_recipe.ConversionOptions()).conversation
+    ids = message_ids(tokenizer, body)
+    assert ids == list(encoding.encode(conversation))
+    counted = messages_api.counted(tokenizer, json.dumps({"model": "m", **body}).encode(), "accept", True)
+    assert counted == len(ids)  # count_tokens counts the prompt a request runs on
+
+
+@pytest.mark.parametrize(("name", "body"), RESPONSES, ids=[name for name, _ in RESPONSES])
+def test_each_responses_body_renders_as_deepseeks_converter_renders_it(real, name: str, body: dict[str, Any]) -> None:
+    tokenizer, encoding = real
+    tiny = ByteTokenizer()
+    assert tiny.decode(response_ids(tiny, body)) == theirs_responses(body)
+    conversation = deepseek_recipe.ResponsesRequest({"model": "DeepSeek-V4-Pro", **body}).convert(
+        deepseek_recipe.ConversionOptions()).conversation
+    assert response_ids(tokenizer, body) == list(encoding.encode(conversation))

@@ -148,7 +148,7 @@ def test_reasoning_effort_turns_thinking_on(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("fields, param", [
     ({"truncation": "auto"}, "truncation"),
     ({"background": True}, "background"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
 ])
 def test_bad_requests_are_400s_naming_the_field(url: str, fields: dict, param: str) -> None:
