@@ -15,7 +15,7 @@ from typing import Any
 
 from v4serve.engine.request import GrammarSpec
 from v4serve.server.errors import ApiError
-from v4serve.server.text.chat_encoding import render_messages
+from v4serve.server.text.chat_encoding import prompt_format_of, render_messages
 from v4serve.server.text.tokenizer import encode_rendered
 from v4serve.server.tools import ToolPlan, answer_grammar, plan_tools
 
@@ -55,6 +55,7 @@ def check_length(prompt: list[int] | array, max_len: int, param: str) -> None:
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int, param: str = "messages",
                 **options: Any) -> array:
     """Token ids of a conversation in DeepSeek-V4's prompt format."""
+    options.setdefault("prompt_format", prompt_format_of(tokenizer))
     try:
         rendered = render_messages(messages, **options)
     except ValueError as exc:
@@ -121,6 +122,7 @@ def continuation(tokenizer: Any, before: list[dict[str, Any]], new: list[dict[st
     """A stored conversation's tokens (`earlier`) followed by what the new turns add to its rendering:
     the engine resumes where the stored response ended (None when the new turns do not only add to
     its end)."""
+    options.setdefault("prompt_format", prompt_format_of(tokenizer))
     try:
         done = render_messages(before, add_generation_prompt=False, drop_thinking=False, **options)
         more = render_messages(before + new, drop_thinking=False, **options)

@@ -282,8 +282,10 @@ def conversation(system: str | list[TextBlock] | None, messages: list[AnthropicM
         for block in blocks:
             if isinstance(block, ToolResultBlock):  # an error is the result's text alone, as the converter has it
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
-            elif isinstance(block, (TextBlock, ImageBlock)):
-                out.append({"role": "user", "content": _text([block])})
+            elif isinstance(block, ImageBlock):  # the prompt format decides how an image is written
+                out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]})
+            elif isinstance(block, TextBlock):
+                out.append({"role": "user", "content": block.text})
             else:
                 raise ApiError(400, f"a user turn cannot hold a {block.type} block", param="messages")
     for edit in context.edits if context else []:

@@ -49,7 +49,7 @@ from v4serve.server.protocol import (
     validation_context,
 )
 from v4serve.server.tenants import CURRENT_CALLER
-from v4serve.server.text.chat_encoding import UNSUPPORTED_IMAGE
+from v4serve.server.text.chat_encoding import UNSUPPORTED_IMAGE, prompt_format_of
 from v4serve.server.text.output import Delta
 from v4serve.server.tools import answer_grammar, plan_tools
 
@@ -388,9 +388,18 @@ def _text(content: str | list[ContentPart]) -> str:
     return "\n\n".join(UNSUPPORTED_IMAGE if p.type == "input_image" else p.text for p in content)
 
 
-def conversation(items: str | list[Any]) -> list[dict[str, Any]]:
+def _user_content(content: str | list[ContentPart]) -> str | list[dict[str, Any]]:
+    """A user message's parts as chat parts (the prompt format decides how an image is written)."""
+    if isinstance(content, str):
+        return content
+    image = {"type": "image_url", "image_url": {"url": ""}}
+    return [image if p.type == "input_image" else {"type": "text", "text": p.text} for p in content]
+
+
+def conversation(items: str | list[Any], developer: str = "user") -> list[dict[str, Any]]:
     """Input items as the chat endpoint's messages: calls and reasoning join the assistant turn they
-    belong to, call outputs become tool messages."""
+    belong to, call outputs become tool messages, a developer item is a `developer` message (the user's for
+    V4, a system message for V4.1, as DeepSeek's converter reads Responses)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -403,9 +412,10 @@ def conversation(items: str | list[Any]) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, MessageItem) and item.role == "assistant":
             assistant()["content"] += _text(item.content)
-        elif isinstance(item, MessageItem):  # a developer item is the user's, as the converter reads Responses
-            role = "user" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content)})
+        elif isinstance(item, MessageItem):
+            role = developer if item.role == "developer" else item.role
+            content = _user_content(item.content) if role == "user" else _text(item.content)
+            out.append({"role": role, "content": content})
         elif isinstance(item, ReasoningItem):
             turn = assistant()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + _text(item.content or item.summary)
@@ -529,7 +539,7 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
     options = {"thinking": thinking, "tools": tools.offered, "reasoning_effort": effort,
                "response_format": response_format, "call_prefill": prefill}
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    new = conversation(body.input)
+    new = conversation(body.input, "system" if prompt_format_of(tokenizer).system_marker else "user")
     messages = new if earlier is None else earlier[0] + new
     prompt = None
     if earlier is not None and earlier[1] == settings:

@@ -48,6 +48,7 @@ from v4serve.server.generation import ServerConfig
 from v4serve.server.handover import Handovers, PendingHandovers
 from v4serve.server.metrics import Metrics, use_multiprocess_values
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
+from v4serve.server.text.chat_encoding import missing_specials, prompt_format_of
 from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, input_only_ids, load_tokenizer
 
 __all__ = ["EngineFailed", "GracefulServer", "PortUnavailable", "ServeConfig", "bind_sockets", "build", "run",
@@ -70,7 +71,13 @@ def load_front_tokenizer(cfg: ServeConfig) -> Tokenizer:
     folder = Path(cfg.model)
     if not folder.is_dir():
         raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
-    return load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
+    fmt = prompt_format_of(tokenizer)
+    missing = missing_specials(tokenizer, fmt)
+    if missing:
+        raise ValueError(f"{folder / 'tokenizer.json'} has no token {missing[0]!r}, which the {fmt.name} prompt format "
+                         f"writes (missing: {', '.join(missing)}); the checkpoint's own tokenizer.json is needed")
+    return tokenizer
 
 
 def start_engine(cfg: ServeConfig, tokenizer: Tokenizer) -> tuple[EngineClient, dict[str, Any]]:

@@ -122,10 +122,10 @@ def converter_tokenizer(path: str) -> Any:
 
 
 def theirs(text: str, thinking: bool, tools: bool, finish: str, forced: bool = False,
-           real: HFTokenizer | None = None) -> Parsed:
+           real: HFTokenizer | None = None, model: str = "DeepSeek-V4-Pro") -> Parsed:
     """The converter's reading of `text`: given as text a few characters at a time, or with `real` as
     DeepSeek-V4's token ids one at a time (the converter decodes them with the same tokenizer.json)."""
-    body: dict[str, Any] = {"model": "DeepSeek-V4-Pro", "messages": [{"role": "user", "content": "q"}],
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "q"}],
                             "stream": True, "thinking": {"type": "enabled" if thinking else "disabled"}}
     if tools:
         body["tools"] = TOOLS
@@ -197,3 +197,31 @@ def test_a_forced_call_parses_as_deepseeks_parser_reads_it(real: HFTokenizer, na
     assert expected[2]  # a call, or the case tests nothing
     assert ours(ByteTokenizer(), text, False, True, finish, forced=True) == expected
     assert ours(real, text, False, True, finish, forced=True) == theirs(text, False, True, finish, True, real)
+
+
+def v41(text: str) -> str:
+    """A V4 text in V4.1's spelling: a space after `｜DSML｜` in each tag, the block named `calls`."""
+    for name in ("tool_calls", "invoke", "parameter"):
+        text = text.replace(f"<{D}{name}", f"<{D} {name}").replace(f"</{D}{name}", f"</{D} {name}")
+    return text.replace(f"{D} tool_calls", f"{D} calls")
+
+
+V41_CASES = [c for c in CORPUS if v41(c[1]) != c[1] or not c[3]]
+
+
+@pytest.mark.parametrize(("name", "text", "thinking", "tools", "finish"), V41_CASES, ids=[c[0] for c in V41_CASES])
+def test_each_v41_text_parses_as_deepseeks_v41_parser_reads_it(name: str, text: str, thinking: bool, tools: bool,
+                                                               finish: str) -> None:
+    """V4.1's spaced tags (no V4.1 tokenizer installs here: the byte vocabulary carries the text)."""
+    spelled = v41(text)
+    expected = theirs(spelled, thinking, tools, finish, model="DeepSeek-V4.1-Flash")
+    assert ours(ByteTokenizer(), spelled, thinking, tools, finish) == expected
+
+
+def test_v41s_spelling_is_read_as_calls_by_both_and_v4s_spelling_too() -> None:
+    text = v41(dict((c[0], c[1]) for c in CORPUS)["one-call"])
+    assert f"<{D} calls>" in text and f"<{D} invoke" in text
+    call = [("get_weather", {"city": "Paris", "days": 3})]
+    assert theirs(text, False, True, "stop", model="DeepSeek-V4.1-Flash")[2] == call
+    assert ours(ByteTokenizer(), text, False, True, "stop")[2] == call
+    assert ours(ByteTokenizer(), dict((c[0], c[1]) for c in CORPUS)["one-call"], False, True, "stop")[2] == call

@@ -38,7 +38,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from v4serve.server.text.tokenizer import ASSISTANT, BOS, DSML, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER
+from v4serve.server.text.tokenizer import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    EOS,
+    IMAGE,
+    LATEST_REMINDER,
+    SYSTEM,
+    THINK_END,
+    THINK_START,
+    USER,
+)
 
 SUPPORTED_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 # The converter's three levels: a request's effort (OpenAI's, DeepSeek's, Anthropic's) maps onto one of
@@ -98,8 +109,55 @@ _JSON_OBJECT_FORMAT = (
 )
 
 _TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
-_TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
 CALL_PREFILL = f"\n\n{_TOOL_CALLS_OPEN}\n"  # what a forced call's prompt ends with; its reply starts inside
+_V41_EFFORT = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """Where DeepSeek-V4.1's prompt format differs from V4's (the rest is shared): how system messages are
+    marked, how DSML tags are spelled, how effort, json_object and images are written."""
+
+    name: str
+    system_marker: bool  # V4.1: `<｜System｜>` opens each system message in place; V4 merges them into the head
+    tag_space: str  # between `｜DSML｜` and a tag's name
+    block: str  # the tool-call block's tag name
+    blank_empty_invoke: bool  # an invoke without arguments holds an empty line
+    json_object_as_schema: bool  # json_object written as the schema `{"type": "json_object"}`
+    image_text: str | None  # an image part as this text, or None: the image placeholder token
+
+    def tag(self, name: str) -> str:
+        return f"{DSML}{self.tag_space}{name}"
+
+    def effort(self, level: str | None) -> str:
+        if not self.system_marker:
+            return EFFORT_PREFIXES.get(level or "", "")
+        return _V41_EFFORT.format({"low": 50, "max": 100}.get(level or "", 75))
+
+    def call_prefill(self) -> str:
+        return f"\n\n<{self.tag(self.block)}>\n"
+
+    def tools_header(self) -> str:
+        return (_TOOLS_HEADER.replace(f"{DSML}tool_calls", self.tag(self.block))
+                .replace(f"{DSML}invoke", self.tag("invoke")).replace(f"{DSML}parameter", self.tag("parameter")))
+
+
+V4 = PromptFormat("deepseek_v4", system_marker=False, tag_space="", block="tool_calls", blank_empty_invoke=False,
+                  json_object_as_schema=False, image_text=UNSUPPORTED_IMAGE)
+def prompt_format_of(tokenizer: Any) -> PromptFormat:
+    """The checkpoint's prompt format: V4.1's for a `deepseek_v41` model, else V4's."""
+    return V41 if tokenizer.model_type == "deepseek_v41" else V4
+
+
+def missing_specials(tokenizer: Any, fmt: PromptFormat) -> list[str]:
+    """The special tokens `fmt` writes that `tokenizer` has no single id for (a daemon refuses to start)."""
+    needed = [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML, LATEST_REMINDER]
+    needed += [SYSTEM, IMAGE] if fmt.system_marker else []
+    return [t for t in needed if tokenizer.token_to_id(t) is None]
+
+
+V41 = PromptFormat("deepseek_v41", system_marker=True, tag_space=" ", block="calls", blank_empty_invoke=True,
+                   json_object_as_schema=True, image_text=None)
 
 
 @dataclass
@@ -127,7 +185,7 @@ class Special(str):
     characters in a message (text a client sent) are tokenized as text."""
 
 
-_SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML, LATEST_REMINDER)
+_SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML, LATEST_REMINDER, SYSTEM, IMAGE)
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in sorted(_SPECIALS, key=len, reverse=True)))
 Pieces = list[str]  # text, with the encoding's own special tokens as `Special` pieces
 
@@ -141,8 +199,6 @@ def _markup(fixed: str) -> Pieces:
         pos = match.end()
     return [*out, fixed[pos:]]
 
-
-_TOOLS_HEADER_PIECES = _markup(_TOOLS_HEADER)
 
 
 @dataclass(frozen=True)
@@ -190,13 +246,15 @@ def render_messages(
     drop_thinking: bool = True,
     response_format: Mapping[str, Any] | None = None,
     call_prefill: bool = False,
+    prompt_format: PromptFormat = V4,
 ) -> RenderedPrompt:
     """Render OpenAI-style ``messages`` as a DeepSeek-V4 prompt (BOS included).
 
     `reasoning_effort`: one of EFFORT_LEVELS or None (thinking mode only); `response_format`: the
     request's (OpenAI's shape: text, json_object, json_schema); `call_prefill`: a call is forced (a
     required or named `tool_choice`, chat mode): the prompt opens the tool-call block after the generation
-    prompt, as DeepSeek's converter writes it, and the model continues inside it. Raises ``ValueError`` for
+    prompt, as DeepSeek's converter writes it, and the model continues inside it; `prompt_format`: V4's or
+    V4.1's (`PromptFormat`, chosen by the checkpoint). Raises ``ValueError`` for
     anything the format cannot express (unknown roles, malformed tool calls, unsupported content parts), so
     a server can answer 400.
     """
@@ -206,8 +264,10 @@ def render_messages(
     turns = _merge_user_turns([_parse_message(i, m) for i, m in enumerate(messages)])
     if not turns and not tools:
         raise ValueError("messages must not be empty")
-    head = _head(turns, tools, response_format, messages)
-    body = [t for t in turns if t.role != "system"]
+    fmt = prompt_format
+    head = _head(turns, tools, response_format, messages, fmt)
+    # V4 gathers every system message into the head; V4.1 the first one only, the others marked in place.
+    body = [t for i, t in enumerate(turns) if t.role != "system" or (fmt.system_marker and i > 0)]
     for t in body:
         if t.prefix and t is not body[-1]:
             raise ValueError("only the last message may be an assistant prefix (prefix: true)")
@@ -215,34 +275,41 @@ def render_messages(
     drop = thinking and drop_thinking and not has_tools
     if drop:
         body = _drop_old_developers(body)
-    effort = EFFORT_PREFIXES.get(reasoning_effort or "", "") if thinking else ""
+    effort = fmt.effort(reasoning_effort) if thinking else ""
     # A conversation rendered as it stands (no generation prompt: a stored response, continued) keeps the
     # reasoning of the turns after its last user turn, as DeepSeek's encoding renders a finished exchange.
     last_user = max((i for i, t in enumerate(body) if t.role in ("user", "developer")), default=-1)
-    out: Pieces = [Special(BOS), effort, head.text, *_instructions(head)]
+    system: Pieces = [effort, head.text, *_instructions(head, fmt)]
+    if fmt.system_marker:
+        system = [Special(SYSTEM), *system] if any(system) else []
+    out: Pieces = [Special(BOS), *system]
     for i, t in enumerate(body):
-        out += _render_turn(t, thinking and (not drop or t.prefix or (not add_generation_prompt and i > last_user)))
+        with_reasoning = thinking and (not drop or t.prefix or (not add_generation_prompt and i > last_user))
+        out += _render_turn(t, with_reasoning, fmt)
     if add_generation_prompt and not (body and body[-1].prefix):
         out += [Special(ASSISTANT), Special(THINK_START if thinking else THINK_END)]
         if call_prefill:
-            out += _markup(CALL_PREFILL)
+            out += _markup(fmt.call_prefill())
     return RenderedPrompt.of(out)
 
 
 def _head(turns: list[_Turn], tools: Sequence[Mapping[str, Any]] | None, response_format: Mapping[str, Any] | None,
-          messages: Sequence[Mapping[str, Any]]) -> _Turn:
-    """Every system message's text (a blank line between), their tools after the request's, and the
-    response format (the request's, else a system message's)."""
+          messages: Sequence[Mapping[str, Any]], fmt: PromptFormat) -> _Turn:
+    """Every system message's text (a blank line between; V4.1: the first message's, if a system one), their
+    tools after the request's, and the response format (the request's, else a system message's)."""
     systems = [t for t in turns if t.role == "system"]
+    if fmt.system_marker:
+        systems = turns[:1] if turns and turns[0].role == "system" else []
     head = _Turn(role="system", text="\n\n".join(t.text for t in systems))
     head.tools = [*(tools or []), *(tool for t in systems for tool in (t.tools or []))] or None
     head.response_format = next((t.response_format for t in systems if t.response_format), None)
     if response_format is not None:
-        head.response_format = _response_format(response_format, messages)
+        head.response_format = _response_format(response_format, messages, fmt)
     return head
 
 
-def _response_format(response_format: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> Any:
+def _response_format(response_format: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                     fmt: PromptFormat) -> Any:
     """What a request's `response_format` puts in the head: a json_schema's schema, json_object's fixed
     instruction (as OpenAI's, it needs the word "json" in the conversation), nothing for text."""
     kind = response_format.get("type")
@@ -253,31 +320,36 @@ def _response_format(response_format: Mapping[str, Any], messages: Sequence[Mapp
         if "json" not in json.dumps([m.get("content") for m in messages], ensure_ascii=False).lower():
             raise ValueError("the messages must contain the word 'json' in some form to use a response_format "
                              "of type 'json_object'")
-        return _JSON_OBJECT
+        return {"type": "json_object"} if fmt.json_object_as_schema else _JSON_OBJECT
     return None
 
 
 _JSON_OBJECT = object()  # json_object's instruction stands in the head in place of a schema
 
 
-def _render_turn(turn: _Turn, with_reasoning: bool) -> Pieces:
+def _render_turn(turn: _Turn, with_reasoning: bool, fmt: PromptFormat) -> Pieces:
+    if turn.role == "system":  # V4.1: a system message after the first, marked in place
+        return [Special(SYSTEM), turn.text, *_instructions(turn, fmt)]
     if turn.role == "developer":
-        return [Special(USER), turn.text, *_instructions(turn)]
+        return [Special(USER), turn.text, *_instructions(turn, fmt)]
     if turn.role == "user":
-        return [Special(USER), "\n\n".join(_render_part(p) for p in turn.parts)]
+        out: Pieces = [Special(USER)]
+        for k, part in enumerate(turn.parts):
+            out += ["\n\n"] * (k > 0) + _render_part(part, fmt)
+        return out
     if turn.role == "latest_reminder":
         return [Special(LATEST_REMINDER), turn.text]
     think = [Special(THINK_START), turn.reasoning or "", Special(THINK_END)] if with_reasoning \
         else [Special(THINK_END)]
     end = [] if turn.prefix else [Special(EOS)]
-    return [Special(ASSISTANT), *think, turn.text, *_render_tool_calls(turn.tool_calls), *end]
+    return [Special(ASSISTANT), *think, turn.text, *_render_tool_calls(turn.tool_calls, fmt), *end]
 
 
-def _instructions(turn: _Turn) -> Pieces:
+def _instructions(turn: _Turn, fmt: PromptFormat) -> Pieces:
     out: Pieces = []
     if turn.tools:
         schemas = "\n".join(_to_json(_function_schema(t)) for t in turn.tools)
-        out += ["\n\n", *_TOOLS_HEADER_PIECES, schemas, _TOOLS_FOOTER]
+        out += ["\n\n", *_markup(fmt.tools_header()), schemas, _TOOLS_FOOTER]
     if turn.response_format is _JSON_OBJECT:
         out.append("\n\n" + _JSON_OBJECT_FORMAT)
     elif turn.response_format:
@@ -285,33 +357,39 @@ def _instructions(turn: _Turn) -> Pieces:
     return out
 
 
-def _render_part(part: tuple[str, str, str]) -> str:
+def _render_part(part: tuple[str, str, str], fmt: PromptFormat) -> Pieces:
     kind, text, _ = part
-    return f"<tool_result>{text}</tool_result>" if kind == "tool_result" else text
+    if kind == "image":
+        return [fmt.image_text] if fmt.image_text is not None else [Special(IMAGE)]
+    return [f"<tool_result>{text}</tool_result>" if kind == "tool_result" else text]
 
 
-def _render_tool_calls(calls: Sequence[Mapping[str, Any]]) -> Pieces:
+def _render_tool_calls(calls: Sequence[Mapping[str, Any]], fmt: PromptFormat) -> Pieces:
     if not calls:
         return []
-    out = ["\n\n", *_markup(_TOOL_CALLS_OPEN + "\n")]
+    out = ["\n\n", *_markup(f"<{fmt.tag(fmt.block)}>\n")]
     for k, call in enumerate(calls):
-        out += (["\n"] if k else []) + _render_invoke(call)
-    return [*out, *_markup("\n" + _TOOL_CALLS_CLOSE)]
+        out += (["\n"] if k else []) + _render_invoke(call, fmt)
+    return [*out, *_markup(f"\n</{fmt.tag(fmt.block)}>")]
 
 
-def _render_invoke(call: Mapping[str, Any]) -> Pieces:
+def _render_invoke(call: Mapping[str, Any], fmt: PromptFormat) -> Pieces:
     function = call["function"]
-    out = ["<", Special(DSML), 'invoke name="', function["name"], '">\n']
-    for key, value in _call_arguments(function).items():
-        out += [*_render_parameter(key, value), "\n"]
-    return [*out, "</", Special(DSML), "invoke>"]
+    out = [*_markup(f"<{fmt.tag('invoke')}"), ' name="', function["name"], '">\n']
+    arguments = _call_arguments(function)
+    for key, value in arguments.items():
+        out += [*_render_parameter(key, value, fmt), "\n"]
+    if not arguments and fmt.blank_empty_invoke:
+        out.append("\n")
+    return [*out, *_markup(f"</{fmt.tag('invoke')}>")]
 
 
-def _render_parameter(name: str, value: Any) -> Pieces:
+def _render_parameter(name: str, value: Any, fmt: PromptFormat) -> Pieces:
     is_str = isinstance(value, str)
     body = value if is_str else _to_json(value)
     flag = "true" if is_str else "false"
-    return ["<", Special(DSML), f'parameter name="{name}" string="{flag}">', body, "</", Special(DSML), "parameter>"]
+    return [*_markup(f"<{fmt.tag('parameter')}"), f' name="{name}" string="{flag}">', body,
+            *_markup(f"</{fmt.tag('parameter')}>")]
 
 
 def _call_arguments(function: Mapping[str, Any]) -> dict[str, Any]:
@@ -355,6 +433,9 @@ def _parse_message(index: int, message: Mapping[str, Any]) -> _Turn:
     text = _content_text(message.get("content"), f"messages[{index}].content")
     if role == "developer" and not text:
         raise ValueError(f"messages[{index}]: a developer message needs non-empty content")
+    if role == "user" and isinstance(message.get("content"), list):  # a part each (an image may be a token)
+        parts = [_user_part(c, f"messages[{index}].content[{k}]") for k, c in enumerate(message["content"])]
+        return _Turn(role="user", parts=parts or [("text", "", "")])
     if role in ("user", "tool"):
         kind = "text" if role == "user" else "tool_result"
         call_id = str(message.get("tool_call_id") or "")
@@ -396,6 +477,12 @@ def _text_part(part: Any, where: str) -> str:
         return UNSUPPORTED_IMAGE  # as DeepSeek's converter renders an image for V4
     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
     raise ValueError(f"{where}: unsupported content part {repr(kind)[:64]}; text and image_url parts are supported")
+
+
+def _user_part(part: Any, where: str) -> tuple[str, str, str]:
+    if isinstance(part, Mapping) and part.get("type") == "image_url":
+        return ("image", "", "")
+    return ("text", _text_part(part, where), "")
 
 
 def _optional_str(value: Any, where: str) -> str | None:

@@ -99,6 +99,7 @@ class Tokenizer(Protocol):
     eos_token_id: int
     special_token_ids: frozenset[int]
     exact_token_bytes: bool
+    model_type: str | None  # the checkpoint's (config.json): it decides the prompt format
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -132,6 +133,7 @@ class ByteTokenizer:
     eos_token_id: int = 1
     pad_token_id: int = 2
     exact_token_bytes: bool = True
+    model_type: str | None = None  # the embedded tiny model: DeepSeek-V4's format
 
     def __init__(self) -> None:
         self.special_tokens: tuple[str, ...] = BYTE_SPECIAL_TOKENS
@@ -262,6 +264,7 @@ class HFTokenizer:
         self._bytes_cache: dict[int, bytes] = {}
         self._anchor: int | None = None if self.exact_token_bytes else self._find_anchor()
         self._grammar_json: str | None = None
+        self.model_type: str | None = None
         self.bos_token_id, self.eos_token_id = self._read_bos_eos()
 
     def encode(self, text: str) -> list[int]:
@@ -354,6 +357,7 @@ class HFTokenizer:
             eos = self._token_id_from_config(tok_cfg.get("eos_token"))
         model_cfg = _read_json(self.path / "config.json")
         if model_cfg is not None:
+            self.model_type = model_cfg.get("model_type") if isinstance(model_cfg.get("model_type"), str) else None
             bos = bos if bos is not None else _first_int(model_cfg.get("bos_token_id"))
             eos = eos if eos is not None else _first_int(model_cfg.get("eos_token_id"))
         return (0 if bos is None else bos), (1 if eos is None else eos)

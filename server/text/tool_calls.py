@@ -34,11 +34,13 @@ from dataclasses import dataclass
 from v4serve.server.text.tokenizer import DSML
 
 BLOCK_OPEN, BLOCK_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
-INVOKE_CLOSE, PARAM_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>"
 MARKUP_OPEN = f"<{DSML}"  # where content ends: any tag, not only the block's
-_INVOKE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">')
-_PARAM = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
-_INVOKE_CLOSE, _BLOCK_CLOSE = re.compile(re.escape(INVOKE_CLOSE)), re.compile(re.escape(BLOCK_CLOSE))
+# V4 spells the tags `<｜DSML｜invoke ...>`, V4.1 `<｜DSML｜ invoke ...>` (and its block `calls`): both are read.
+_INVOKE = re.compile(rf'<{DSML} ?invoke name="([^"\n]*)">')
+_PARAM = re.compile(rf'<{DSML} ?parameter name="([^"\n]*)" string="(true|false)">')
+_INVOKE_CLOSE, _BLOCK_CLOSE = re.compile(rf"</{DSML} ?invoke>"), re.compile(rf"</{DSML} ?(?:tool_calls|calls)>")
+_PARAM_CLOSE = re.compile(rf"</{DSML} ?parameter>")
+_PARAM_CLOSES = (f"</{DSML}parameter>", f"</{DSML} parameter>")
 
 
 @dataclass
@@ -134,13 +136,13 @@ class ToolCallParser:
         return ""
 
     def _value(self, final: bool) -> str | None:
-        end = self._buf.find(PARAM_CLOSE)
-        if end >= 0:
-            value, self._buf = self._buf[:end], self._buf[end + len(PARAM_CLOSE):]
+        end = _PARAM_CLOSE.search(self._buf)
+        if end is not None:
+            value, self._buf = self._buf[:end.start()], self._buf[end.end():]
             self._emit(ToolCallDelta(self.calls, arguments=self._escaped(value) + '"' * self._quoted))
             self._state = "invoke"
             return ""
-        keep = _held(self._buf, PARAM_CLOSE)
+        keep = max(_held(self._buf, close) for close in _PARAM_CLOSES)
         if len(self._buf) == keep:
             return None
         value, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
