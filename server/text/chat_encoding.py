@@ -28,6 +28,14 @@ tests/test_encoding_oracle.py) renders it; there is no Jinja chat template. A co
 v4serve's own choices where the converter has none: ``add_generation_prompt=False`` leaves the
 generation prompt out (a stored response's rendering, continued token for token); ``drop_thinking=False``
 keeps every turn's reasoning; ``developer`` messages (which the converter refuses) are rendered.
+
+DeepSeek-V4.1's format (`V41`, for a `deepseek_v41` checkpoint; tests/test_encoding_oracle_v41.py) is the same
+but for `PromptFormat`'s fields: ``<｜System｜>`` opens the first system message (the effort, as a number, and
+the tools go there) and marks each later one in place; DSML tags take a space (``<｜DSML｜ calls>``); an image
+is the ``<｜image｜>`` token; json_object is written as a schema.
+
+The specials the encoding writes are `Special` pieces: `RenderedPrompt.special_ranges` says where they are,
+and a tokenizer encodes everything else as text, so a client's literal never becomes a control token.
 """
 
 from __future__ import annotations
