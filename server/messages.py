@@ -28,6 +28,7 @@ from v4serve.server.errors import ApiError, as_api_error, failure_message, valid
 from v4serve.server.framing import KEEPALIVE, EventStream, Pacing, PromptUsage, typed_event
 from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import (
+    IMAGE_IGNORED,
     MAX_MESSAGES,
     MAX_STOPS,
     MAX_TOOLS,
@@ -66,9 +67,9 @@ class ToolUseBlock(Fields):
 class ImageSource(Fields):
     where: ClassVar[str] = "content[].source."
     type: Literal["base64", "url"]
-    media_type: str | None = None
-    data: str | None = None
-    url: str | None = None
+    media_type: str | None = ignored(IMAGE_IGNORED)
+    data: str | None = ignored(IMAGE_IGNORED)
+    url: str | None = ignored(IMAGE_IGNORED)
 
 
 class ImageBlock(Fields):

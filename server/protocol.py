@@ -89,6 +89,10 @@ def validation_context(unknown_fields: str) -> dict[str, Any]:
     return {"unknown_fields": unknown_fields, "ignored": []}
 
 
+IMAGE_IGNORED = ("DeepSeek-V4 reads no images: an image is written as [Unsupported Image], as DeepSeek's converter "
+                 "writes it")
+
+
 def ignored(reason: str, default: Any = None) -> Any:
     """A field accepted for compatibility and ignored; the README's list gives the same reason."""
     return Field(default, description=f"Accepted and ignored: {reason}", json_schema_extra={IGNORED: reason})

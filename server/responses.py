@@ -39,6 +39,7 @@ from v4serve.server.errors import ApiError, echo, failure_message
 from v4serve.server.framing import KEEPALIVE, EventStream, Pacing, PromptUsage, typed_event
 from v4serve.server.generation import WAKE, FrontEnd, Generation
 from v4serve.server.protocol import (
+    IMAGE_IGNORED,
     MAX_MESSAGES,
     MAX_TOOLS,
     Fields,
@@ -70,9 +71,9 @@ class ContentPart(Fields):
     # An input image: DeepSeek-V4 reads none, so it is `[Unsupported Image]`, as DeepSeek's converter has it.
     type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text", "input_image"]
     text: str = ""
-    image_url: str | None = None
-    file_id: str | None = None
-    detail: str | None = None
+    image_url: str | None = ignored(IMAGE_IGNORED)
+    file_id: str | None = ignored(IMAGE_IGNORED)
+    detail: str | None = ignored(IMAGE_IGNORED)
     annotations: list[Any] | None = ignored("a reply field, sent back with earlier output items")
     logprobs: list[Any] | None = ignored("a reply field, sent back with earlier output items")
 

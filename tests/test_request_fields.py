@@ -16,6 +16,8 @@ from v4serve.server.messages import (
     ClearThinking,
     ContextManagement,
     CountTokensRequest,
+    ImageBlock,
+    ImageSource,
     MessagesRequest,
     OutputConfig,
     OutputFormat,
@@ -53,6 +55,7 @@ MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, ChatM
                                  MessagesRequest, CountTokensRequest, AnthropicMessage, AnthropicTool,
                                  AnthropicToolChoice, ThinkingConfig, OutputConfig, OutputFormat, TextBlock,
                                  ToolUseBlock, ToolResultBlock, ThinkingBlock, ClearThinking, ContextManagement,
+                                 ImageBlock, ImageSource,
                                  ResponsesRequest, ContentPart, MessageItem, FunctionCallItem, FunctionCallOutputItem,
                                  ReasoningItem, FunctionTool, TextFormat, TextConfig, ReasoningConfig]
 SOURCE = "\n".join(p.read_text() for folder in ("server", "engine") for p in (ROOT / folder).rglob("*.py")
