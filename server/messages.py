@@ -158,7 +158,7 @@ class OutputFormat(Fields):
 
 class OutputConfig(Fields):
     where: ClassVar[str] = "output_config."
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max", "ultra"] | None = None
     format: OutputFormat | None = None
 
 

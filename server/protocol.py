@@ -227,7 +227,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"] | None = None
     thinking: bool | ThinkingSwitch | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = ignored('text is the only output; anything but ["text"] is a 400')
@@ -291,10 +291,10 @@ def template_thinking(kwargs: dict[str, Any] | None, default: bool) -> bool:
 def effort_level(effort: str | None) -> str:
     """A request's reasoning effort on the encoding's three levels, as DeepSeek's converter maps OpenAI's
     and DeepSeek's values: none given (or "none" with thinking on) is its default, high; minimal and low
-    think with no instruction; medium, high and xhigh get the high instruction; max its own."""
+    think with no instruction; medium, high and xhigh get the high instruction; max and ultra max's."""
     if effort in ("minimal", "low"):
         return "low"
-    return "max" if effort == "max" else "high"
+    return "max" if effort in ("max", "ultra") else "high"
 
 
 class CompletionRequest(SamplingFields):

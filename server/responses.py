@@ -169,7 +169,7 @@ class TextConfig(Fields):
 
 class ReasoningConfig(Fields):
     where: ClassVar[str] = "reasoning."
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"] | None = None
     summary: str | None = ignored("the reasoning comes back whole, as `content`, never summarised")
     generate_summary: str | None = ignored("the reasoning comes back whole, as `content`, never summarised")
 

@@ -72,7 +72,7 @@ CORPUS: list[tuple[str, dict[str, Any]]] = [
     ("system", {"messages": [SYS, U]}),
     ("system-off", {"messages": [SYS, U], **OFF}),
     *[(f"effort-{e}", {"messages": [SYS, U], "reasoning_effort": e})
-      for e in ("none", "minimal", "low", "medium", "high", "xhigh", "max")],
+      for e in ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")],
     ("effort-max-off", {"messages": [U], "reasoning_effort": "max", **OFF}),
     ("effort-none-on", {"messages": [U], "reasoning_effort": "none", **ON}),
     ("two-systems", {"messages": [SYS, {"role": "system", "content": "Answer in French."}, U], **OFF}),
@@ -258,7 +258,7 @@ MESSAGES: list[tuple[str, dict[str, Any]]] = [
                          "messages": [user("hi")]}),
     ("adaptive", {"thinking": {"type": "adaptive"}, "messages": [user("hi")]}),
     *[(f"effort-{e}", {"output_config": {"effort": e}, "messages": [user("hi")]})
-      for e in ("low", "medium", "high", "xhigh", "max")],
+      for e in ("low", "medium", "high", "xhigh", "max", "ultra")],
     ("user-blocks", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                {"type": "text", "text": "b"}]}], **NO_THINKING}),
     ("assistant-blocks", {"messages": [user("q"), {"role": "assistant", "content": [
@@ -291,7 +291,8 @@ NO_REASONING = {"reasoning": {"effort": "none"}}
 RESPONSES: list[tuple[str, dict[str, Any]]] = [
     ("string", {"input": "hi"}),
     ("instructions", {"input": "hi", "instructions": "Be terse."}),
-    *[(f"effort-{e}", {"input": "hi", "reasoning": {"effort": e}}) for e in ("none", "low", "medium", "high", "xhigh")],
+    *[(f"effort-{e}", {"input": "hi", "reasoning": {"effort": e}})
+      for e in ("none", "low", "medium", "high", "xhigh", "max", "ultra")],
     ("items", {"input": [user("q"), {"role": "assistant", "content": "a"}, user("z")], **NO_REASONING}),
     ("parts", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
                                                       {"type": "input_text", "text": "b"}]}], **NO_REASONING}),
