@@ -73,10 +73,14 @@ def load_front_tokenizer(cfg: ServeConfig) -> Tokenizer:
         raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
     tokenizer = load_tokenizer(folder)
     fmt = prompt_format_of(tokenizer)
-    missing = missing_specials(tokenizer, fmt)
+    missing, some = missing_specials(tokenizer, fmt)
     if missing:
         raise ValueError(f"{folder / 'tokenizer.json'} has no token {missing[0]!r}, which the {fmt.name} prompt format "
                          f"writes (missing: {', '.join(missing)}); the checkpoint's own tokenizer.json is needed")
+    if some:
+        log.warning("%s has no token for %s: the %s prompt format writes them as their characters (tool calls or "
+                    "what needs them will not read as the model was trained)", folder / "tokenizer.json",
+                    ", ".join(some), fmt.name)
     return tokenizer
 
 

@@ -104,8 +104,8 @@ def test_the_format_is_the_checkpoints_and_a_tokenizer_lacking_a_special_it_writ
         tokenizer = HFTokenizer(folder)
         assert prompt_format_of(tokenizer) is fmt
         if fmt is V4:
-            assert missing_specials(tokenizer, fmt) == [] and load_front_tokenizer(ServeConfig(model=str(folder)))
+            assert missing_specials(tokenizer, fmt) == ([], []) and load_front_tokenizer(ServeConfig(model=str(folder)))
             continue
-        assert missing_specials(tokenizer, fmt) == ["<｜System｜>", "<｜image｜>"]
+        assert missing_specials(tokenizer, fmt) == (["<｜System｜>"], ["<｜image｜>"])
         with pytest.raises(ValueError, match="has no token '<｜System｜>', which the deepseek_v41 prompt format"):
             load_front_tokenizer(ServeConfig(model=str(folder)))

@@ -157,11 +157,14 @@ def prompt_format_of(tokenizer: Any) -> PromptFormat:
     return V41 if tokenizer.model_type == "deepseek_v41" else V4
 
 
-def missing_specials(tokenizer: Any, fmt: PromptFormat) -> list[str]:
-    """The special tokens `fmt` writes that `tokenizer` has no single id for (a daemon refuses to start)."""
-    needed = [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML, LATEST_REMINDER]
-    needed += [SYSTEM, IMAGE] if fmt.system_marker else []
-    return [t for t in needed if tokenizer.token_to_id(t) is None]
+def missing_specials(tokenizer: Any, fmt: PromptFormat) -> tuple[list[str], list[str]]:
+    """The special tokens `fmt` writes that `tokenizer` has no single id for: those every prompt holds (a daemon
+    refuses to start without them), then those only some prompts hold (tool calls, a latest_reminder, an image:
+    written as their characters, with a warning at start)."""
+    always = [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, *([SYSTEM] if fmt.system_marker else [])]
+    some = [DSML, LATEST_REMINDER, *([IMAGE] if fmt.system_marker else [])]
+    return ([t for t in always if tokenizer.token_to_id(t) is None],
+            [t for t in some if tokenizer.token_to_id(t) is None])
 
 
 V41 = PromptFormat("deepseek_v41", system_marker=True, tag_space=" ", block="calls", blank_empty_invoke=True,
