@@ -93,14 +93,10 @@ class ToolCallParser:
         if start >= 0:
             text, self._buf, self._state = self._buf[:start].rstrip("\n"), self._buf[start:], "markup"
             return text
-        # Held back: line breaks (markup may follow, and they would go with it) and a possible start of it.
-        keep = _held(self._buf, MARKUP_OPEN)
-        keep += len(self._buf[:len(self._buf) - keep]) - len(self._buf[:len(self._buf) - keep].rstrip("\n"))
-        if final:
-            keep = 0
-        if len(self._buf) == keep:
+        cut = len(self._buf) if final else _sendable(self._buf)
+        if cut == 0:
             return None
-        text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        text, self._buf = self._buf[:cut], self._buf[cut:]
         return text
 
     def _markup(self, final: bool) -> str | None:
@@ -161,6 +157,12 @@ class ToolCallParser:
             self._out.append(delta)
 
 
+def _sendable(text: str) -> int:
+    """How much of `text` can go out as it is: all but a possible start of markup at its end and the line
+    breaks before that (they go with the markup if it comes, so they wait for the next text to decide)."""
+    return len(text[:len(text) - _held(text, MARKUP_OPEN)].rstrip("\n"))
+
+
 def _next(text: str, tags: tuple[re.Pattern[str], ...]) -> re.Match[str] | None:
     """The first of `tags` in `text` (whole), or None."""
     found = [m for m in (tag.search(text) for tag in tags) if m is not None]
@@ -200,8 +202,6 @@ class ReasoningSplit:
         if start >= 0:
             self.ended = True
             return text[:start].rstrip("\n"), text[start:]
-        keep = 0 if final else _held(text, MARKUP_OPEN)
-        if not final:
-            keep += len(text[:len(text) - keep]) - len(text[:len(text) - keep].rstrip("\n"))
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], ""
+        cut = len(text) if final else _sendable(text)
+        self._held = text[cut:]
+        return text[:cut], ""
