@@ -1,6 +1,6 @@
 """Compile every Triton specialization v4serve launches at DeepSeek-V4-Flash and -Pro's real shapes
 for sm_80 (A100), sm_90 (H100/H200) and sm_100 (B200), without a GPU: the model runs on the meta
-device under a launch recorder (engine/model/aot.py), and Triton's compiler and ptxas build each
+device under a launch recorder (engine/model/gpu/aot.py), and Triton's compiler and ptxas build each
 launch for each target (kernels/aot.py). Scenarios: both models, bf16 and FP8 KV, TP 1, TP 8 and
 TP 8 with expert parallelism, packed FP8/FP4 weights; decode at batch 1 to 256 and contexts
 300 to 64K (and a captured step's tables padded to 64K), prefill chunks and a mixed step.
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_results  # noqa: E402
-from v4serve.engine.model.aot import DECODE_STEPS, PREFILL_STEPS, SCENARIOS, record_scenarios  # noqa: E402
+from v4serve.engine.model.gpu.aot import DECODE_STEPS, PREFILL_STEPS, SCENARIOS, record_scenarios  # noqa: E402
 from v4serve.kernels.aot import TARGETS, compile_launches, problems, representatives, table  # noqa: E402
 
 

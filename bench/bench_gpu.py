@@ -37,8 +37,8 @@ from bench.common import print_table, write_results  # noqa: E402
 from v4serve.cache.device_kv import DeviceKV  # noqa: E402
 from v4serve.cache.layout import KVLayout, KVRecord  # noqa: E402
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk  # noqa: E402
-from v4serve.engine.model.model import DeepseekV4  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.v4.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.kernels.attention import RaggedBatch  # noqa: E402
 from v4serve.kernels.decode_writes import Compression  # noqa: E402
 from v4serve.kernels.kv_fp8 import encode  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny  # noqa: E402
 from v4serve.engine.process.core import EngineCore  # noqa: E402
 from v4serve.engine.process.lifecycle import freeze_startup_objects  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402

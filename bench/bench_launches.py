@@ -22,8 +22,8 @@ from bench.common import print_table, write_results  # noqa: E402
 from v4serve.cache.device_kv import DeviceKV  # noqa: E402
 from v4serve.cache.layout import KVLayout  # noqa: E402
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk  # noqa: E402
-from v4serve.engine.model.model import DeepseekV4  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.v4.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny  # noqa: E402
 from v4serve.kernels.launches import LaunchCounter  # noqa: E402
 from v4serve.kernels.registry import Kernels, load_kernels, triton_available  # noqa: E402
 

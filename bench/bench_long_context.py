@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_results  # noqa: E402
 from v4serve.engine.engine import LLMEngine  # noqa: E402
-from v4serve.engine.model.checkpoint import write_checkpoint  # noqa: E402
-from v4serve.engine.model.parallel import default_threads  # noqa: E402
+from v4serve.engine.model.parallel.sharding import default_threads  # noqa: E402
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.weights.checkpoint import write_checkpoint  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.server.config import ServeConfig  # noqa: E402
 from v4serve.server.model_loading import engine_config  # noqa: E402

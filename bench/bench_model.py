@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import decode_seconds, interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
-from v4serve.engine.model.model import DeepseekV4  # noqa: E402
-from v4serve.engine.model.single import SingleSequence  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.parallel.single import SingleSequence  # noqa: E402
+from v4serve.engine.model.v4.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 from v4serve.server.cli import _parse_override  # noqa: E402

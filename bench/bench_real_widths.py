@@ -56,12 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_results  # noqa: E402
 from v4serve.cache.layout import key_record  # noqa: E402
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
 from v4serve.engine.model.config import ModelConfig  # noqa: E402
-from v4serve.engine.model.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.parallel.single import SingleSequence  # noqa: E402
 from v4serve.engine.model.plan import preset_config  # noqa: E402
-from v4serve.engine.model.single import SingleSequence  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.v4.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 
 # Everything that sizes or shapes one layer, taken from the real preset.

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from v4serve.engine.model.model import DeepseekV4  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.v4.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.engine.speculative import SpeculativeConfig  # noqa: E402
 

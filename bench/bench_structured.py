@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny  # noqa: E402
 from v4serve.engine.request import GrammarSpec, Request, SamplingParams  # noqa: E402
 from v4serve.engine.structured import Grammars  # noqa: E402
 from v4serve.server.text.tokenizer import ByteTokenizer  # noqa: E402

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import decode_seconds, print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
-from v4serve.engine.model.parallel import ParallelConfig  # noqa: E402
-from v4serve.engine.model.ranks import SequenceCase, run_on_ranks, run_sequence  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.parallel.ranks import SequenceCase, run_on_ranks, run_sequence  # noqa: E402
+from v4serve.engine.model.parallel.sharding import ParallelConfig  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint  # noqa: E402
 from v4serve.engine.process.rank_group import RankGroup  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.engine.step_plan import DecodeStep, StepPlan  # noqa: E402

@@ -25,13 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, print_table, write_results  # noqa: E402
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint  # noqa: E402
-from v4serve.engine.model.checkpoint_files import read_config_json  # noqa: E402
 from v4serve.engine.model.config import ModelConfig  # noqa: E402
-from v4serve.engine.model.model import DeepseekV4  # noqa: E402
-from v4serve.engine.model.packed import resident_bytes  # noqa: E402
-from v4serve.engine.model.single import SingleSequence  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.parallel.single import SingleSequence  # noqa: E402
+from v4serve.engine.model.v4.model import DeepseekV4  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint  # noqa: E402
+from v4serve.engine.model.weights.files import read_config_json  # noqa: E402
+from v4serve.engine.model.weights.packed import resident_bytes  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 
 CONFIGS = {

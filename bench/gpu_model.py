@@ -15,11 +15,11 @@ Inputs, none of them measured on a GPU but mHC's floor (below):
 * FLOPs: 2 per weight value per token for the projections, the active experts only for the MoE,
   the attention's and the indexer's dot products;
 * device work items per layer kind and per step, counted by running one decode step at the real
-  shapes on the `meta` device (nothing runs; `engine/model/aot.py`) and attributed to the kernels
+  shapes on the `meta` device (nothing runs; `engine/model/gpu/aot.py`) and attributed to the kernels
   below: ATen ops (with the casts and copies that inference mode presents as views:
   `kernels.launches.is_work`), Triton launches and NCCL calls; `--stored-launches` uses
   the counts stored here instead (fast; what the test uses);
-* the collectives of `engine/model/parallel.py`: two all-reduces per layer (attention output, MoE
+* the collectives of `engine/model/parallel/sharding.py`: two all-reduces per layer (attention output, MoE
   output), one more per CSA layer (the indexer's scores), the embedding's all-reduce and the
   logits' all-gather.
 
@@ -67,10 +67,9 @@ from bench.bench_launches import ALLOCATIONS  # noqa: E402
 from bench.common import print_table, write_results  # noqa: E402
 from v4serve.cache.device_kv import DeviceKV  # noqa: E402
 from v4serve.cache.layout import KVLayout, LayerLayout, key_record  # noqa: E402
-from v4serve.engine.model import model as model_module  # noqa: E402
-from v4serve.engine.model import parallel as parallel_module  # noqa: E402
-from v4serve.engine.model.aot import Scenario, Step, meta_model, reduced_config, run_step  # noqa: E402
 from v4serve.engine.model.config import ModelConfig  # noqa: E402
+from v4serve.engine.model.gpu.aot import Scenario, Step, meta_model, reduced_config, run_step  # noqa: E402
+from v4serve.engine.model.parallel import sharding as parallel_module  # noqa: E402
 from v4serve.engine.model.plan import (  # noqa: E402
     GIB,
     CapacityPlan,
@@ -81,7 +80,8 @@ from v4serve.engine.model.plan import (  # noqa: E402
     preset_config,
     tp_split_axis,
 )
-from v4serve.engine.model.resident import can_stay_quantized, held_in_fp32  # noqa: E402
+from v4serve.engine.model.v4 import model as model_module  # noqa: E402
+from v4serve.engine.model.weights.resident import can_stay_quantized, held_in_fp32  # noqa: E402
 from v4serve.kernels.launches import LaunchRecorder, is_work  # noqa: E402
 
 MODELS = ("deepseek-v4-flash", "deepseek-v4-pro")
@@ -424,7 +424,7 @@ class _Recording(LaunchRecorder):
 
 
 class _Collectives:
-    """`torch.distributed` as parallel.py calls it, on the meta device: shapes only, calls counted."""
+    """`torch.distributed` as parallel/sharding.py calls it, on the meta device: shapes only, calls counted."""
 
     def __init__(self, world_size: int, tracker: _Tracker) -> None:
         self.world_size, self.tracker = world_size, tracker

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gpu import REAL, SMOKE  # noqa: E402
 from bench.common import print_table, write_results  # noqa: E402
 from v4serve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from v4serve.engine.model.tiny import build_tiny, tiny_config  # noqa: E402
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config  # noqa: E402
 from v4serve.engine.request import Request, SamplingParams  # noqa: E402
 from v4serve.kernels.registry import load_kernels  # noqa: E402
 

@@ -22,11 +22,11 @@ from v4serve.cache.layout import KVLayout, cache_table, key_record
 from v4serve.cache.ssd_file import KIND_BLOCK, KIND_RESPONSE, KIND_SNAPSHOT
 from v4serve.cache.ssd_store import SSDStore
 from v4serve.cache.state_capture import CaptureSeq, StateCapture
-from v4serve.engine.model.decode_graphs import DecodeGraphs, decode_buckets
-from v4serve.engine.model.fingerprint import tensors_digest
+from v4serve.engine.model.gpu.decode_graphs import DecodeGraphs, decode_buckets
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.packed import packed_count
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.weights.fingerprint import tensors_digest
+from v4serve.engine.model.weights.packed import packed_count
 from v4serve.engine.mtp import MTPLayer, MTPRows, MTPSeed, mtp_drafts, mtp_ready
 from v4serve.engine.overlap import InFlight, async_scheduling
 from v4serve.engine.request import GrammarSpec, Request, RequestError, RequestLimits, RequestStatus, Sample

@@ -1,7 +1,7 @@
 """Drafts from DeepSeek-V4's multi-token-prediction (MTP) layer.
 
 The layer at position p reads the main model's last state there (h_p, its streams before the head) and
-the embedding of token p+1, and guesses token p+2 through the shared head (engine/model/model.py
+the embedding of token p+1, and guesses token p+2 through the shared head (engine/model/v4/model.py
 `MTPBlock`). Its output state stands in for the main model's at p+1, so the same layer guesses k
 tokens ahead by running on its own guesses.
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from v4serve.cache.device_kv import DeviceKV
-from v4serve.engine.model.decode_graphs import DecodeGraphs
+from v4serve.engine.model.gpu.decode_graphs import DecodeGraphs
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.v4.model import DeepseekV4
 from v4serve.engine.request import Request
 from v4serve.kernels.attention import RowLayout, upload
 

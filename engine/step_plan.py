@@ -6,7 +6,7 @@ blocks read from the SSD store — reaches the others as recorded writes in each
 so every rank holds the same KV bytes (`kv_digest` checks it). The engine drives the ranks through
 `Ranks`, whatever starts them.
 
-A decode step that runs from the decode graphs' static buffers (engine/model/decode_graphs.py,
+A decode step that runs from the decode graphs' static buffers (engine/model/gpu/decode_graphs.py,
 captured as CUDA graphs on every rank) and has no KV writes to mirror is sent as a `DecodeStep`
 instead: token ids, positions, slots and the block-table entries that changed, packed into the
 fixed-size int32 `Wire` every broadcast starts with. One broadcast, nothing pickled: what a

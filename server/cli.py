@@ -24,8 +24,8 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def make_checkpoint_main(args: argparse.Namespace) -> int:
-    from v4serve.engine.model.checkpoint import write_checkpoint
-    from v4serve.engine.model.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.weights.checkpoint import write_checkpoint
     from v4serve.server.text.tokenizer import write_byte_tokenizer_files
 
     overrides = dict(args.set or [])

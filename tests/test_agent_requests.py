@@ -20,8 +20,8 @@ import pytest
 
 from tests import faults
 from tests.daemon import PATIENCE, daemon, in_process_server, wait_until
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
 from v4serve.server.serve import ServeConfig
 
 MODEL = "v4serve-tiny"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import requires_triton
-from v4serve.engine.model.aot import DECODE_STEPS, PREFILL_STEPS, Scenario, record_scenarios
+from v4serve.engine.model.gpu.aot import DECODE_STEPS, PREFILL_STEPS, Scenario, record_scenarios
 from v4serve.kernels.aot import ALLOWED_SPILLS, TARGETS, compile_launches, problems, representatives
 from v4serve.kernels.launches import Launch, TensorArg
 

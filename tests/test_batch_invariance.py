@@ -17,10 +17,10 @@ from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL_ONE_OF_EACH, engine_for, greedy, requires_triton, tokens
 from tests.test_server import solo_then_together
 from v4serve.cache.layout import key_record
-from v4serve.engine.model import attention
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.single import SingleSequence
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.parallel.single import SingleSequence
+from v4serve.engine.model.v4 import attention
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.kernels import invariant
 from v4serve.kernels.registry import load_kernels
 from v4serve.server.config import ServeConfig

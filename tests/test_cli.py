@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.daemon import PATIENCE, ROOT, daemon, start_daemon
-from v4serve.engine.model.checkpoint import load_model
-from v4serve.engine.model.single import SingleSequence
-from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.model.parallel.single import SingleSequence
+from v4serve.engine.model.v4.tiny import build_tiny
+from v4serve.engine.model.weights.checkpoint import load_model
 from v4serve.server.cli import build_parser, serve_settings
 from v4serve.server.config import ServeConfig
 

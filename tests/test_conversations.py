@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import engine_for, greedy, small_model, tiny_model, tokens
 from v4serve.cache.ssd_file import KIND_BLOCK
-from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.model.parallel.single import SingleSequence
 
 B = 16  # the small model's block (ratios 4 and 16); window 8
 

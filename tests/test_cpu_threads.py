@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import engine_for, greedy, tiny_model, tokens
-from v4serve.engine.model import attention
+from v4serve.engine.model.v4 import attention
 from v4serve.kernels.cpu_threads import run_pieces
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import SMALL, RecordingEngine, reference, rel_err, tokens
 from v4serve.engine.engine import EngineConfig
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.engine.request import Request, SamplingParams
 from v4serve.engine.speculative import SpeculativeConfig
 from v4serve.kernels.registry import load_kernels

@@ -17,9 +17,9 @@ from tests.daemon import daemon
 from tests.helpers import SMALL, SMALL_ONE_OF_EACH, engine_for
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
-from v4serve.engine.model.decode_graphs import DecodeGraphs, decode_buckets
+from v4serve.engine.model.gpu.decode_graphs import DecodeGraphs, decode_buckets
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.kernels.attention import SlotTables
 from v4serve.kernels.registry import load_kernels
 

@@ -16,9 +16,9 @@ import torch
 from tests.helpers import SMALL, requires_triton
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout, key_record
-from v4serve.engine.model.aot import Scenario, Step, meta_model, run_step
+from v4serve.engine.model.gpu.aot import Scenario, Step, meta_model, run_step
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.kernels.launches import StepTrace
 from v4serve.kernels.registry import load_kernels
 

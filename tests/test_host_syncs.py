@@ -15,7 +15,7 @@ import torch
 from tests.helpers import requires_triton
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout, key_record
-from v4serve.engine.model.aot import DECODE_STEPS, Scenario, meta_model, run_step
+from v4serve.engine.model.gpu.aot import DECODE_STEPS, Scenario, meta_model, run_step
 from v4serve.kernels.launches import HostSyncs, LaunchRecorder
 
 pytestmark = requires_triton

@@ -14,7 +14,7 @@ FREEZE_CHECK = """
 import gc, json, weakref
 import torch  # what an engine process holds once started: torch, the model, the engine
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.model.v4.tiny import build_tiny
 from v4serve.engine.process.lifecycle import freeze_startup_objects
 
 engine = LLMEngine(build_tiny(), EngineConfig(max_model_len=512, max_num_seqs=2))

@@ -306,8 +306,8 @@ def test_indexer_scores_in_blocks_are_the_whole_tiles(monkeypatch, block_entries
     as the whole tile's did on the tile's), whatever the blocks (edges inside and past the entries);
     exact zeros (every head's relu 0) stay exact, and entries every query sees need no mask: −inf
     exactly where a query does not see."""
-    from v4serve.engine.model import compressor
-    from v4serve.engine.model.tiny import tiny_config
+    from v4serve.engine.model.v4 import compressor
+    from v4serve.engine.model.v4.tiny import tiny_config
 
     indexer = compressor.Indexer(tiny_config(), 4)
     heads, dim = indexer.n_heads, indexer.head_dim

@@ -25,7 +25,7 @@ from tests.helpers import (
     tokens,
 )
 from v4serve.cache.layout import KVLayout, KVRecord, cache_table, key_record
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.kv_fp8 import decode, encode
 from v4serve.kernels.kv_fp8 import ue8m0_exponent as twin_exponent

@@ -342,7 +342,7 @@ def test_unfetched_hand_overs_are_swept_once_past_the_hold_with_none_written_sin
 @pytest.mark.parametrize("length", [32, 33, 34])
 def test_under_batch_invariant_kernels_a_hand_over_is_bitwise_the_cold_run(tmp_path, length) -> None:
     from tests.helpers import SMALL_ONE_OF_EACH
-    from v4serve.engine.model.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
     from v4serve.kernels.registry import load_kernels
 
     model = build_tiny(tiny_config(**SMALL_ONE_OF_EACH), seed=11)

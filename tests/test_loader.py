@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from v4serve.engine.model import loader
-from v4serve.engine.model.checkpoint_files import CheckpointError, read_config_json
-from v4serve.engine.model.checkpoint_layout import official_name
-from v4serve.engine.model.loader import load_checkpoint
-from v4serve.engine.model.quant import FP4_E2M1_VALUES, quantize_fp4_packed, quantize_fp8_block
+from v4serve.engine.model.weights import loader
+from v4serve.engine.model.weights.files import CheckpointError, read_config_json
+from v4serve.engine.model.weights.layout import official_name
+from v4serve.engine.model.weights.loader import load_checkpoint
+from v4serve.engine.model.weights.quant import FP4_E2M1_VALUES, quantize_fp4_packed, quantize_fp8_block
 
 transformers = pytest.importorskip("transformers")
 
@@ -297,7 +297,7 @@ def test_progress_lines_per_shard_and_mtp_note(
     folders: dict[str, Path], spec: Spec, caplog: pytest.LogCaptureFixture
 ) -> None:
     n_shards = len(list(folders["sharded"].glob("*.safetensors")))
-    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.loader"):
+    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.weights.loader"):
         load_checkpoint(folders["sharded"], spec)
         load_checkpoint(folders["official"], spec)
     lines = [r.getMessage() for r in caplog.records]
@@ -313,7 +313,7 @@ def test_heartbeat_inside_a_long_shard(
     folders: dict[str, Path], spec: Spec, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(loader, "_HEARTBEAT_S", 0.0)
-    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.loader"):
+    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.weights.loader"):
         load_checkpoint(folders["saved"], spec)
     beats = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading shard 1/1")]
     assert len(beats) > 10 and "tensors;" in beats[0] and "MB" in beats[0]
@@ -461,8 +461,8 @@ def test_checkpoint_error_is_value_error() -> None:
 
 LOAD_AND_STEP = """
 import sys
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
+from v4serve.engine.model.v4.tiny import build_tiny
 from v4serve.engine.request import Request, SamplingParams
 from v4serve.server.config import ServeConfig
 from v4serve.server.model_loading import build_engine

@@ -17,10 +17,10 @@ import pytest
 import torch
 import transformers  # the numerical oracle (test-only dependency)
 
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.single import SingleSequence
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.parallel.single import SingleSequence
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint
 from v4serve.kernels.registry import load_kernels
 
 # Small dims keep transformers' eager forward quick; 16 indexer heads and a top-k well below

@@ -123,7 +123,7 @@ def test_experts_kernel_equals_its_twin(limit: float, tokens: int, d: int, inter
 def test_stacked_experts_keep_the_checkpoint_names_and_round_trip(shared: int) -> None:
     """The model stacks routed and shared experts; its state dict still has one tensor per
     checkpoint name (a shared expert S·I wide as one tensor) and loads back exactly."""
-    from v4serve.engine.model.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 
     cfg = tiny_config(n_shared_experts=shared)
     state = build_tiny(cfg, seed=1).state_dict()

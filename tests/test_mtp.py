@@ -28,11 +28,11 @@ from tests.helpers import SMALL, engine_for, tokens
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.engine import LLMEngine
-from v4serve.engine.model.checkpoint import load_model, write_checkpoint
-from v4serve.engine.model.checkpoint_layout import packed_formats
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint
+from v4serve.engine.model.weights.layout import packed_formats
 from v4serve.engine.request import Request, SamplingParams
 from v4serve.engine.speculative import SpeculativeConfig
 from v4serve.kernels.registry import load_kernels
@@ -301,7 +301,7 @@ def test_a_grammar_request_drafts_only_what_its_grammar_allows_and_keeps_its_tok
 def test_the_layer_loads_from_transformers_style_names_too(tmp_path: Path) -> None:
     """The block's attention, norms, mHC and merged experts under `model.mtp.0.` as transformers spells a
     layer's (its own projections, norms and head under their names): the same tensors as the official."""
-    from v4serve.engine.model.checkpoint_layout import _LAYER_ALIASES
+    from v4serve.engine.model.weights.layout import _LAYER_ALIASES
 
     model = build_tiny(tiny_config(**SMALL, num_nextn_predict_layers=1), seed=3)
     official = write_checkpoint(model, tmp_path / "official")

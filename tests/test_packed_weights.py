@@ -18,12 +18,14 @@ from safetensors.torch import save_file
 
 from tests.daemon import PATIENCE, start_daemon
 from v4serve.engine.engine import kv_namespace
-from v4serve.engine.model import checkpoint_files, checkpoint_layout, loader
-from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
-from v4serve.engine.model.packed import packed_count, resident_bytes, weight_of
-from v4serve.engine.model.resident import held_in_fp32
-from v4serve.engine.model.single import SingleSequence
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.parallel.single import SingleSequence
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights import files as checkpoint_files
+from v4serve.engine.model.weights import layout as checkpoint_layout
+from v4serve.engine.model.weights import loader
+from v4serve.engine.model.weights.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
+from v4serve.engine.model.weights.packed import packed_count, resident_bytes, weight_of
+from v4serve.engine.model.weights.resident import held_in_fp32
 from v4serve.kernels.quant_linear import QuantizedWeight
 from v4serve.kernels.registry import load_kernels
 from v4serve.server.cli import main as cli_main
@@ -81,7 +83,7 @@ def test_packed_model_matches_the_checkpoint_dequantized_at_load(quantized: dict
 def test_the_load_log_counts_weights_as_the_startup_line_does(quantized: dict[str, Path], caplog) -> None:
     """Both lines say how many weights stay in checkpoint precision, counted alike (a stacked expert
     tensor once); the load line adds how many packed tensors the files hold (one per expert)."""
-    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="v4serve.engine.model.weights.checkpoint"):
         model = load_model(quantized["fp4"], packed=True, progress=False)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
     weights, tensors = map(int, re.search(r"\((\d+) weights in checkpoint precision, from (\d+) packed", line).groups())

@@ -9,7 +9,7 @@ import torch
 from tests.helpers import requires_triton
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
-from v4serve.engine.model.tiny import TINY_CONFIG
+from v4serve.engine.model.v4.tiny import TINY_CONFIG
 from v4serve.kernels.attention import RaggedBatch
 from v4serve.kernels.paged import (
     read_entries,

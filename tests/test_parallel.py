@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism of the model (engine/model/parallel.py) on CPU ranks over gloo: each
+"""Tensor and expert parallelism of the model (engine/model/parallel/sharding.py) on CPU ranks over gloo: each
 rank loads only its shard of a checkpoint, and two ranks give the single process's logits and
 greedy tokens, hold the plan's bytes, and refuse sizes that would split a head, an expert or a
 scale block. Every two-rank case runs in one spawn (starting ranks costs seconds)."""
@@ -18,15 +18,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from v4serve.engine.model import checkpoint_files, ranks
-from v4serve.engine.model.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
-from v4serve.engine.model.checkpoint_files import CheckpointError
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.packed import packed_count
-from v4serve.engine.model.parallel import ParallelConfig
+from v4serve.engine.model.parallel import ranks
+from v4serve.engine.model.parallel.ranks import SequenceCase, SequenceResult, run_on_ranks, run_sequence
+from v4serve.engine.model.parallel.sharding import ParallelConfig
 from v4serve.engine.model.plan import GIB, PlanError, PlanSettings, plan_checkpoint
-from v4serve.engine.model.ranks import SequenceCase, SequenceResult, run_on_ranks, run_sequence
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights import files as checkpoint_files
+from v4serve.engine.model.weights.checkpoint import load_model, quantize_checkpoint_state, write_checkpoint
+from v4serve.engine.model.weights.files import CheckpointError
+from v4serve.engine.model.weights.packed import packed_count
 
 RANKS = 2
 # Crosses the window (128), every CSA entry edge (4), the HCA entry and block edge (128); the chunks

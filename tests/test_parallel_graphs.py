@@ -16,9 +16,9 @@ import torch
 
 from tests.test_parallel_serve import WIDE
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.parallel import ParallelConfig
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.parallel.sharding import ParallelConfig
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
 from v4serve.engine.mtp import MTPRows, MTPSeed
 from v4serve.engine.process.rank_group import RankGroup
 from v4serve.engine.request import Request, SamplingParams

@@ -23,8 +23,8 @@ from tests.daemon import PATIENCE, ROOT, in_process_server, served_at, start_dae
 from tests.helpers import SMALL, tokens
 from tests.test_engine_process import ENDLESS, engine_pid, gone, processes
 from tests.test_store_daemon import metric
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
 from v4serve.server.config import LaunchedRank, ServeConfig, check_parallel_flags, launched_rank
 from v4serve.server.text.tokenizer import write_byte_tokenizer_files
 
@@ -287,7 +287,7 @@ def test_a_size_that_splits_a_head_is_refused_at_startup(wide: str) -> None:
 STARTUP_SCRIPT = """
 import sys, torch
 from tests import faults
-from v4serve.engine.model.parallel import ParallelConfig
+from v4serve.engine.model.parallel.sharding import ParallelConfig
 from v4serve.engine.process.rank_group import RankGroup
 RankGroup.spawn(ParallelConfig(2), getattr(faults, sys.argv[1]), torch.device("cpu"))
 print("started")
@@ -317,7 +317,7 @@ def test_a_broken_collective_names_the_worker_that_left_once_its_exit_is_seen() 
     error waits (briefly) for that status instead of naming only the broken collective."""
     import multiprocessing
 
-    from v4serve.engine.model.parallel import ParallelConfig
+    from v4serve.engine.model.parallel.sharding import ParallelConfig
     from v4serve.engine.process.rank_group import RankGroup
 
     worker = multiprocessing.get_context("spawn").Process(target=_exit_later, args=(3,))

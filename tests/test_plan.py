@@ -21,8 +21,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.daemon import PATIENCE, ROOT
-from v4serve.engine.model import checkpoint_files
-from v4serve.engine.model.checkpoint import write_checkpoint
 from v4serve.engine.model.plan import (
     GIB,
     PlanError,
@@ -33,9 +31,11 @@ from v4serve.engine.model.plan import (
     plan_model,
     preset_config,
 )
-from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
-from v4serve.engine.model.resident import held_in_fp32, resolve_weight_dtype
-from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.model.v4.tiny import build_tiny
+from v4serve.engine.model.weights import files as checkpoint_files
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
+from v4serve.engine.model.weights.quant import quantize_fp4_packed, quantize_fp8_block
+from v4serve.engine.model.weights.resident import held_in_fp32, resolve_weight_dtype
 from v4serve.server import model_loading
 from v4serve.server.cli import main
 from v4serve.server.config import ServeConfig

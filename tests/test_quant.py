@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4serve.engine.model.quant import (
+from v4serve.engine.model.weights.quant import (
     FP4_E2M1_VALUES,
     dequant_fp4_packed,
     dequant_fp8_block,

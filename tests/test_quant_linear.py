@@ -1,7 +1,7 @@
 """Linear layers and experts over weights kept in checkpoint precision.
 
 The torch twin (`kernels/quant_linear.py`) against dequantize-then-matmul with the independent
-dequantizers of `engine/model/quant.py`; the Triton kernels (interpreted on a CPU) against the
+dequantizers of `engine/model/weights/quant.py`; the Triton kernels (interpreted on a CPU) against the
 twin, the decoders against every code exactly, the grouped packed MoE against `moe.experts`, and
 the Triton linear's batch invariance. Shapes leave partial tiles everywhere: N = 130 (128-row
 blocks and column tiles), K = 260 (FP8: a 4-wide last block), K = 70 (FP4: a 6-wide last group),
@@ -15,8 +15,13 @@ import torch
 
 from tests.helpers import requires_triton
 from v4serve.engine.model.plan import checkpoint_tensors, preset_config
-from v4serve.engine.model.quant import dequant_fp4_packed, dequant_fp8_block, quantize_fp4_packed, quantize_fp8_block
-from v4serve.engine.model.resident import can_stay_quantized
+from v4serve.engine.model.weights.quant import (
+    dequant_fp4_packed,
+    dequant_fp8_block,
+    quantize_fp4_packed,
+    quantize_fp8_block,
+)
+from v4serve.engine.model.weights.resident import can_stay_quantized
 from v4serve.kernels import invariant, moe, quant_linear
 from v4serve.kernels.quant_linear import QuantizedWeight
 
@@ -50,7 +55,7 @@ def stored(codes: torch.Tensor, scale: torch.Tensor, fmt: str, form: str) -> Qua
 
 def quantized(n: int, k: int, fmt: str, scale_dtype: torch.dtype, form: str, gen: torch.Generator, lead: tuple = ()
               ) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random weight [*lead, N, K] packed, and its dequantization by engine/model/quant.py."""
+    """A random weight [*lead, N, K] packed, and its dequantization by engine/model/weights/quant.py."""
     w = torch.randn(*lead, n, k, generator=gen) * k**-0.5
     if fmt == "fp8":
         codes, scale = quantize_fp8_block(w, scale_dtype=scale_dtype)
@@ -167,7 +172,7 @@ LOWEST_SCALE_BYTE = 0 if DEVICE == "cpu" else 20
 def every_code_weight(fmt: str) -> tuple[QuantizedWeight, torch.Tensor]:
     """A weight holding every finite code (FP8 [512, 16]: each byte but the NaNs 0x7F/0xFF; FP4
     [256, 64]: each byte, so every pair of nibbles), with e8m0 scales from 2^(LOWEST_SCALE_BYTE −
-    127) to 2^13, and its dequantization by engine/model/quant.py. K is small: x = I has K rows."""
+    127) to 2^13, and its dequantization by engine/model/weights/quant.py. K is small: x = I has K rows."""
     n, k = (512, 16) if fmt == "fp8" else (256, 64)
     index = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :]) % 256
     low = LOWEST_SCALE_BYTE
@@ -282,9 +287,9 @@ def packed_small_model():
     them: FP4 routed experts with e8m0 scales, FP8 elsewhere with fp32 scales (so the shared expert
     leaves the routed stack)."""
     from tests.helpers import SMALL
-    from v4serve.engine.model.packed import PackedFormat, pack_model
-    from v4serve.engine.model.resident import can_stay_quantized
-    from v4serve.engine.model.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+    from v4serve.engine.model.weights.packed import PackedFormat, pack_model
+    from v4serve.engine.model.weights.resident import can_stay_quantized
 
     cfg = tiny_config(**{**SMALL, "num_layers": 2, "compress_ratios": (0, 4)})
     state, formats = build_tiny(cfg, seed=11).state_dict(), {}

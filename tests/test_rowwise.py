@@ -17,7 +17,7 @@ import torch
 from tests.helpers import requires_triton
 from tests.test_decode_graphs import CONTEXTS, setup, without_scratch
 from tests.test_fixed_shapes import model_and_kv
-from v4serve.engine.model.aot import Step, run_step
+from v4serve.engine.model.gpu.aot import Step, run_step
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.kernels.attention import RowLayout
 from v4serve.kernels.launches import StepTrace

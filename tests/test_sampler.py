@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import engine_for, greedy, small_model, tokens
-from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.model.parallel.single import SingleSequence
 from v4serve.engine.request import Request, SamplingParams
 from v4serve.engine.sampler import Sampler, apply_penalties, filter_logits
 

@@ -20,7 +20,7 @@ import torch
 
 from tests.daemon import PATIENCE, daemon
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.tiny import build_tiny
+from v4serve.engine.model.v4.tiny import build_tiny
 from v4serve.engine.request import Request, SamplingParams
 from v4serve.engine.sampler import Sampler
 from v4serve.server.text.chat_encoding import render_messages

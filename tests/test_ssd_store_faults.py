@@ -36,9 +36,9 @@ from v4serve.cache.ssd_file import (
 )
 from v4serve.cache.ssd_store import SSDStore
 from v4serve.engine.engine import kv_namespace
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.fingerprint import checkpoint_digest, tensors_digest
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
+from v4serve.engine.model.weights.fingerprint import checkpoint_digest, tensors_digest
 
 PROMPT = tokens(90, 4)  # 5 complete 16-token blocks of the small model, 90 > 80 so all 5 are reusable
 

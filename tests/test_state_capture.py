@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import RecordingEngine, engine_for, greedy, requires_triton, small_model, tokens
-from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.v4.model import DeepseekV4
 from v4serve.kernels.registry import load_kernels
 
 BLOCK = 16  # small_model's block; window 8, CSA ratio 4 (overlapping), HCA ratio 16

@@ -17,8 +17,8 @@ import pytest
 
 from tests.daemon import PATIENCE, daemon
 from tests.test_structured import assert_cut_calls
-from v4serve.engine.model.checkpoint import write_checkpoint
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.weights.checkpoint import write_checkpoint
 from v4serve.engine.process.client import TokenOutput
 from v4serve.engine.request import Sample
 from v4serve.server.text.output import ChoiceText, OutputOptions

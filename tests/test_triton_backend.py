@@ -13,7 +13,7 @@ import torch
 
 from tests.daemon import PATIENCE, daemon
 from tests.helpers import SMALL, SMALL_ONE_OF_EACH, engine_for, greedy, rel_err, requires_triton, tokens
-from v4serve.engine.model.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
 from v4serve.kernels.registry import load_kernels
 
 pytestmark = requires_triton

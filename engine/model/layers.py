@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from v4serve.engine.model.config import YarnScaling
-from v4serve.engine.model.packed import weight_of
+from v4serve.engine.model.weights.packed import weight_of
 from v4serve.kernels.norm_rope import rms_norm
 from v4serve.kernels.quant_linear import FP8_BLOCK, QuantizedWeight, Weight
 
@@ -29,7 +29,7 @@ class SharedInput:
     """Linear layers that read the same input, run as one GEMM per group of weights stacked: one
     launch instead of one per layer. `fuse` stacks them once the model is loaded and on its device:
     each layer's weight becomes a row block of its group's stack, so no memory is added and the
-    state dict is unchanged. Dense weights form one group; packed ones (engine/model/packed.py) one
+    state dict is unchanged. Dense weights form one group; packed ones (engine/model/weights/packed.py) one
     per format, FP8 only where every layer but the last ends on a 128-row scale block. Moving the
     model afterwards gives the layers their own tensors again; the next call notices and stacks them
     anew. Unfused, each layer runs alone."""

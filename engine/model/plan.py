@@ -65,7 +65,7 @@ from typing import Any
 from v4serve.cache.config import MAX_CAPTURED_STATES
 from v4serve.cache.layout import COMPUTE_ITEMSIZE, KVLayout, check_kv_cache_dtype, key_record
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.resident import can_stay_quantized, held_in_fp32, resolve_weight_dtype
+from v4serve.engine.model.weights.resident import can_stay_quantized, held_in_fp32, resolve_weight_dtype
 
 GIB = 1 << 30
 DEFAULT_UTILIZATION = 0.90
@@ -75,7 +75,7 @@ DEFAULT_MAX_MODEL_LEN = 32768  # serve's default, capped by the model's max_posi
 _LIVE_BUFFERS = 4
 _FP32 = 4
 
-# The checkpoint formats (as engine/model/quant.py, which needs torch): FP8 e4m3 with one scale per
+# The checkpoint formats (as engine/model/weights/quant.py, which needs torch): FP8 e4m3 with one scale per
 # 128x128 block, FP4 e2m1 two codes per byte with one scale per 32 values along a row.
 FP8_BLOCK = 128
 FP4_GROUP = 32
@@ -618,8 +618,8 @@ def plan_preset(name: str, settings: PlanSettings) -> CapacityPlan:
 
 def plan_checkpoint(folder: str | Path, settings: PlanSettings) -> CapacityPlan:
     """From `config.json` and the safetensors headers; no tensor data is read."""
-    from v4serve.engine.model.checkpoint_files import read_config_json  # torch: only for folders
-    from v4serve.engine.model.checkpoint_layout import scan_headers
+    from v4serve.engine.model.weights.files import read_config_json  # torch: only for folders
+    from v4serve.engine.model.weights.layout import scan_headers
 
     settings.check()
     cfg = ModelConfig.from_dict(read_config_json(folder))

@@ -5,7 +5,7 @@ State Cache slots), the SSD store and the sampler. Every other rank is a *worker
 `DeviceKV` of the same shape as rank 0's, nothing else. Each engine step rank 0 broadcasts one
 `StepPlan` — the KV manager's device writes since the last step (slot clears, snapshot restores,
 blocks read from the SSD store, payload included) and the step's token ids and `AttentionMetadata` —
-and then every rank runs the same forward pass, whose collectives (engine/model/parallel.py) meet.
+and then every rank runs the same forward pass, whose collectives (engine/model/parallel/sharding.py) meet.
 Under decode graphs (`GraphSpec`: captured on CUDA by every rank alike) a decode step with nothing
 else to mirror travels instead as one fixed-size `Wire` message, and each rank keeps the slots'
 block tables on its device from the entries that changed.
@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 from v4serve.cache.device_kv import DeviceKV
-from v4serve.engine.model.decode_graphs import DecodeGraphs
+from v4serve.engine.model.gpu.decode_graphs import DecodeGraphs
 from v4serve.engine.model.metadata import SeqChunk
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.parallel import ParallelConfig, default_threads
+from v4serve.engine.model.parallel.sharding import ParallelConfig, default_threads
+from v4serve.engine.model.v4.model import DeepseekV4
 from v4serve.engine.mtp import MTPLayer
 from v4serve.engine.process.lifecycle import describe_exit, leave, setup_subordinate
 from v4serve.engine.step_plan import (

@@ -3,14 +3,14 @@
 Parameter names are the official checkpoint names, so a state_dict maps one to one onto a
 checkpoint. Shapes in comments: T = tokens in the flattened batch, D = hidden size,
 hc = residual streams. The attention (window, CSA, HCA, compressors, indexer) is in
-`engine/model/attention.py` (compressors and the indexer in `compressor.py`).
+`engine/model/v4/attention.py` (compressors and the indexer in `compressor.py`).
 
 The forward pass takes a flattened batch of new tokens from several sequences plus an
 `AttentionMetadata` describing each sequence (its State Cache slot, block table, start
 position); all KV is read from and written to a `DeviceKV`.
 
 `DeepseekV4(cfg, parallel)` builds one rank's shard under tensor/expert parallelism
-(engine/model/parallel.py says which weights split and how the parts are summed); without it, or at
+(engine/model/parallel/sharding.py says which weights split and how the parts are summed); without it, or at
 size 1, the modules and the computation are exactly the single-process ones.
 """
 
@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from v4serve.cache.device_kv import DeviceKV, LayerKV
-from v4serve.engine.model.attention import Attention
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
 from v4serve.engine.model.metadata import AttentionMetadata
-from v4serve.engine.model.packed import weight_of
-from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum, embed_shard, gather_vocab, local
-from v4serve.engine.model.resident import held_in_fp32
+from v4serve.engine.model.parallel.sharding import ParallelConfig, all_reduce_sum, embed_shard, gather_vocab, local
+from v4serve.engine.model.v4.attention import Attention
+from v4serve.engine.model.weights.packed import weight_of
+from v4serve.engine.model.weights.resident import held_in_fp32
 from v4serve.kernels.attention import RaggedBatch, upload
 from v4serve.kernels.moe import swiglu
 from v4serve.kernels.norm_rope import rms_norm
@@ -276,7 +276,7 @@ class DeepseekV4(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, k, self.parallel) for k in range(mtp_layers))
 
     def in_dtype(self, dtype: torch.dtype) -> DeepseekV4:
-        """Cast to `dtype`, but for the parameters `held_in_fp32` names (engine/model/resident.py),
+        """Cast to `dtype`, but for the parameters `held_in_fp32` names (engine/model/weights/resident.py),
         which stay fp32 so no step casts them again."""
         self.to(dtype)
         for name, param in self.named_parameters():

@@ -25,14 +25,14 @@ import torch
 
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout, key_record
-from v4serve.engine.model import parallel as parallel_module
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.packed import PackedFormat, pack_model
-from v4serve.engine.model.parallel import ParallelConfig
+from v4serve.engine.model.parallel import sharding as parallel_module
+from v4serve.engine.model.parallel.sharding import ParallelConfig
 from v4serve.engine.model.plan import checkpoint_tensors, preset_config
-from v4serve.engine.model.resident import can_stay_quantized
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.weights.packed import PackedFormat, pack_model
+from v4serve.engine.model.weights.resident import can_stay_quantized
 from v4serve.kernels.attention import RowLayout
 from v4serve.kernels.launches import Launch, LaunchRecorder
 from v4serve.kernels.registry import load_kernels
@@ -174,7 +174,7 @@ def record(scenario: Scenario, steps: Sequence[Step]) -> dict[Launch, int]:
 
 
 class _ShapeOnlyCollectives:
-    """`torch.distributed` as `engine/model/parallel.py` calls it, keeping shapes only: every rank's
+    """`torch.distributed` as `engine/model/parallel/sharding.py` calls it, keeping shapes only: every rank's
     kernels see their own shard, and what a collective would bring from the others has the right
     shape (no values exist on the meta device anyway)."""
 

@@ -8,7 +8,7 @@ import torch
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout, KVRecord
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.v4.model import DeepseekV4
 
 
 class SingleSequence:

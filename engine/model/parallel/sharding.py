@@ -63,9 +63,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from v4serve.engine.model.checkpoint_layout import TensorSlice
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.plan import check_parallel, routed_expert_of, tp_split_axis
+from v4serve.engine.model.weights.layout import TensorSlice
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def local(parallel: ParallelConfig | None) -> ParallelConfig | None:
 
 
 class RankShard:
-    """The loader's view of one rank's part of a checkpoint (engine/model/checkpoint_layout.py `Sharding`): which
+    """The loader's view of one rank's part of a checkpoint (engine/model/weights/layout.py `Sharding`): which
     official tensors it holds and which slice of each. The split rules are the plan's (`tp_split_axis`,
     `routed_expert_of`), so the capacity plan and the loader cannot disagree."""
 

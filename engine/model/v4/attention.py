@@ -11,7 +11,7 @@ the new window keys in the State Cache rings. A step of decodes only does all of
 in one call (`kernels.write_decode_step`). Host-side loops here treat decoding sequences in one
 batched pass, since per-sequence overhead is what bounds decode throughput.
 
-Under tensor parallelism (engine/model/parallel.py) a rank holds H/N heads and o_groups/N output
+Under tensor parallelism (engine/model/parallel/sharding.py) a rank holds H/N heads and o_groups/N output
 groups; the KV (one latent head) and everything before `wq_b` are whole on every rank, and the
 output projection's partial sums are all-reduced.
 """
@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from v4serve.cache.device_kv import LayerKV
-from v4serve.engine.model.compressor import Compressor, Indexer
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary, SharedInput
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.packed import weight_of
-from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
+from v4serve.engine.model.parallel.sharding import ParallelConfig, all_reduce_sum
+from v4serve.engine.model.v4.compressor import Compressor, Indexer
+from v4serve.engine.model.weights.packed import weight_of
 from v4serve.kernels.attention import ATTN_TILE, RaggedBatch
 from v4serve.kernels.cpu_threads import run_pieces
 from v4serve.kernels.decode_writes import Compression

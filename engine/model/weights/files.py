@@ -2,10 +2,10 @@
 
 A checkpoint is a folder holding an index (`model.safetensors.index.json`) and the shards it names, a
 single `model.safetensors`, or any `*.safetensors`; or one safetensors file. Only headers (names, dtypes,
-shapes) are read here, so that checkpoint_layout.py can check the whole checkpoint against the model
+shapes) are read here, so that layout.py can check the whole checkpoint against the model
 before any tensor data is read; loader.py then reads the data through `Handles`.
 
-This is the bottom of the loader's three modules (this one, checkpoint_layout.py, loader.py): the error
+This is the bottom of the loader's three modules (this one, layout.py, loader.py): the error
 they all raise and the safetensors dtype tables they all consult live here, so nothing here imports
 the other two.
 """

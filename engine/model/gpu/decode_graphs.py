@@ -28,7 +28,7 @@ import torch
 
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.v4.model import DeepseekV4
 from v4serve.kernels.attention import RaggedBatch, RowLayout, SlotTables, upload
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from torch import nn
 
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm
-from v4serve.engine.model.parallel import ParallelConfig, all_reduce_sum
+from v4serve.engine.model.parallel.sharding import ParallelConfig, all_reduce_sum
 from v4serve.kernels.norm_rope import rope
 from v4serve.kernels.registry import load_kernels
 

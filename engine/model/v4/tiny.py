@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from v4serve.engine.model.config import ModelConfig, YarnScaling
-from v4serve.engine.model.model import DeepseekV4
+from v4serve.engine.model.v4.model import DeepseekV4
 
 TINY_CONFIG = ModelConfig(
     vocab_size=320,  # the byte tokenizer: 64 specials + 256 bytes

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from v4serve.engine.model.checkpoint import load_model
-from v4serve.engine.model.packed import resident_bytes
-from v4serve.engine.model.parallel import TRAFFIC, ParallelConfig, default_threads
-from v4serve.engine.model.single import SingleSequence
+from v4serve.engine.model.parallel.sharding import TRAFFIC, ParallelConfig, default_threads
+from v4serve.engine.model.parallel.single import SingleSequence
+from v4serve.engine.model.weights.checkpoint import load_model
+from v4serve.engine.model.weights.packed import resident_bytes
 from v4serve.kernels.registry import load_kernels
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from v4serve.engine.model.checkpoint_files import read_config_json
-from v4serve.engine.model.checkpoint_layout import packed_formats
 from v4serve.engine.model.config import ModelConfig
-from v4serve.engine.model.loader import stream_checkpoint
-from v4serve.engine.model.model import DeepseekV4
-from v4serve.engine.model.packed import pack_model, packed_count, resident_bytes
-from v4serve.engine.model.parallel import ParallelConfig, RankShard, local
-from v4serve.engine.model.quant import quantize_fp4_packed, quantize_fp8_block
+from v4serve.engine.model.parallel.sharding import ParallelConfig, RankShard, local
+from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.weights.files import read_config_json
+from v4serve.engine.model.weights.layout import packed_formats
+from v4serve.engine.model.weights.loader import stream_checkpoint
+from v4serve.engine.model.weights.packed import pack_model, packed_count, resident_bytes
+from v4serve.engine.model.weights.quant import quantize_fp4_packed, quantize_fp8_block
 
 QUANTIZE_MODES = ("fp8", "fp4", "mixed")
 
@@ -118,7 +118,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     """Build the model a checkpoint folder describes and load its weights, each tensor put on `device`
     as it is read. `packed`: FP8/FP4 weights whose layers can compute from them stay in checkpoint
     precision (`--weight-dtype checkpoint`); the rest, and everything when not `packed`, is
-    dequantized to `dtype`. `parallel`: build and read only that rank's shard (engine/model/parallel.py);
+    dequantized to `dtype`. `parallel`: build and read only that rank's shard (engine/model/parallel/sharding.py);
     the process group is needed only to run it, not to load it. `mtp`: also the first
     multi-token-prediction layer (speculative decoding)."""
     cfg = ModelConfig.from_dict(read_config_json(folder))

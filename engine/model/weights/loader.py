@@ -1,14 +1,14 @@
 """Checkpoint loading: safetensors folders -> tensors keyed by DeepSeek-V4's official names, read one
 at a time and placed as the model holds them.
 
-The loader is three modules: checkpoint_files.py finds the files and reads their headers,
-checkpoint_layout.py maps the accepted spellings onto the official names and plans and checks the
+The loader is three modules: files.py finds the files and reads their headers,
+layout.py maps the accepted spellings onto the official names and plans and checks the
 reads, and this one reads the tensor data. Every header is read and checked before any tensor data
 is; tensors are then read one by one (merged experts one expert slab at a time) and dequantized as
 they come, or kept packed (codes and scales as stored) where the model holds them so, keeping peak
 memory close to the size of the result.
 
-Under tensor or expert parallelism (engine/model/parallel.py) a rank passes its `Sharding`: only the
+Under tensor or expert parallelism (engine/model/parallel/sharding.py) a rank passes its `Sharding`: only the
 tensors it holds are read, each through safetensors' `get_slice`, so a rank reads its rows or
 columns and never a whole split tensor. Quantized weights are sliced as stored (codes with the
 scales that cover them), so they can stay packed.
@@ -25,17 +25,17 @@ from typing import Any
 
 import torch
 
-from v4serve.engine.model.checkpoint_files import (
+from v4serve.engine.model.weights.files import (
     PACKED_FP4_DTYPES,
     CheckpointError,
     Handles,
     read_headers,
     shard_files,
 )
-from v4serve.engine.model.checkpoint_layout import Plan, Sharding, Unit, check_plan, plan_units, scale_name
-from v4serve.engine.model.packed import PackedFormat
-from v4serve.engine.model.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_packed, dequant_fp8_block
-from v4serve.engine.model.resident import held_in_fp32
+from v4serve.engine.model.weights.layout import Plan, Sharding, Unit, check_plan, plan_units, scale_name
+from v4serve.engine.model.weights.packed import PackedFormat
+from v4serve.engine.model.weights.quant import FP4_GROUP, FP8_BLOCK, dequant_fp4_packed, dequant_fp8_block
+from v4serve.engine.model.weights.resident import held_in_fp32
 
 # Progress goes to this module's logger, the one a user would look for when a load seems slow.
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _sliced_outputs(
     packed: Mapping[str, PackedFormat],
 ) -> list[tuple[str, torch.Tensor]]:
     """A rank's outputs of one unit, each read on its own: its region of the codes, and of the scales
-    the region's whole blocks (checkpoint_layout's `_check_part` made sure it holds whole ones), as the unsliced path
+    the region's whole blocks (layout's `_check_part` made sure it holds whole ones), as the unsliced path
     would give them for a tensor of that shape."""
     out = []
     for name, rows in unit.outputs:
@@ -121,7 +121,7 @@ def _scale_region(unit: Unit, region: tuple[slice, ...]) -> tuple[slice, ...]:
 
 def _as_resident(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales as a packed layer holds them: bytes, fp32 scales as int32 bits (see
-    engine/model/packed.py)."""
+    engine/model/weights/packed.py)."""
     codes = codes.contiguous().view(torch.uint8)
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
         scale = scale.view(torch.uint8)
@@ -132,7 +132,7 @@ def _as_resident(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
 
 def _packed_outputs(unit: Unit, codes: torch.Tensor, scale: torch.Tensor, packed: Mapping[str, PackedFormat]
                     ) -> list[tuple[str, torch.Tensor]]:
-    """Codes and scales as stored (bytes; fp32 scales as int32 bits: see engine/model/packed.py),
+    """Codes and scales as stored (bytes; fp32 scales as int32 bits: see engine/model/weights/packed.py),
     split by rows where a merged tensor holds two weights."""
     codes, scale = _as_resident(codes, scale)
     out = []
@@ -224,7 +224,7 @@ def stream_checkpoint(
     `expected` maps every official name the model needs to (shape, dtype). Floating tensors, FP8 and
     FP4 ones dequantized, come back as `dtype`, but for those `resident.held_in_fp32` names, which come
     back in their expected dtype, as do integer tensors (`ffn.gate.tid2eid`). Weights named in
-    `packed` (see `checkpoint_layout.packed_formats`) come back as stored instead: their codes as
+    `packed` (see `layout.packed_formats`) come back as stored instead: their codes as
     bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales as int32 bits). Multi-token-prediction
     tensors (`mtp.*`) are read when `expected` names them, else skipped. Raises CheckpointError
     naming the offending tensors, before any tensor data is read, when the checkpoint does not match.

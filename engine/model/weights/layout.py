@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from v4serve.engine.model.checkpoint_files import (
+from v4serve.engine.model.weights.files import (
     FLOAT_DTYPES,
     FP4_DTYPES,
     FP8_DTYPES,
@@ -42,9 +42,9 @@ from v4serve.engine.model.checkpoint_files import (
     shard_files,
     short_list,
 )
-from v4serve.engine.model.packed import PackedFormat
-from v4serve.engine.model.quant import FP4_GROUP, FP8_BLOCK, fp4_scale_shape, fp8_scale_shape
-from v4serve.engine.model.resident import can_stay_quantized
+from v4serve.engine.model.weights.packed import PackedFormat
+from v4serve.engine.model.weights.quant import FP4_GROUP, FP8_BLOCK, fp4_scale_shape, fp8_scale_shape
+from v4serve.engine.model.weights.resident import can_stay_quantized
 
 # transformers' names, below `layers.{i}.` (and a multi-token-prediction block's `mtp.{k}.`), and the
 # official names they stand for. A source
