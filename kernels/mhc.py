@@ -80,16 +80,30 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     (x [T, D] in h's dtype, post [T, hc], comb [T, hc, hc]) (fp32 gates). With `norm_weight` [D],
     x is then RMS-normalised for the sublayer (its own norm, fused here). `linear` computes the
     mixing projection and `mixing` the matrix from its logits (per-token forms under --batch-invariant)."""
+    pre, post, comb = mhc_coefficients(h, fn, base, scale, hc_eps, norm_eps, iters, linear, mixing)
+    x = collapse(h, pre)
+    return (x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)), post, comb
+
+
+def mhc_coefficients(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+                     norm_eps: float, iters: int,
+                     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+                     mixing: Callable[[torch.Tensor, int, float], torch.Tensor] = mixing_matrix
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gates alone: h [T, hc, D] → (pre [T, hc], post [T, hc], comb [T, hc, hc]), fp32. V4 collapses
+    the streams with its own `pre`; V4.1's single pass collapses them with the previous sublayer's."""
     hc = h.shape[1]
     flat = h.flatten(1).float()
     # The RMS factor is a per-row scalar, so it is applied after the projection: one op fewer.
     rs = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
     z = torch.addcmul(base.float(), linear(flat, fn.float()) * rs, scale.float()[_scale_index(hc, scale.device)])
     gates = torch.sigmoid(z[:, :2 * hc])
-    pre, post = gates[:, :hc] + hc_eps, gates[:, hc:] * 2
-    comb = mixing(z[:, 2 * hc:], iters, hc_eps)
-    x = torch.bmm(pre.unsqueeze(1), flat.view_as(h)).squeeze(1).to(h.dtype)  # Σ_k pre_k h_k
-    return (x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)), post, comb
+    return gates[:, :hc] + hc_eps, gates[:, hc:] * 2, mixing(z[:, 2 * hc:], iters, hc_eps)
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """h [T, hc, D], pre [T, hc] → Σ_k pre_k h_k [T, D] in h's dtype."""
+    return torch.bmm(pre.unsqueeze(1), h.float()).squeeze(1).to(h.dtype)
 
 
 def mhc_post(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
