@@ -1,0 +1,105 @@
+"""The DeepSeek-V4.1 text model, written against the V4.1 report's notation.
+
+Parameter names are the official checkpoint names, so a state dict maps one to one onto a
+checkpoint. What differs from V4 (engine/model/v4/): CSA2 attention (v41/attention.py), Engram
+(v41/engram.py) and single-pass mHC: each sublayer's coefficients give its own output gates and
+stream mix, and the input gates of the sublayer after it, so a sublayer reads its streams through
+the gates the previous one computed (the first through stream 0 alone, the head through the
+last). The MoE, RoPE/YaRN and the Sinkhorn projection are V4's.
+
+Shapes: n = new tokens of the sequence, hc = residual streams, D = hidden size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v4serve.engine.model.layers import RMSNorm, Rotary
+from v4serve.engine.model.moe import MoE
+from v4serve.engine.model.v41.attention import Attention, Pick, SequenceKV
+from v4serve.engine.model.v41.config import V41Config
+from v4serve.engine.model.v41.engram import Engram, NgramHash
+from v4serve.kernels.mhc import collapse, mhc_coefficients, mhc_post
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: V41Config, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn = Attention(cfg, layer)
+        # V4's experts and router, with the second bias image tokens route by (unused by text).
+        self.ffn = MoE(cfg, layer, image_bias=True)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.engram = Engram(cfg, layer) if layer in cfg.engram_layers else None
+        hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        for part in ("attn", "ffn"):
+            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size)))
+            self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+
+    def _gates(self, h: torch.Tensor, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        return mhc_coefficients(h, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_base"),
+                                getattr(self, f"hc_{part}_scale"), cfg.hc_eps, cfg.rms_norm_eps,
+                                cfg.hc_sinkhorn_iters)
+
+    def forward(self, h: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, engram_rows: torch.Tensor | None,
+                kv: SequenceKV, pick: Pick, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, Pick]:
+        """h [n, hc, D], pre [n, hc] (the input gates the previous sublayer computed) → the streams,
+        the next block's input gates and the pick for the next layer."""
+        if self.engram is not None:
+            assert engram_rows is not None
+            h = self.engram(h, engram_rows)
+        attn_pre, post, comb = self._gates(h, "attn")
+        y, pick = self.attn(self.attn_norm(collapse(h, pre)), kv, pick, rotary, cos_sin)
+        h = mhc_post(h, y, post, comb)
+        ffn_pre, post, comb = self._gates(h, "ffn")
+        h = mhc_post(h, self.ffn(self.ffn_norm(collapse(h, attn_pre)), input_ids), post, comb)
+        return h, ffn_pre, pick
+
+
+class DeepseekV41(nn.Module):
+    def __init__(self, cfg: V41Config, token_map: list[int] | None = None) -> None:
+        """`token_map`: the tokenizer's Engram map (`server.text.engram_map.folded_token_ids`), needed when the
+        model has Engram layers."""
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary_main = Rotary(cfg.rope_dim, cfg.rope_theta, None)
+        self.rotary_compress = Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
+        if cfg.engram_layers and token_map is None:
+            raise ValueError("a V4.1 model with Engram layers needs its tokenizer's Engram map")
+        self.ngram = NgramHash(cfg, token_map) if cfg.engram_layers and token_map is not None else None
+
+    def new_sequence(self) -> SequenceKV:
+        return SequenceKV.empty(self.cfg, self.head.weight.device, self.head.weight.dtype)
+
+    @torch.inference_mode()
+    def forward(self, history: torch.Tensor, num_new: int, kv: SequenceKV) -> torch.Tensor:
+        """history [P + n]: the sequence's next n tokens, preceded by up to N − 1 earlier ones (the
+        Engram's n-grams reach back that far) → logits [n, V] (fp32); `kv` advances by n."""
+        input_ids = history[history.shape[0] - num_new:]
+        positions = torch.arange(kv.length, kv.length + num_new, device=input_ids.device)
+        main = self.rotary_main.cos_sin(positions)
+        compress = self.rotary_compress.cos_sin(positions)
+        rows = self.ngram.rows(history, num_new) if self.ngram is not None else None  # [n, L, K]
+        e = self.embed(input_ids)  # [n, D]
+        h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [n, hc, D]
+        pre = torch.zeros(num_new, self.cfg.hc_mult, device=e.device)
+        pre[:, 0] = 1  # the first sublayer reads stream 0: the embedding
+        pick = Pick()
+        for block in self.layers:
+            own_rows = rows[:, block.engram.slot] if block.engram is not None and rows is not None else None
+            rotary, cos_sin = ((self.rotary_compress, compress) if block.attn.ratio
+                               else (self.rotary_main, main))
+            h, pre, pick = block(h, pre, input_ids, own_rows, kv, pick, rotary, cos_sin)
+        kv.length += num_new
+        x = self.norm(collapse(h, pre))
+        return torch.nn.functional.linear(x.float(), self.head.weight.float())
