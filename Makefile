@@ -28,7 +28,22 @@ AGENT_NPM ?= @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai
 AIDER_SPEC ?= aider-chat==0.86.2
 AGENTS_STAMP := $(AGENTS)/.installed-$(shell printf '%s' '$(AGENT_NPM) $(AIDER_SPEC)' | cksum | cut -d' ' -f1)
 
-.PHONY: install gpu serve test lint bench clean prometheus agents image-tools
+# DeepSeek-V4.1's numerical oracle (tests/oracles/nemo_v41.py): NVIDIA's nemo-automodel (Apache-2.0) in an
+# environment of its own, since it pins transformers 5.18 (.venv has 5.23). Installed without nemo's declared
+# dependencies (datasets, megatron-fsdp, mistral-common, torchao, torchdata, quack-kernels, ...: its
+# DeepSeek-V4.1 model imports none of them), with exactly what that model's import chain needs, pinned;
+# PyTorch's CPU build always (the oracle runs in fp32 on a CPU; +cpu fails rather than fetch a CUDA build).
+# Byte-compiled like .venv. About 1.2 GB (torch 0.75 GB), ~35 s.
+V41_ORACLE := .venv-v41oracle
+V41_ORACLE_SPEC ?= nemo-automodel==0.7.0
+V41_ORACLE_DEPS ?= torch==2.13.0+cpu transformers==5.18.0 tokenizers==0.23.3 huggingface_hub==2.5.0 \
+  safetensors==0.8.0 numpy==2.4.6 pillow==13.0.0 PyYAML==6.0.4 regex==2026.12.2 packaging==26.4 tqdm==4.70.1 \
+  filelock==4.3.2 fsspec==2026.9.0 typing_extensions==4.16.0 sympy==1.14.0 mpmath==1.3.0 networkx==3.6.1 \
+  Jinja2==3.1.6 MarkupSafe==3.0.4 httpx2==2.17.0 httpcore2==2.17.0 h11==0.16.0 anyio==4.16.0 idna==3.21 \
+  truststore==0.10.5
+V41_ORACLE_STAMP := $(V41_ORACLE)/.installed-$(shell printf '%s' '$(V41_ORACLE_SPEC) $(V41_ORACLE_DEPS)' | cksum | cut -d' ' -f1)
+
+.PHONY: install gpu serve test lint bench clean prometheus agents image-tools v41-oracle
 
 $(TORCH_STAMP):
 	@test -x $(PY) || { echo "==> creating $(VENV) (a virtual environment for everything below)"; $(PYTHON) -m venv $(VENV); }
@@ -103,6 +118,19 @@ $(AGENTS_STAMP):
 	@$(AGENTS)/aider/bin/python -m pip install -qq --no-compile --disable-pip-version-check $(AIDER_SPEC)
 	@touch $@
 
+$(V41_ORACLE_STAMP):
+	@rm -f $(V41_ORACLE)/.installed-*
+	@echo "==> installing $(V41_ORACLE_SPEC) in $(V41_ORACLE) (the DeepSeek-V4.1 oracle, its own environment) ..."
+	@test -x $(V41_ORACLE)/bin/python || $(PYTHON) -m venv $(V41_ORACLE)
+	@$(V41_ORACLE)/bin/python -m pip install -qq --no-compile --no-deps --disable-pip-version-check \
+	  --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 15 \
+	  $(V41_ORACLE_SPEC) $(V41_ORACLE_DEPS)
+	@$(V41_ORACLE)/bin/python -m compileall -qq -j 0 \
+	  "$$($(V41_ORACLE)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" || true
+	@touch $@
+
+v41-oracle: $(V41_ORACLE_STAMP)
+
 agents: $(AGENTS_STAMP)
 
 serve: $(STAMP)
@@ -114,7 +142,7 @@ lint: $(STAMP)
 # What the tests need is installed side by side (the agent CLIs beside torch and the packages: a minute or
 # more less on a fresh clone than one after the other), then linted, then run.
 test:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) prometheus agents image-tools
+	@$(MAKE) --no-print-directory -j3 $(STAMP) prometheus agents image-tools v41-oracle
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
@@ -135,4 +163,4 @@ bench: $(STAMP)
 	$(PY) bench/bench_pd.py
 
 clean:
-	rm -rf $(VENV) $(AGENTS) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AGENTS) $(V41_ORACLE) *.egg-info .pytest_cache .ruff_cache
