@@ -3,8 +3,10 @@ belongs to the front end, so the engine gets the map as ids (engine/model/v41/en
 
 from __future__ import annotations
 
+from pathlib import Path
 
-def folded_token_ids(tokenizer_json: str) -> list[int]:
+
+def folded_token_ids(tokenizer_json: str | Path) -> list[int]:
     """The Engram map of a tokenizer (`tokenizer.json`'s path): each id → the index of its
     normalised text among the distinct ones, in id order."""
     from tokenizers import Regex, Tokenizer, normalizers
@@ -15,7 +17,7 @@ def folded_token_ids(tokenizer_json: str) -> list[int]:
         normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
         normalizers.Strip(), normalizers.Replace(sentinel, " "),
     ])
-    tok = Tokenizer.from_file(tokenizer_json)
+    tok = Tokenizer.from_file(str(tokenizer_json))
     index: dict[str, int] = {}
     out = []
     for i in range(tok.get_vocab_size(with_added_tokens=True)):

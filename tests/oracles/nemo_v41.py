@@ -6,6 +6,7 @@ transformers 5.18, v4serve's environment has 5.23), never with v4serve's:
 
     .venv-v41oracle/bin/python tests/oracles/nemo_v41.py make --config tiny --out DIR --seed 0
     .venv-v41oracle/bin/python tests/oracles/nemo_v41.py forward --ckpt DIR --ids IDS.json --out LOGITS.pt [--hidden]
+    .venv-v41oracle/bin/python tests/oracles/nemo_v41.py round --values X.pt --out ROUNDED.pt
     .venv-v41oracle/bin/python tests/oracles/nemo_v41.py config tiny            # print a preset's config.json
 
 `make` builds a random tiny DeepSeek-V4.1 from a nested config.json (a file, or a preset named below) and writes
@@ -32,9 +33,11 @@ full-sequence forward on CPU, deterministically (bitwise, for a given --threads)
 [T, hc_mult] (the collapse coefficients it hands to the next block), per index-source layer "layers.{i}.topk"
 [T, index_topk] (picked compressed entries, ascending, -1 = none) and at the candidate source
 "layers.{i}.candidates" [T, T/ratio] (bool), and "final_norm" [T, hidden] (the head's input); with --diag
-"topk": per indexer top-k, how many rows select and how many have a tie at the boundary. nemo keeps the released
+"topk": per indexer top-k, how many rows select and how many have a tie at the boundary (--stable-topk breaks
+those lowest index first, v4serve's rule: torch.topk leaves the order unspecified). nemo keeps the released
 model's activation rounding inside the forward (quantize/dequantize of the window KV to FP8, the compressed KV to
-NVFP4, the indexer's queries and keys to MXFP4); --no-kv-quant drops all three (debugging only).
+NVFP4, the indexer's queries and keys to MXFP4); --no-kv-quant drops all three (for an exact comparison); `round`
+applies them to a tensor.
 
 Only nemo_automodel, torch, safetensors and transformers are imported, inside the commands; the module itself
 imports only the standard library, so v4serve's tests can read `PRESETS` without nemo installed.
@@ -443,10 +446,11 @@ def load_checkpoint(ckpt: str):
     return model
 
 
-def _topk_probe(model, log: list[dict[str, Any]]):
+def _topk_probe(model, log: list[dict[str, Any]], stable: bool):
     """Record, for every top-k an indexer takes, how many query rows select (see more candidates than k) and how
     many of those have a tie across the selection boundary (the k-th and (k+1)-th best scores equal: the pick is
-    then the implementation's). Returns the undo function."""
+    then the implementation's). With `stable`, such ties go to the lowest index (a stable sort), where
+    torch.topk leaves the order unspecified. Returns the undo function."""
     import torch
     from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention
 
@@ -469,6 +473,9 @@ def _topk_probe(model, log: list[dict[str, Any]]):
             log.append({"layer": layer.layer_idx, "stage": stage, "k": kk, "width": width,
                         "rows": int(selecting.numel()), "selecting": int(selecting.sum()),
                         "boundary_ties": int(ties.sum())})
+            if stable:
+                ordered = self.sort(dim=-1, descending=True, stable=True)
+                return torch.return_types.topk((ordered.values[..., :k], ordered.indices[..., :k]))
         return original(self, k, dim=dim, largest=largest, sorted=sorted)
 
     def enter(module, inputs):
@@ -539,7 +546,7 @@ def cmd_forward(args: argparse.Namespace) -> None:
         hooks.append(model.model.embed_tokens.register_forward_hook(
             lambda module, inputs, output: captured.__setitem__("embed", output[0].detach().float().clone())))
     diag: list[dict[str, Any]] = []
-    undo = _topk_probe(model, diag) if args.diag else None
+    undo = _topk_probe(model, diag, args.stable_topk) if args.diag or args.stable_topk else None
     try:
         with torch.inference_mode():
             output = model(input_ids)
@@ -559,6 +566,20 @@ def cmd_forward(args: argparse.Namespace) -> None:
     torch.save(result, args.out)
     print(f"forward T={len(ids)}: logits {tuple(logits.shape)}; load {loaded - started:.1f} s, "
           f"forward {time.monotonic() - loaded:.1f} s", file=sys.stderr)
+
+
+# The formats nemo's quantize_cache applies and their group sizes: window KV, indexer queries and keys,
+# compressed KV.
+ROUNDINGS = {"fp8": 32, "mxfp4": 32, "nvfp4": 16}
+
+
+def cmd_round(args: argparse.Namespace) -> None:
+    import torch
+    from nemo_automodel.components.models.deepseek_v41.quantization import quantize_cache
+
+    values = torch.load(args.values)
+    torch.save({fmt: quantize_cache(values, format=fmt, block_size=group) for fmt, group in ROUNDINGS.items()},
+               args.out)
 
 
 def cmd_config(args: argparse.Namespace) -> None:
@@ -585,9 +606,17 @@ def main(argv: list[str] | None = None) -> None:
     forward.add_argument("--hidden", action="store_true", help="also the residual streams after every block")
     forward.add_argument("--threads", type=int, default=1, help="torch threads (results are bitwise per count)")
     forward.add_argument("--diag", action="store_true", help="report (and store) how the indexers' top-k select")
+    forward.add_argument("--stable-topk", action="store_true",
+                         help="break exact top-k ties at the boundary lowest index first (v4serve's rule), where "
+                              "torch.topk leaves them unspecified")
     forward.add_argument("--no-kv-quant", action="store_true",
-                         help="skip nemo's FP8/NVFP4/MXFP4 KV and indexer quantize-dequantize (debugging only)")
+                         help="skip nemo's FP8/NVFP4/MXFP4 KV and indexer quantize-dequantize (an exact comparison: "
+                              "a last-bit difference can cross a rounding boundary)")
     forward.set_defaults(run=cmd_forward)
+    rounding = commands.add_parser("round", help="a tensor [..., d] as each KV format reads it back")
+    rounding.add_argument("--values", required=True, help="a torch.save'd FP32 tensor")
+    rounding.add_argument("--out", required=True, help="a dict {fp8, mxfp4, nvfp4: tensor}")
+    rounding.set_defaults(run=cmd_round)
     config = commands.add_parser("config", help="print a preset's config.json")
     config.add_argument("name", choices=sorted(PRESETS))
     config.set_defaults(run=cmd_config)

@@ -42,8 +42,9 @@ class NgramHash:
         if cfg.engram_compressed_vocab_size and folded != cfg.engram_compressed_vocab_size:
             raise ValueError(f"the tokenizer folds into {folded} Engram ids, the checkpoint expects "
                              f"{cfg.engram_compressed_vocab_size}: this tokenizer is not the checkpoint's")
-        self.token_map = torch.tensor(list(token_map), dtype=torch.long)
-        self.pad = int(self.token_map[cfg.engram_pad_token_id])
+        # On the host, even when the model is built on `meta` to be loaded: rows() moves them.
+        self.token_map = torch.tensor(list(token_map), dtype=torch.long, device="cpu")
+        self.pad = int(token_map[cfg.engram_pad_token_id])
         bound = max(1, (np.iinfo(np.int64).max // folded) // 2)  # products stay within int64
         used: set[int] = set()
         primes, offsets, multipliers = [], [], []
@@ -63,9 +64,9 @@ class NgramHash:
             offsets.append([0, *np.cumsum(mine[:-1]).tolist()])
             draws = np.random.default_rng(10007 * layer).integers(0, bound, size=(self.max_ngram,), dtype=np.int64)
             multipliers.append((draws * 2 + 1).tolist())
-        self.primes = torch.tensor(primes, dtype=torch.long)  # [L, K]
-        self.offsets = torch.tensor(offsets, dtype=torch.long)  # [L, K]
-        self.multipliers = torch.tensor(multipliers, dtype=torch.long)  # [L, N]
+        self.primes = torch.tensor(primes, dtype=torch.long, device="cpu")  # [L, K]
+        self.offsets = torch.tensor(offsets, dtype=torch.long, device="cpu")  # [L, K]
+        self.multipliers = torch.tensor(multipliers, dtype=torch.long, device="cpu")  # [L, N]
 
     def rows(self, history: torch.Tensor, num_new: int) -> torch.Tensor:
         """history [P + n] (the n new tokens preceded by up to N − 1 earlier ones, P of them; fewer

@@ -84,6 +84,22 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def fp8_tile(path: str | Path, default: tuple[int, int]) -> tuple[int, int]:
+    """The FP8 scale tile a checkpoint declares (config.json's `quantization_config.weight_block_size`:
+    V4 128x128, V4.1 32x32), or `default` where it declares none (or `path` is a bare file)."""
+    path = Path(path)
+    file = path / CONFIG_FILE if path.is_dir() else path.parent / CONFIG_FILE
+    if not file.is_file():
+        return default
+    block = read_config_json(file).get("quantization_config", {}).get("weight_block_size")
+    if block is None:
+        return default
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"{file}: quantization_config.weight_block_size must be two positive integers, "
+                              f"found {block!r}")
+    return block[0], block[1]
+
+
 def shard_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     """Safetensors files to read, in order, and the index's weight map when there is one."""
     if path.is_file():

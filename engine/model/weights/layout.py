@@ -38,6 +38,7 @@ from v4serve.engine.model.weights.files import (
     PACKED_FP4_DTYPES,
     CheckpointError,
     Stored,
+    fp8_tile,
     read_headers,
     shard_files,
     short_list,
@@ -137,6 +138,9 @@ class Unit:
     expert: int | None = None
     outputs: list[tuple[str, slice | None]] = field(default_factory=list)
     parts: dict[str, TensorSlice] = field(default_factory=dict)  # a rank's slice of some outputs
+    # The logical block one scale covers: FP8 the checkpoint's tile (or one row of 32, as V4.1 stores
+    # its Engram tables), FP4 one row of FP4_GROUP.
+    tile: tuple[int, int] = FP8_BLOCK
 
     @property
     def quant(self) -> str:
@@ -235,9 +239,9 @@ class Plan:
     problems: list[str] = field(default_factory=list)
 
 
-def plan_units(stored: Mapping[str, Stored], mtp: bool = False) -> Plan:
+def plan_units(stored: Mapping[str, Stored], mtp: bool = False, fp8_block: tuple[int, int] = FP8_BLOCK) -> Plan:
     """How to read every tensor of a checkpoint; multi-token-prediction ones (`mtp.*`) only with `mtp`
-    (counted as skipped otherwise)."""
+    (counted as skipped otherwise). `fp8_block`: the FP8 scale tile the checkpoint declares."""
     plan = Plan()
     weights, unscaled_fp8 = _pair_scales(stored)
     for key in unscaled_fp8:
@@ -255,7 +259,22 @@ def plan_units(stored: Mapping[str, Stored], mtp: bool = False) -> Plan:
             _plan_merged(plan, entry, scale, merged.group(1), merged.group(2))
         else:
             _add(plan, Unit(entry, scale, outputs=[(name, None)]))
+    for unit in plan.units:
+        unit.tile = _tile(unit, fp8_block)
     return plan
+
+
+def _tile(unit: Unit, fp8_block: tuple[int, int]) -> tuple[int, int]:
+    """The block each of a unit's scales covers, told by its scale's shape where the checkpoint's tile
+    does not fit it: V4.1 keeps one scale per row and 32 columns for its FP8 Engram tables."""
+    if unit.quant == "fp4":
+        return 1, FP4_GROUP
+    if unit.quant == "fp8" and unit.scale is not None:
+        logical = unit.weight.shape
+        for tile in (fp8_block, (1, FP4_GROUP)):
+            if tuple(unit.scale.shape) == fp8_scale_shape(logical, tile):
+                return tile
+    return fp8_block
 
 
 def _plan_merged(plan: Plan, entry: Stored, scale: Stored | None, block: str, which: str) -> None:
@@ -341,7 +360,7 @@ def _check_part(unit: Unit, name: str, rows: slice | None) -> list[str]:
                 "store FP4 codes as int8 pairs (the official layout) to shard it"]
     last = part.axis == len(unit.logical_shape()) - 1
     if unit.quant == "fp8":
-        block, what = FP8_BLOCK[part.axis], f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} scale block"
+        block, what = unit.tile[part.axis], f"{unit.tile[0]}x{unit.tile[1]} scale block"
     else:
         block, what = (FP4_GROUP if last else 1), f"{FP4_GROUP}-value scale group"
     span = unit.region(rows, part)[part.axis]
@@ -359,12 +378,16 @@ def _check_scale_shape(unit: Unit) -> list[str]:
         logical = (*logical[:-1], logical[-1] * 2)
     if len(logical) < 2:
         return [f"quantized tensor {unit.weight.where()} must be at least 2-D, found {list(logical)}"]
-    want = fp8_scale_shape(logical, FP8_BLOCK) if unit.quant == "fp8" else fp4_scale_shape(logical, FP4_GROUP)
+    want = fp8_scale_shape(logical, unit.tile) if unit.quant == "fp8" else fp4_scale_shape(logical, FP4_GROUP)
     if tuple(unit.scale.shape) == want:
         return []
+    needs = f"{list(want)}"
+    if unit.quant == "fp8":
+        rowwise = fp8_scale_shape(logical, (1, FP4_GROUP))
+        needs += f" ({unit.tile[0]}x{unit.tile[1]} tiles) or {list(rowwise)} (one per row and {FP4_GROUP} columns)"
     return [
         f"scale {unit.scale.where()} has shape {list(unit.scale.shape)}, but {unit.weight.where()} "
-        f"of shape {list(unit.weight.shape)} needs {list(want)}"
+        f"of shape {list(unit.weight.shape)} needs {needs}"
     ]
 
 
@@ -378,14 +401,15 @@ def packed_formats(path: str | Path, mtp: bool = False) -> dict[str, PackedForma
     A merged FP8 expert tensor whose halves do not split on a 128-row scale block is left out (it is
     dequantized at load)."""
     files, weight_map = shard_files(Path(path))
-    plan = plan_units(read_headers(files, weight_map), mtp)
+    plan = plan_units(read_headers(files, weight_map), mtp, fp8_tile(path, FP8_BLOCK))
     out: dict[str, PackedFormat] = {}
     for unit in plan.units:
         if unit.scale is None:
             continue
         scale = "e8m0" if unit.scale.dtype in ("F8_E8M0", "U8") else "fp32"
-        aligned = unit.quant == "fp4" or all(rows is None or rows.start % FP8_BLOCK[0] == 0
-                                             for _, rows in unit.outputs)
+        # The packed kernels read V4's tiles: other tiles are dequantized at load.
+        aligned = unit.quant == "fp4" or (unit.tile == FP8_BLOCK and all(rows is None or rows.start % FP8_BLOCK[0] == 0
+                                                                        for _, rows in unit.outputs))
         names = [name for name, _ in unit.outputs]
         if aligned and unit.weight.dtype != "F8_E5M2" and all(map(can_stay_quantized, names)):
             out.update(dict.fromkeys(names, PackedFormat(unit.quant, scale)))
@@ -409,7 +433,7 @@ def scan_headers(path: str | Path, mtp: bool = False) -> HeaderScan:
     duplicates, unreadable headers)."""
     files, weight_map = shard_files(Path(path))
     stored = read_headers(files, weight_map)
-    plan = plan_units(stored, mtp)
+    plan = plan_units(stored, mtp, fp8_tile(path, FP8_BLOCK))
     if plan.problems:
         raise CheckpointError(f"checkpoint {path} cannot be loaded:\n  " + "\n  ".join(plan.problems))
     tensors = tuple(

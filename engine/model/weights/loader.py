@@ -29,6 +29,7 @@ from v4serve.engine.model.weights.files import (
     PACKED_FP4_DTYPES,
     CheckpointError,
     Handles,
+    fp8_tile,
     read_headers,
     shard_files,
 )
@@ -60,7 +61,7 @@ def _materialize(
         scale = handles.read(unit.scale, unit.expert)
         try:
             if unit.quant == "fp8":
-                tensor = dequant_fp8_block(tensor, scale, FP8_BLOCK, dtype)
+                tensor = dequant_fp8_block(tensor, scale, unit.tile, dtype)
             else:
                 tensor = dequant_fp4_packed(tensor, scale, FP4_GROUP, dtype)
         except ValueError as err:
@@ -95,7 +96,7 @@ def _sliced_outputs(
             codes, scale = _as_resident(tensor, scale)
             out += [(name, codes), (scale_name(name), scale)]
         elif unit.quant == "fp8":
-            out.append((name, dequant_fp8_block(tensor, scale, FP8_BLOCK, dtype)))
+            out.append((name, dequant_fp8_block(tensor, scale, unit.tile, dtype)))
         else:
             out.append((name, dequant_fp4_packed(tensor, scale, FP4_GROUP, dtype)))
     return out
@@ -110,12 +111,12 @@ def _stored_region(unit: Unit, region: tuple[slice, ...]) -> tuple[slice, ...]:
 
 
 def _scale_region(unit: Unit, region: tuple[slice, ...]) -> tuple[slice, ...]:
-    """The scales covering a region: FP8 one per 128x128 tile, FP4 one per 32 columns of a row."""
+    """The scales covering a region: FP8 one per tile (V4: 128x128), FP4 one per 32 columns of a row."""
     def blocks(span: slice, size: int) -> slice:
         return slice(span.start // size, -(-span.stop // size))
 
     if unit.quant == "fp8":
-        return (*region[:-2], blocks(region[-2], FP8_BLOCK[0]), blocks(region[-1], FP8_BLOCK[1]))
+        return (*region[:-2], blocks(region[-2], unit.tile[0]), blocks(region[-1], unit.tile[1]))
     return (*region[:-1], blocks(region[-1], FP4_GROUP))
 
 
@@ -234,7 +235,7 @@ def stream_checkpoint(
     packed = dict(packed or {})
     files, weight_map = shard_files(path)
     mtp = any(name.startswith("mtp.") for name in expected)
-    plan = plan_units(read_headers(files, weight_map), mtp)
+    plan = plan_units(read_headers(files, weight_map), mtp, fp8_tile(path, FP8_BLOCK))
     if mtp and not any(name.startswith("mtp.") for name in plan.sources):
         raise CheckpointError(f"checkpoint {path} holds no multi-token-prediction tensors (mtp.*), though its "
                               "config names an MTP layer (transformers leaves them out when it saves a model): "
