@@ -5,6 +5,10 @@ and, for compressed layers, the compressor's pending rows as a ring too: CSA kee
 (2m rows, the previous window's rows feed the overlapping entry), HCA keeps one (m rows).
 A Block Cache block holds `block_size` tokens' worth of compressed entries for every compressed
 layer at the same block id: `block_size / m` entries (and, for CSA, as many indexer keys).
+
+DeepSeek-V4.1 (`csa2`): only its KV source layers own compressed KV (entries and indexer keys per
+block; the open pooling group, m rows, in the slot when m > 1); every other layer, reuse and re-index
+ones included, owns a window alone.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class KVRecord:
 
 @dataclass(frozen=True)
 class LayerLayout:
-    kind: str  # "swa", "csa" or "hca"
+    kind: str  # "swa", "csa" or "hca"; V4.1's KV sources "csa2"
     ratio: int  # 0 for swa
     head_dim: int
     index_head_dim: int
@@ -101,9 +105,14 @@ class LayerLayout:
         return self.kind == "csa"
 
     @property
+    def has_index_keys(self) -> bool:
+        return self.kind in ("csa", "csa2")
+
+    @property
     def pending_rows(self) -> int:
-        """Compressor ring length: two windows when entries overlap, one otherwise."""
-        if not self.ratio:
+        """Compressor ring length: two windows when entries overlap, one otherwise (none for a
+        one-token entry: a projection)."""
+        if not self.ratio or (self.kind == "csa2" and self.ratio == 1):
             return 0
         return 2 * self.ratio if self.overlap else self.ratio
 
@@ -119,7 +128,7 @@ class LayerLayout:
         """Shape of each State Cache tensor of one slot, in storage order (the one definition that
         the device tensors are allocated from)."""
         shapes = {"window": (self.window, self.key_width)}
-        if self.ratio:
+        if self.pending_rows:
             shapes["pending_kv"] = shapes["pending_score"] = (self.pending_rows, self.pending_width)
         if self.overlap:  # the indexer's own compressor: overlapping, 2·dI wide
             shapes["index_pending_kv"] = shapes["index_pending_score"] = (2 * self.ratio, 2 * self.index_head_dim)
@@ -132,7 +141,7 @@ class LayerLayout:
         shapes: dict[str, tuple[int, ...]] = {}
         if self.ratio:
             shapes["entries"] = (self.entries_per_block, self.key_width)
-        if self.overlap:
+        if self.has_index_keys:
             shapes["index_keys"] = (self.entries_per_block, self.index_head_dim)
         return shapes
 
@@ -171,7 +180,9 @@ class KVLayout:
         block = cfg.block_size
 
         def layer(i: int, hidden: tuple[int, int] | None = None) -> LayerLayout:
-            return LayerLayout(kind=cfg.layer_kind(i), ratio=cfg.compress_ratios[i] if i < cfg.num_layers else 0,
+            kind = cfg.layer_kind(i)
+            # A V4.1 layer that reads another's entries owns none: window only, whatever its ratio.
+            return LayerLayout(kind=kind, ratio=cfg.compress_ratios[i] if i < cfg.num_layers and kind != "swa" else 0,
                                head_dim=cfg.head_dim, index_head_dim=cfg.index_head_dim, window=cfg.window,
                                block_size=block, record=record, hidden=hidden)
 
@@ -198,7 +209,7 @@ class KVLayout:
     def table(self, itemsize: int) -> list[tuple[str, int, float, int]]:
         """Rows of (layer kind, layer count, Block Cache bytes per token, State Cache bytes per slot)."""
         rows = []
-        for kind in ("swa", "csa", "hca", "mtp"):  # a multi-token-prediction layer has its own row
+        for kind in ("swa", "csa", "hca", "csa2", "mtp"):  # a multi-token-prediction layer has its own row
             group = [layer for layer in self.layers if ("mtp" if layer.hidden is not None else layer.kind) == kind]
             if not group:
                 continue

@@ -43,7 +43,7 @@ def _run(model: DeepseekV41, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     kv, back, parts = model.new_sequence(), CFG.engram_max_ngram - 1, []
     for a in range(0, len(ids), chunk):
         z = min(a + chunk, len(ids))
-        parts.append(model(ids[max(0, a - back):z], z - a, kv))
+        parts.append(model.run_sequence(ids[max(0, a - back):z], z - a, kv))
     assert kv.length == len(ids)
     return torch.cat(parts)
 

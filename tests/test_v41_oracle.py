@@ -101,7 +101,7 @@ def _run(model: DeepseekV41, ids: torch.Tensor, chunk: int, record: dict[int, li
     kv, back, parts = model.new_sequence(), model.cfg.engram_max_ngram - 1, []
     for a in range(0, len(ids), chunk):
         z = min(a + chunk, len(ids))
-        parts.append(model(ids[max(0, a - back):z], z - a, kv))
+        parts.append(model.run_sequence(ids[max(0, a - back):z], z - a, kv))
     return torch.cat(parts)
 
 

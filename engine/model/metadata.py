@@ -27,6 +27,9 @@ class SeqChunk:
     frozen_until: int = 0
     # Window KV below this position is absent (recompute from an empty state after a hit).
     window_from: int = 0
+    # The tokens just before `start`, up to N − 1 of them: DeepSeek-V4.1's Engram hashes the n-grams
+    # ending at each new token (V4 reads none).
+    history: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:

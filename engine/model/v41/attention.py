@@ -183,10 +183,14 @@ class Attention(nn.Module):
         if self.compressor is not None:
             source = kv.sources[self.layer]
             latents = self.compressor.latents(x, source)
-            first = source.entries.shape[0]
-            assert self.indexer is not None  # every source indexes
-            if latents.shape[0]:  # groups closed this step
-                at = torch.arange(first, first + latents.shape[0], device=x.device) * self.ratio
+            # Entries of the groups closed this step, from `first`; those already held (a prefix hit's,
+            # read from the Block Cache while the window is recomputed) are kept as they are.
+            first = kv.length // self.ratio
+            known = source.entries.shape[0] - first
+            assert known >= 0 and self.indexer is not None  # every source indexes
+            if latents.shape[0] > known:
+                at = torch.arange(first + known, first + latents.shape[0], device=x.device) * self.ratio
+                latents = latents[known:]
                 cos, sin = rotary.cos_sin(at)  # an entry rotates at its group's first position
                 source.entries = torch.cat([source.entries, round_nvfp4(rope(latents, cos, sin))])
                 source.index_keys = torch.cat([source.index_keys, self.indexer.keys(latents, cos, sin)])

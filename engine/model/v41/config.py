@@ -110,6 +110,11 @@ class V41Config:
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
+    def layer_kind(self, layer: int) -> str:
+        """What a layer owns in the KV cache: a KV source its entries (`csa2`), any other layer a window
+        alone (`swa`), reuse and re-index layers included."""
+        return "csa2" if layer in self.kv_source_layers else "swa"
+
     def source_of(self, layer: int) -> int:
         """The KV source layer whose entries a compressed layer reads (itself for a source)."""
         return max(s for s in self.kv_source_layers if s <= layer)

@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.layers import RMSNorm, Rotary
+from v4serve.engine.model.metadata import AttentionMetadata
 from v4serve.engine.model.moe import MoE
+from v4serve.engine.model.v41 import paged
 from v4serve.engine.model.v41.attention import Attention, Pick, SequenceKV
 from v4serve.engine.model.v41.config import V41Config
 from v4serve.engine.model.v41.engram import Engram, NgramHash
@@ -82,9 +85,34 @@ class DeepseekV41(nn.Module):
         return SequenceKV.empty(self.cfg, self.head.weight.device, self.head.weight.dtype)
 
     @torch.inference_mode()
-    def forward(self, history: torch.Tensor, num_new: int, kv: SequenceKV) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, device_kv: DeviceKV) -> torch.Tensor:
+        """The engine's step: every sequence's new tokens, one after another ([T]), their KV in the State
+        and Block Cache → logits [len(meta.logits_rows), V] (fp32). Each sequence is run on its own,
+        through a dense view of its cache (v41/paged.py) that is written back after."""
+        rows = []
+        for seq in meta.seqs:
+            new = input_ids[seq.offset:seq.offset + seq.num_new]
+            history = torch.cat([torch.tensor(seq.history, dtype=torch.long, device=new.device), new])
+            kv = paged.gather(self.cfg, device_kv, seq)
+            x = self.hidden(history, seq.num_new, kv)
+            paged.scatter(self.cfg, device_kv, seq, kv)
+            wanted = [r - seq.offset for r in meta.logits_rows if seq.offset <= r < seq.offset + seq.num_new]
+            rows.append(x[wanted])
+        return self.logits(torch.cat(rows))
+
+    def run_sequence(self, history: torch.Tensor, num_new: int, kv: SequenceKV) -> torch.Tensor:
+        """One sequence in private dense KV: history [P + n] (its next n tokens, preceded by up to N − 1
+        earlier ones) → logits [n, V] (fp32); `kv` advances by n."""
+        with torch.inference_mode():
+            return self.logits(self.hidden(history, num_new, kv))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's input [n, D] → fp32 logits [n, V]."""
+        return torch.nn.functional.linear(x.float(), self.head.weight.float())
+
+    def hidden(self, history: torch.Tensor, num_new: int, kv: SequenceKV) -> torch.Tensor:
         """history [P + n]: the sequence's next n tokens, preceded by up to N − 1 earlier ones (the
-        Engram's n-grams reach back that far) → logits [n, V] (fp32); `kv` advances by n."""
+        Engram's n-grams reach back that far) → the head's input [n, D]; `kv` advances by n."""
         input_ids = history[history.shape[0] - num_new:]
         positions = torch.arange(kv.length, kv.length + num_new, device=input_ids.device)
         main = self.rotary_main.cos_sin(positions)
@@ -101,5 +129,4 @@ class DeepseekV41(nn.Module):
                                else (self.rotary_main, main))
             h, pre, pick = block(h, pre, input_ids, own_rows, kv, pick, rotary, cos_sin)
         kv.length += num_new
-        x = self.norm(collapse(h, pre))
-        return torch.nn.functional.linear(x.float(), self.head.weight.float())
+        return self.norm(collapse(h, pre))
