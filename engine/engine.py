@@ -25,6 +25,7 @@ from v4serve.cache.state_capture import CaptureSeq, StateCapture
 from v4serve.engine.model.gpu.decode_graphs import DecodeGraphs, decode_buckets
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.v4.model import DeepseekV4
+from v4serve.engine.model.v41.model import DeepseekV41
 from v4serve.engine.model.weights.fingerprint import tensors_digest
 from v4serve.engine.model.weights.packed import packed_count
 from v4serve.engine.mtp import MTPLayer, MTPRows, MTPSeed, mtp_drafts, mtp_ready
@@ -50,6 +51,8 @@ from v4serve.kernels import kv_fp8
 from v4serve.kernels.attention import RowLayout, SlotTables, upload
 
 log = logging.getLogger(__name__)
+
+Model = DeepseekV4 | DeepseekV41
 
 # Bumped whenever the meaning of stored KV changes (layout, pooling, rope placement).
 KV_FORMAT_VERSION = 1
@@ -115,7 +118,7 @@ class RequestOutput:
     error_param: str | None = None  # set when the request itself caused it (a 400): the field to blame
 
 
-def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes,
+def kv_namespace(model: Model, kv_dtype: torch.dtype, weights_digest: bytes,
                  kv_cache_dtype: str = "auto") -> bytes:
     """Changes whenever the weights, the KV dtype or the KV layout change: cached KV from a
     different namespace must never be served. FP8 keys and --batch-invariant (whose KV is
@@ -126,7 +129,7 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     h.update(weights_digest)
     tags = f"{kv_dtype}|format={KV_FORMAT_VERSION}"
     tags += f"|keys={kv_cache_dtype}|{kv_fp8.ENCODING}" if kv_cache_dtype != "auto" else ""
-    tags += "|batch-invariant" if model.kernels.batch_invariant else ""
+    tags += "|batch-invariant" if model.kernels is not None and model.kernels.batch_invariant else ""
     # Kernels reading packed weights round differently from GEMMs over dequantized ones.
     tags += "|weights=packed" if packed_count(model) else ""
     # Partial sums added across ranks round differently from one process's sums: KV computed at one
@@ -137,7 +140,7 @@ def kv_namespace(model: DeepseekV4, kv_dtype: torch.dtype, weights_digest: bytes
     return h.digest()
 
 
-def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, ranks: Ranks | None) -> str:
+def _cuda_graphs(device: torch.device, config: EngineConfig, model: Model, ranks: Ranks | None) -> str:
     """Whether decode steps are captured as CUDA graphs ("on"), or why not. Captured steps must not
     depend on host values: the Triton kernels' decode path does not (tests/test_fixed_shapes.py,
     tests/test_decode_graphs.py); the torch twins read values back, and the batch-invariant kernels
@@ -146,11 +149,26 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: DeepseekV4, 
         return "off (--enforce-eager)"
     if device.type != "cuda":
         return f"off (not on CUDA: {device.type})"
+    if model.family == "v4.1":
+        return "off (DeepSeek-V4.1 steps run in plain torch: no captured decode step yet)"
+    assert model.kernels is not None
     if model.kernels.backend != "triton":
         return "off (--attention-backend torch reads values back on the host)"
     if model.kernels.batch_invariant:
         return "off (--batch-invariant drives its per-row kernels from the host)"
     return "on"
+
+
+def _check_v41(config: EngineConfig, ranks: Ranks | None) -> None:
+    """What a DeepSeek-V4.1 engine does not do yet, refused before anything is allocated."""
+    if ranks is not None:
+        raise ValueError("DeepSeek-V4.1 runs on one rank for now: --tensor-parallel-size 1")
+    if config.speculative is not None:
+        raise ValueError("speculative decoding is not available for DeepSeek-V4.1 yet (its drafter is DSpark, "
+                         "which v4serve does not run yet): leave out --speculative-config")
+    if config.kv_cache_dtype != "auto":
+        raise ValueError("--kv-cache-dtype fp8: DeepSeek-V4.1 keeps its KV rounded as the released model stores "
+                         "it (an FP8 window, NVFP4 entries, MXFP4 indexer keys) already; use auto")
 
 
 def _sample_or_raise(sample: Sample | Exception) -> Sample:
@@ -164,10 +182,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class LLMEngine:
-    def __init__(self, model: DeepseekV4, config: EngineConfig, eos_token_id: int | None = None,
+    def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None,
                  ranks: Ranks | None = None) -> None:
         """`ranks`: under tensor/expert parallelism, the other ranks this engine (rank 0) drives;
         `model` is then rank 0's shard."""
+        if model.family == "v4.1":
+            _check_v41(config, ranks)
         self.model = model
         self.ranks = ranks
         self.config = config
@@ -184,14 +204,17 @@ class LLMEngine:
         self.cuda_graphs = _cuda_graphs(device, config, model, ranks)
         self.async_scheduling = async_scheduling(config.async_scheduling, device,
                                                  config.speculative is not None)
+        if model.context_tokens and self.async_scheduling == "on":
+            # The step reads the tokens before each chunk on the host: the one in flight is not there yet.
+            self.async_scheduling = "off (DeepSeek-V4.1's Engram reads each step's preceding tokens on the host)"
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
         graphs = self.cuda_graphs == "on" or config.uncaptured_graphs
         # Drafted passes (the last token and k drafts per sequence) run row-wise (`RowWrites`): without a
         # loop over sequences on the host, as their static steps do (eagerly too, per `rowwise_drafts`). Not
         # under --batch-invariant, whose chunks already go row by row through its own kernels.
         spec = config.speculative
-        self.row_width = (1 + spec.num_speculative_tokens if spec is not None and not model.kernels.batch_invariant
-                          else 1)
+        batch_invariant = model.kernels is not None and model.kernels.batch_invariant
+        self.row_width = 1 + spec.num_speculative_tokens if spec is not None and not batch_invariant else 1
         rowwise = config.rowwise_drafts if config.rowwise_drafts is not None else graphs or device.type == "cuda"
         eager_width = self.row_width if rowwise else 1  # an eager drafted pass's rows per sequence, row-wise
         scratch = int(graphs)  # a slot and a block past the pools for a graph's padding rows
@@ -209,7 +232,8 @@ class LLMEngine:
             swa_checkpoint_interval=config.swa_checkpoint_interval,
             enable_prefix_caching=config.enable_prefix_caching, snapshot_bytes=config.snapshot_bytes,
             overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0,
-            snapshots_inside_chunks=not mtp)
+            # A V4.1 step hands no rows to a capture (its slot is written whole): its chunks end on them.
+            snapshots_inside_chunks=not mtp and model.family == "v4")
         store = None
         persistent = bool(config.kv_store_dir and config.enable_prefix_caching)
         # KV that outlives the process is keyed by every byte of the weights; within one process the
@@ -250,7 +274,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
         self._forward_failures = 0
-        fp8 = key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8")
+        # V4's FP8 key records, shown beside its default for comparison (V4.1 rounds its own way).
+        fp8 = (key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8") if model.family == "v4"
+               else None)
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
         width = -(-config.max_model_len // block)
         self.slot_tables = SlotTables(config.max_num_seqs + scratch, width, device)
@@ -475,8 +501,10 @@ class LLMEngine:
         for c in chunks:
             r, kv = c.request, c.request.kv
             assert kv.slot is not None
-            seqs.append(SeqChunk(slot=kv.slot, block_table=kv.block_table, start=r.num_computed_tokens,
-                                 num_new=c.num_new, frozen_until=kv.frozen_until, window_from=kv.window_from))
+            start, back = r.num_computed_tokens, self.model.context_tokens
+            seqs.append(SeqChunk(slot=kv.slot, block_table=kv.block_table, start=start, num_new=c.num_new,
+                                 frozen_until=kv.frozen_until, window_from=kv.window_from,
+                                 history=tuple(r.token_slice(max(0, start - back), start)) if back else ()))
             ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_new - len(c.drafts)))
             if r.pending_tokens:  # its token in flight: a place the device fills (`_fill_inputs`)
                 ids.append(0)

@@ -49,7 +49,8 @@ def make_checkpoint_main(args: argparse.Namespace) -> int:
 
 # (flag, type, help); every flag is also a key of --config FILE and a V4SERVE_* variable.
 SERVE_FLAGS: list[tuple[str, Any, str]] = [
-    ("--model", str, "'tiny' (the embedded model) or a checkpoint folder"),
+    ("--model", str, "'tiny' (the embedded DeepSeek-V4 model), 'tiny-v41' (the embedded DeepSeek-V4.1 model) or a "
+                     "checkpoint folder"),
     ("--host", str, "address to bind (default 0.0.0.0)"),
     ("--port", int, "port (default 8000; 0: a free one, named in the startup log)"),
     ("--served-model-name", str, "model name(s) clients send and see: several (space- or comma-separated, a list "

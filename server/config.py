@@ -28,6 +28,13 @@ DEFAULT_MAX_UNREAD_TOKENS = 65536
 # Seconds a stream's requests may be held (their client reading nothing) before they end.
 DEFAULT_UNREAD_TIMEOUT = 60.0
 DEFAULT_STORE_BYTES = 32 << 30
+
+# Models built in, with random weights and the byte tokenizer: DeepSeek-V4's and DeepSeek-V4.1's.
+EMBEDDED_MODELS = ("tiny", "tiny-v41")
+
+
+def is_embedded(model: str) -> bool:
+    return model in EMBEDDED_MODELS
 # Tokens one request may cost by default, in max-model-lens: a chat request's n choices at full length
 # always fit (prompt + n × completion ≤ 16 contexts for n ≤ 16); many long prompts × n need max_tokens.
 REQUEST_TOKENS_PER_CONTEXT = 16
@@ -183,7 +190,7 @@ class ServeConfig:
         end a reasoning, so it answers in chat mode)."""
         from v4serve.server.protocol import CHAT_TEMPLATE_KWARGS, template_thinking
 
-        default = self.model != "tiny"
+        default = not is_embedded(self.model)
         if not self.default_chat_template_kwargs:
             return default
         try:
@@ -266,7 +273,7 @@ class ServeConfig:
         names = tuple(dict.fromkeys(n.strip() for n in (self.served_model_name or "").split(",") if n.strip()))
         if names:
             return names
-        return ("v4serve-tiny" if self.model == "tiny" else Path(self.model).name,)
+        return (f"v4serve-{self.model}" if is_embedded(self.model) else Path(self.model).name,)
 
     @property
     def model_name(self) -> str:

@@ -20,18 +20,53 @@ from v4serve.engine.model.parallel.sharding import ParallelConfig, default_threa
 from v4serve.engine.model.plan import PlanSettings, plan_checkpoint
 from v4serve.engine.model.v4.model import DeepseekV4
 from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
+from v4serve.engine.model.v41 import checkpoint as v41_checkpoint
+from v4serve.engine.model.v41.config import is_v41
+from v4serve.engine.model.v41.model import DeepseekV41
+from v4serve.engine.model.v41.tiny import build_tiny_v41
 from v4serve.engine.model.weights.checkpoint import load_model, write_checkpoint
+from v4serve.engine.model.weights.files import read_config_json
 from v4serve.engine.model.weights.fingerprint import checkpoint_digest, tensors_digest
 from v4serve.engine.model.weights.packed import packed_count, resident_bytes
 from v4serve.engine.model.weights.resident import resolve_weight_dtype
 from v4serve.engine.process.rank_group import STEP_TIMEOUT, RankGroup, local_device, worker_loop
 from v4serve.kernels.registry import load_kernels, resolve_backend
-from v4serve.server.config import DEFAULT_STORE_BYTES, LaunchedRank, ServeConfig, default_store_dir, launched_rank
+from v4serve.server.config import (
+    DEFAULT_STORE_BYTES,
+    LaunchedRank,
+    ServeConfig,
+    default_store_dir,
+    is_embedded,
+    launched_rank,
+)
+from v4serve.server.text.engram_map import folded_token_ids
 
 log = logging.getLogger("v4serve")
 
+Model = DeepseekV4 | DeepseekV41
 
-def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: int = 0) -> DeepseekV4:
+
+def is_v41_model(model: str) -> bool:
+    """`tiny-v41`, or a checkpoint folder whose config.json is DeepSeek-V4.1's."""
+    if model == "tiny-v41":
+        return True
+    folder = Path(model)
+    return not is_embedded(model) and (folder / "config.json").is_file() and is_v41(read_config_json(folder))
+
+
+def load_v41(cfg: ServeConfig, device: torch.device, dtype: torch.dtype) -> DeepseekV41:
+    """A V4.1 model: the embedded `tiny-v41`, or a checkpoint folder (its tokenizer's Engram map built
+    here, on the text side: the model gets ids)."""
+    if cfg.model == "tiny-v41":
+        return build_tiny_v41(seed=cfg.seed).to(device=device, dtype=dtype)
+    folder = Path(cfg.model)
+    if resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint":
+        log.info("DeepSeek-V4.1: weights dequantized to %s at load (packed V4.1 weights are not kept yet)",
+                 str(dtype).removeprefix("torch."))
+    return v41_checkpoint.load_model(folder, folded_token_ids(folder / "tokenizer.json"), device=device, dtype=dtype)
+
+
+def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: int = 0) -> Model:
     """The model (under parallelism: the shard of `parallel.rank`, on GPU `local_rank` of this node),
     its kernels chosen."""
     device = cfg.resolved_device()
@@ -42,13 +77,16 @@ def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: i
     backend = resolve_backend(cfg.attention_backend, device)
     kernels = load_kernels(backend, device, batch_invariant=cfg.batch_invariant)  # checked before loading
     mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
-    if cfg.model == "tiny":  # with its random MTP layer when drafts come from it
+    model: Model
+    if is_v41_model(cfg.model):
+        model = load_v41(cfg, device, dtype)
+    elif cfg.model == "tiny":  # with its random MTP layer when drafts come from it
         model = build_tiny(tiny_config(num_nextn_predict_layers=1) if mtp else None, cfg.seed).to(device=device,
                                                                                                   dtype=dtype)
     else:
         folder = Path(cfg.model)
         if not folder.is_dir():
-            raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
+            raise ValueError(f"--model must be 'tiny', 'tiny-v41' or a checkpoint folder; {folder} is not a folder")
         # auto = checkpoint precision: FP8/FP4 weights stay packed (Triton kernels on a GPU, their
         # torch twins elsewhere); bf16/fp32 dequantize them at load.
         packed = resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint"
@@ -58,11 +96,17 @@ def load(cfg: ServeConfig, parallel: ParallelConfig | None = None, local_rank: i
     return model
 
 
-def load_ranks(cfg: ServeConfig) -> tuple[DeepseekV4, RankGroup | None, bytes | None]:
+def load_ranks(cfg: ServeConfig) -> tuple[Model, RankGroup | None, bytes | None]:
     """Rank 0's model, the other ranks (None for one), and the weights digest when it is known here.
     Under parallelism every rank loads only its shard of a checkpoint folder; the embedded tiny
     model is first written to one (removed at exit) so it can be split the same way."""
     device = cfg.resolved_device()
+    if is_v41_model(cfg.model):
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("DeepSeek-V4.1 runs on one rank for now: --tensor-parallel-size 1")
+        if cfg.model != "tiny-v41":
+            log.info("capacity plan: not available for DeepSeek-V4.1 checkpoints yet; loading %s", cfg.model)
+        return load(cfg), None, None
     if cfg.model != "tiny":
         check_capacity(cfg, Path(cfg.model), device, cfg.resolved_dtype(device))  # headers only, before any data
     if cfg.tensor_parallel_size == 1:
@@ -142,12 +186,16 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(kib) * 1024 if kib is not None else None
 
 
-def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool | int]:
+def version_info(model: Model, econf: EngineConfig) -> dict[str, str | bool | int]:
     param = next(model.parameters())
     parallel = model.parallel
     kv_cache_dtype = "fp8_e4m3" if econf.kv_cache_dtype == "fp8" else str(econf.kv_dtype).removeprefix("torch.")
+    kernels = model.kernels
+    assert kernels is not None  # `load` chose them
     return {"device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-            "attention_backend": model.kernels.backend, "batch_invariant": model.kernels.batch_invariant,
+            "model_family": model.family,
+            "attention_backend": kernels.backend if model.family == "v4" else "torch",
+            "batch_invariant": kernels.batch_invariant,
             "kv_cache_dtype": kv_cache_dtype,
             "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch."),
             "tensor_parallel_size": parallel.size if parallel is not None else 1,
@@ -155,14 +203,14 @@ def version_info(model: DeepseekV4, econf: EngineConfig) -> dict[str, str | bool
             "speculative": econf.speculative.describe() if econf.speculative is not None else "off"}
 
 
-def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | None,
+def engine_config(cfg: ServeConfig, model: Model, tokenizer_json: str | None,
                   barred_token_ids: tuple[int, ...] = ()) -> EngineConfig:
     block = model.cfg.block_size
     max_len = cfg.max_model_len or min(model.cfg.max_position_embeddings, 32768)
     interval = cfg.swa_checkpoint_interval or max(block, (4096 // block) * block)
     store_dir = None if cfg.no_kv_store or cfg.no_prefix_caching else (cfg.kv_store_dir or default_store_dir())
     digest = None
-    if store_dir is not None and cfg.model != "tiny":  # the files' bytes, cached beside the store
+    if store_dir is not None and not is_embedded(cfg.model):  # the files' bytes, cached beside the store
         digest = checkpoint_digest(cfg.model, Path(store_dir) / "weights-digests.json")
     return EngineConfig(kv_store_dir=store_dir, kv_store_max_bytes=cfg.kv_store_max_bytes or DEFAULT_STORE_BYTES,
                         weights_digest=digest, tokenizer_json=tokenizer_json, barred_token_ids=barred_token_ids,
@@ -176,7 +224,7 @@ def engine_config(cfg: ServeConfig, model: DeepseekV4, tokenizer_json: str | Non
                         kv_events=cfg.kv_events, kv_transfer=cfg.kv_transfer)
 
 
-def _engine(cfg: ServeConfig, model: DeepseekV4, ranks: RankGroup | None, digest: bytes | None,
+def _engine(cfg: ServeConfig, model: Model, ranks: RankGroup | None, digest: bytes | None,
             tokenizer_json: str | None, eos_token_id: int, barred_token_ids: tuple[int, ...]
             ) -> tuple[LLMEngine, EngineConfig]:
     econf = engine_config(cfg, model, tokenizer_json, barred_token_ids)
@@ -203,17 +251,20 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
     device = next(model.parameters()).device
     split = (f", split over {cfg.tensor_parallel_size} ranks{' (experts whole)' if cfg.expert_parallel else ''}"
              if ranks is not None else "")
-    log.info("model %s (%s): %d layers, %.1f MB of weights%s (%d in checkpoint precision), %s on %s, %s kernels%s",
-             cfg.model_name, cfg.model, model.cfg.num_layers, resident_bytes(model) / 1e6,
-             " on rank 0" if ranks is not None else "", packed_count(model),
-             str(next(model.parameters()).dtype).removeprefix("torch."), device, model.kernels.backend,
-             (" (batch-invariant)" if model.kernels.batch_invariant else "") + split)
+    kernels = model.kernels
+    assert kernels is not None
+    log.info("model %s (%s, DeepSeek-%s): %d layers, %.1f MB of weights%s (%d in checkpoint precision), %s on %s, "
+             "%s kernels%s", cfg.model_name, cfg.model, model.family.upper(), model.cfg.num_layers,
+             resident_bytes(model) / 1e6, " on rank 0" if ranks is not None else "", packed_count(model),
+             str(next(model.parameters()).dtype).removeprefix("torch."), device,
+             kernels.backend if model.family == "v4" else "torch", (" (batch-invariant)" if kernels.batch_invariant
+                                                                    else "") + split)
     log.info("prefix caching %s, SWA cache mode %s (%s), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode,
              swa_mode_words(econf.swa_cache_mode, econf.swa_checkpoint_interval), econf.max_model_len)
-    if cfg.model == "tiny":
-        log.info("the embedded tiny model has random weights: its text is noise, but every code path of a real "
-                 "DeepSeek-V4 checkpoint runs (serve one with --model FOLDER)")
+    if is_embedded(cfg.model):
+        log.info("the embedded %s model has random weights: its text is noise, but every code path of a real "
+                 "DeepSeek-%s checkpoint runs (serve one with --model FOLDER)", cfg.model, model.family.upper())
     log.info("speculative decoding: %s", econf.speculative.describe() if econf.speculative else "off")
     log.info("SSD prefix store: %s", f"{econf.kv_store_dir} (at most {econf.kv_store_max_bytes / 2**30:.1f} GiB)"
              if econf.kv_store_dir else "off")

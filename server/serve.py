@@ -40,6 +40,7 @@ from v4serve.server.config import (
     ServeConfig,
     check_parallel_flags,
     default_store_dir,
+    is_embedded,
     launched_rank,
 )
 from v4serve.server.connections import protocol_with_header_timeout
@@ -66,11 +67,11 @@ class EngineFailed(RuntimeError):
 
 
 def load_front_tokenizer(cfg: ServeConfig) -> Tokenizer:
-    if cfg.model == "tiny":
+    if is_embedded(cfg.model):
         return ByteTokenizer()
     folder = Path(cfg.model)
     if not folder.is_dir():
-        raise ValueError(f"--model must be 'tiny' or a checkpoint folder; {folder} is not a folder")
+        raise ValueError(f"--model must be 'tiny', 'tiny-v41' or a checkpoint folder; {folder} is not a folder")
     tokenizer = load_tokenizer(folder)
     fmt = prompt_format_of(tokenizer)
     missing, some = missing_specials(tokenizer, fmt)

@@ -98,6 +98,9 @@ class MTPBlock(Block):
 
 
 class DeepseekV4(nn.Module):
+    family = "v4"
+    context_tokens = 0  # tokens before each chunk a step reads (V4 reads its KV alone)
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None, mtp_layers: int = 0) -> None:
         """`mtp_layers`: how many of the checkpoint's multi-token-prediction layers to build (for
         speculative decoding; they read the last KV layers of the `DeviceKV`)."""

@@ -62,17 +62,18 @@ def init_weights(model: DeepseekV4, seed: int = 0) -> DeepseekV4:
     params = sorted((name, t) for name, t in model.state_dict().items() if name not in buffers)
     # Multi-token-prediction layers last: the main weights are the same with them or without.
     main = [(name, t) for name, t in params if not name.startswith("mtp.")]
-    model.load_state_dict({name: _init_tensor(name, t, gen) for name, t in main}, strict=False)
+    model.load_state_dict({name: init_tensor(name, t, gen) for name, t in main}, strict=False)
     for name, buf in sorted(buffers.items()):
         if name.endswith("tid2eid"):
             scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
             buf.copy_(scores.topk(cfg.num_experts_per_tok, dim=-1).indices)
     mtp = [(name, t) for name, t in params if name.startswith("mtp.")]
-    model.load_state_dict({name: _init_tensor(name, t, gen) for name, t in mtp}, strict=False)
+    model.load_state_dict({name: init_tensor(name, t, gen) for name, t in mtp}, strict=False)
     return model
 
 
-def _init_tensor(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def init_tensor(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random value for one tensor, by its checkpoint name (both families name alike)."""
     def normal(std: float) -> torch.Tensor:
         return torch.randn(param.shape, generator=gen) * std
 

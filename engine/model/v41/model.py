@@ -24,6 +24,7 @@ from v4serve.engine.model.v41.attention import Attention, Pick, SequenceKV
 from v4serve.engine.model.v41.config import V41Config
 from v4serve.engine.model.v41.engram import Engram, NgramHash
 from v4serve.kernels.mhc import collapse, mhc_coefficients, mhc_post
+from v4serve.kernels.registry import Kernels
 
 
 class Block(nn.Module):
@@ -65,11 +66,18 @@ class Block(nn.Module):
 
 
 class DeepseekV41(nn.Module):
+    family = "v4.1"
+    # What the engine asks of either family: V4.1 runs unsplit, without a multi-token-prediction layer,
+    # through its plain-torch step.
+    parallel = None
+    mtp: tuple[nn.Module, ...] = ()
+
     def __init__(self, cfg: V41Config, token_map: list[int] | None = None) -> None:
         """`token_map`: the tokenizer's Engram map (`server.text.engram_map.folded_token_ids`), needed when the
         model has Engram layers."""
         super().__init__()
         self.cfg = cfg
+        self.kernels: Kernels | None = None  # the set the server chose: named in /version, not yet called
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                   _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
@@ -81,6 +89,16 @@ class DeepseekV41(nn.Module):
             raise ValueError("a V4.1 model with Engram layers needs its tokenizer's Engram map")
         self.ngram = NgramHash(cfg, token_map) if cfg.engram_layers and token_map is not None else None
 
+    @property
+    def context_tokens(self) -> int:
+        """Tokens before each chunk the step reads (`SeqChunk.history`): the Engram's n-grams reach back."""
+        return self.cfg.engram_max_ngram - 1 if self.cfg.engram_layers else 0
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        for rotary in (self.rotary_main, self.rotary_compress):
+            rotary.place(self.head.weight.device)
+        self.kernels = kernels
+
     def new_sequence(self) -> SequenceKV:
         return SequenceKV.empty(self.cfg, self.head.weight.device, self.head.weight.dtype)
 
@@ -89,6 +107,7 @@ class DeepseekV41(nn.Module):
         """The engine's step: every sequence's new tokens, one after another ([T]), their KV in the State
         and Block Cache → logits [len(meta.logits_rows), V] (fp32). Each sequence is run on its own,
         through a dense view of its cache (v41/paged.py) that is written back after."""
+        assert meta.capture is None, "V4.1 chunks end on snapshot points (CacheConfig.snapshots_inside_chunks)"
         rows = []
         for seq in meta.seqs:
             new = input_ids[seq.offset:seq.offset + seq.num_new]
