@@ -24,6 +24,8 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def make_checkpoint_main(args: argparse.Namespace) -> int:
+    if args.model == "tiny-v41":
+        return _make_v41_checkpoint(args)
     from v4serve.engine.model.v4.tiny import build_tiny, tiny_config
     from v4serve.engine.model.weights.checkpoint import write_checkpoint
     from v4serve.server.text.tokenizer import write_byte_tokenizer_files
@@ -43,6 +45,36 @@ def make_checkpoint_main(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     stored = f", {args.quantize} weights" if args.quantize else ""
     print(f"wrote {folder} ({params / 1e6:.2f}M parameters{stored}, {cfg.num_layers} layers, "
+          f"block size {cfg.block_size})")
+    return 0
+
+
+def _make_v41_checkpoint(args: argparse.Namespace) -> int:
+    from v4serve.engine.model.v41.checkpoint import write_checkpoint
+    from v4serve.engine.model.v41.tiny import build_tiny_v41, tiny_v41_config
+    from v4serve.server.text.engram_map import folded_vocabulary
+    from v4serve.server.text.tokenizer import ByteTokenizer, write_byte_tokenizer_files
+
+    if args.quantize not in (None, "mixed"):
+        print("v4serve make-checkpoint: tiny-v41 is written unquantized or as the released checkpoint is "
+              "(--quantize mixed: FP8 with 32x32 blocks, MXFP4 routed experts)", file=sys.stderr)
+        return 2
+    overrides = dict(args.set or [])
+    for key in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layers",
+                "engram_num_embeddings"):
+        if key in overrides:
+            overrides[key] = tuple(overrides[key])
+    try:
+        cfg = tiny_v41_config(**overrides)
+        model = build_tiny_v41(folded_vocabulary(ByteTokenizer().vocabulary_json()), cfg, seed=args.seed)
+    except (TypeError, ValueError) as exc:
+        print(f"v4serve make-checkpoint: invalid model size: {exc}", file=sys.stderr)
+        return 2
+    folder = write_checkpoint(model, args.dir, quantize=args.quantize == "mixed", max_shard_bytes=args.max_shard_bytes)
+    write_byte_tokenizer_files(folder)
+    params = sum(p.numel() for p in model.parameters())
+    stored = ", the released formats" if args.quantize else ""
+    print(f"wrote {folder} (DeepSeek-V4.1, {params / 1e6:.2f}M parameters{stored}, {cfg.num_layers} layers, "
           f"block size {cfg.block_size})")
     return 0
 
@@ -356,8 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=serve_main)
     reference = sub.add_parser("config-reference", help="print the serve flags as a Markdown table (README's)")
     reference.set_defaults(func=config_reference_main)
-    make = sub.add_parser("make-checkpoint", help="write the embedded tiny model as a checkpoint folder")
+    make = sub.add_parser("make-checkpoint", help="write an embedded tiny model as a checkpoint folder")
     make.add_argument("dir", help="output folder")
+    make.add_argument("--model", choices=("tiny", "tiny-v41"), default="tiny",
+                      help="tiny (DeepSeek-V4, the default) or tiny-v41 (DeepSeek-V4.1)")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0, the served tiny model)")
     make.add_argument("--set", type=_parse_override, action="append", metavar="KEY=VALUE",
                       help="override a config field for a sized variant, e.g. --set hidden_size=256 "
@@ -366,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="split the weights into shards of at most this size (with an index)")
     make.add_argument("--quantize", choices=("fp8", "fp4", "mixed"), default=None,
                       help="store weights as the official checkpoints do: fp8 (e4m3, a scale per 128x128 block), "
-                           "fp4 (routed experts as e2m1 pairs, a scale per 32) or mixed (FP4 experts, FP8 elsewhere)")
+                           "fp4 (routed experts as e2m1 pairs, a scale per 32) or mixed (FP4 experts, FP8 elsewhere; "
+                           "for tiny-v41 the released V4.1 layout, FP8 with 32x32 blocks)")
     make.set_defaults(func=make_checkpoint_main)
     _add_plan_parser(sub)
     return parser

@@ -39,7 +39,8 @@ from v4serve.server.config import (
     is_embedded,
     launched_rank,
 )
-from v4serve.server.text.engram_map import folded_token_ids
+from v4serve.server.text.engram_map import folded_token_ids, folded_vocabulary
+from v4serve.server.text.tokenizer import ByteTokenizer
 
 log = logging.getLogger("v4serve")
 
@@ -58,7 +59,8 @@ def load_v41(cfg: ServeConfig, device: torch.device, dtype: torch.dtype) -> Deep
     """A V4.1 model: the embedded `tiny-v41`, or a checkpoint folder (its tokenizer's Engram map built
     here, on the text side: the model gets ids)."""
     if cfg.model == "tiny-v41":
-        return build_tiny_v41(seed=cfg.seed).to(device=device, dtype=dtype)
+        token_map = folded_vocabulary(ByteTokenizer().vocabulary_json())
+        return build_tiny_v41(token_map, seed=cfg.seed).to(device=device, dtype=dtype)
     folder = Path(cfg.model)
     if resolve_weight_dtype(cfg.weight_dtype, device.type) == "checkpoint":
         log.info("DeepSeek-V4.1: weights dequantized to %s at load (packed V4.1 weights are not kept yet)",

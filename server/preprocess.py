@@ -87,12 +87,12 @@ def _on_cpu_limit(_signum: int, _frame: Any) -> None:
 def _worker_main(conn: multiprocessing.connection.Connection, model: str, cpu_seconds: float) -> None:
     """A worker: load the tokenizer, then run jobs until the front end closes the pipe."""
     from v4serve.server.config import is_embedded
-    from v4serve.server.text.tokenizer import ByteTokenizer, load_tokenizer
+    from v4serve.server.text.tokenizer import embedded_tokenizer, load_tokenizer
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers end
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
-    tokenizer = ByteTokenizer() if is_embedded(model) else load_tokenizer(model)
+    tokenizer = embedded_tokenizer(model) if is_embedded(model) else load_tokenizer(model)
     signal.signal(signal.SIGPROF, _on_cpu_limit)
     conn.send_bytes(b"ready")
     while True:

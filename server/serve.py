@@ -50,7 +50,7 @@ from v4serve.server.handover import Handovers, PendingHandovers
 from v4serve.server.metrics import Metrics, use_multiprocess_values
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.text.chat_encoding import missing_specials, prompt_format_of
-from v4serve.server.text.tokenizer import ByteTokenizer, Tokenizer, input_only_ids, load_tokenizer
+from v4serve.server.text.tokenizer import Tokenizer, embedded_tokenizer, input_only_ids, load_tokenizer
 
 __all__ = ["EngineFailed", "GracefulServer", "PortUnavailable", "ServeConfig", "bind_sockets", "build", "run",
            "served_url"]
@@ -68,7 +68,7 @@ class EngineFailed(RuntimeError):
 
 def load_front_tokenizer(cfg: ServeConfig) -> Tokenizer:
     if is_embedded(cfg.model):
-        return ByteTokenizer()
+        return embedded_tokenizer(cfg.model)
     folder = Path(cfg.model)
     if not folder.is_dir():
         raise ValueError(f"--model must be 'tiny', 'tiny-v41' or a checkpoint folder; {folder} is not a folder")

@@ -89,7 +89,8 @@ def test_with_deepseeks_vocabulary_a_message_of_every_added_token_is_the_convert
 
 
 def test_the_input_only_ids_are_the_vocabularys_role_markers_bos_pad_and_image_placeholder(real: HFTokenizer) -> None:
-    assert input_only_ids(ByteTokenizer()) == (0, 2, 3, 4, 8)  # BOS, PAD, User, Assistant, latest_reminder
+    # BOS, PAD, User, Assistant, latest_reminder, then V4.1's System and image placeholder
+    assert input_only_ids(ByteTokenizer()) == (0, 2, 3, 4, 8, 15, 16)
     named = {real.token_to_id(t) for t in ("<｜begin▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
                                              "<｜latest_reminder｜>", "<｜image｜>")}
     assert set(input_only_ids(real)) == named and real.eos_token_id not in named and None not in named

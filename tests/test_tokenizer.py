@@ -41,6 +41,8 @@ EXPECTED_SPECIALS = {
     12: f"<{BAR}domain{BAR}>",
     13: f"<{BAR}title{BAR}>",
     14: f"<{BAR}read_url{BAR}>",
+    15: f"<{BAR}System{BAR}>",
+    16: f"<{BAR}image{BAR}>",
 }
 
 SAMPLES = [
@@ -56,7 +58,7 @@ SAMPLES = [
     "tabs\tand\t\ttabs\n\nnew\r\nlines\n\n\n",
     "\x00\x01 control \x7f bytes",
     f"almost special: <{BAR}User <think </think <{BAR}reserved_99{BAR}> {BAR}DSML",
-    f"<{BAR}reserved_15{BAR}><{BAR}reserved_63{BAR}>",
+    f"<{BAR}reserved_17{BAR}><{BAR}reserved_63{BAR}>",
     "<think><think></think></think>",
 ]
 
@@ -96,7 +98,7 @@ def test_byte_tokenizer_layout(byte_tok: ByteTokenizer) -> None:
     assert byte_tok.special_token_ids == frozenset(range(64)) - {7}
     for token_id, text in EXPECTED_SPECIALS.items():
         assert byte_tok.encode(text) == [token_id], text
-    for token_id in range(15, 64):
+    for token_id in range(17, 64):
         assert byte_tok.encode(f"<{BAR}reserved_{token_id}{BAR}>") == [token_id]
 
 

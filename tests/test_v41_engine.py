@@ -18,13 +18,15 @@ from v4serve.engine.model.v41 import attention
 from v4serve.engine.model.v41.model import DeepseekV41
 from v4serve.engine.model.v41.tiny import build_tiny_v41
 from v4serve.engine.speculative import SpeculativeConfig
+from v4serve.server.text.engram_map import folded_vocabulary
+from v4serve.server.text.tokenizer import ByteTokenizer
 
 BLOCK = 128
 
 
 @pytest.fixture(scope="module")
 def model() -> DeepseekV41:
-    return build_tiny_v41()
+    return build_tiny_v41(folded_vocabulary(ByteTokenizer().vocabulary_json()))
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,11 @@ from safetensors.torch import load_file, save_file
 from v4serve.engine.model.v41 import attention
 from v4serve.engine.model.v41.checkpoint import load_model
 from v4serve.engine.model.v41.model import Block, DeepseekV41
+from v4serve.engine.model.v41.tiny import build_tiny_v41
 from v4serve.engine.model.weights.files import CheckpointError
 from v4serve.kernels.kv_round import round_fp8, round_mxfp4, round_nvfp4
-from v4serve.server.text.engram_map import folded_token_ids
+from v4serve.server.text.engram_map import folded_token_ids, folded_vocabulary
+from v4serve.server.text.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE_PYTHON = ROOT / ".venv-v41oracle" / "bin" / "python"
@@ -203,3 +206,25 @@ def test_a_checkpoint_that_is_not_the_model_is_refused_by_name(oracle: dict[str,
     with pytest.raises(CheckpointError, match="does not match the model") as err:
         _load(folder)
     assert says in str(err.value)
+
+
+def test_make_checkpoint_writes_tiny_v41_as_the_released_checkpoint_is(tmp_path: Path, no_rounding: None) -> None:
+    """`v4serve make-checkpoint --model tiny-v41 --quantize mixed` writes the embedded model in the released
+    names and formats: nemo reads it and computes what v4serve computes from it; written unquantized, it
+    loads back as the very model `--model tiny-v41` serves."""
+    for folder, quantize in ((tmp_path / "released", ["--quantize", "mixed"]), (tmp_path / "fp32", [])):
+        subprocess.run([sys.executable, "-m", "v4serve.server.cli", "make-checkpoint", str(folder), "--model",
+                        "tiny-v41", *quantize], check=True, capture_output=True, timeout=600)
+    ids = torch.randint(64, 320, (LENGTH,), generator=torch.Generator().manual_seed(3))
+    (tmp_path / "ids.json").write_text(json.dumps(ids.tolist()))
+    _wait(_start("forward", "--ckpt", str(tmp_path / "released"), "--ids", str(tmp_path / "ids.json"), "--out",
+                 str(tmp_path / "logits.pt"), "--no-kv-quant", "--stable-topk"))
+    theirs = torch.load(tmp_path / "logits.pt")["logits"]
+    ours = _run(_load(tmp_path / "released"), ids, LENGTH)
+    assert theirs.abs().max() > 1.0
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    embedded = build_tiny_v41(folded_vocabulary(ByteTokenizer().vocabulary_json()))
+    written = _load(tmp_path / "fp32")
+    assert all(torch.equal(a, b) for a, b in zip(embedded.state_dict().values(), written.state_dict().values(),
+                                                  strict=True))
+    assert torch.equal(_run(written, ids, 100), _run(embedded, ids, 100))

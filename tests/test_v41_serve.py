@@ -4,6 +4,8 @@ same greedy tokens, and after a restart a disk hit."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +37,10 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def _ask(client: openai.OpenAI) -> tuple[str, int]:
+    # Thinking named: the embedded model's default is chat mode, a checkpoint folder's DeepSeek's (thinking).
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": DOCUMENT}],
-                                           max_tokens=6, temperature=0)
+                                           max_tokens=6, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"thinking": False}})
     usage = reply.usage
     assert usage is not None and usage.prompt_tokens_details is not None
     return reply.choices[0].message.content or "", usage.prompt_tokens_details.cached_tokens or 0
@@ -84,3 +88,17 @@ def test_after_a_restart_the_document_is_a_disk_hit(url: str, store: Path) -> No
     disk = [line for line in metrics.splitlines()
             if line.startswith("v4serve_prefix_cache_hits_total{") and 'source="disk"' in line]
     assert len(disk) == 1 and float(disk[0].rsplit(" ", 1)[1]) >= 2 * 128, "the hit came from the store's files"
+
+
+def test_a_v41_checkpoint_folder_serves_the_same_answers(url: str, tmp_path: Path) -> None:
+    """make-checkpoint's tiny-v41 folder, served by --model FOLDER: its config.json
+    says V4.1 and its tokenizer.json gives the Engram map, so it answers as the embedded model does."""
+    folder = tmp_path / "tiny-v41"
+    subprocess.run([sys.executable, "-m", "v4serve.server.cli", "make-checkpoint", str(folder), "--model",
+                    "tiny-v41"], check=True, capture_output=True, timeout=PATIENCE)
+    embedded, _ = _ask(_client(url))
+    with daemon("--model", str(folder), "--served-model-name", MODEL) as served:
+        version = httpx.get(served + "/version", timeout=PATIENCE).json()
+        answer, _ = _ask(_client(served))
+    assert version["model_family"] == "v4.1"
+    assert answer == embedded

@@ -4,12 +4,26 @@ belongs to the front end, so the engine gets the map as ids (engine/model/v41/en
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def folded_token_ids(tokenizer_json: str | Path) -> list[int]:
     """The Engram map of a tokenizer (`tokenizer.json`'s path): each id → the index of its
     normalised text among the distinct ones, in id order."""
-    from tokenizers import Regex, Tokenizer, normalizers
+    from tokenizers import Tokenizer
+
+    return _fold(Tokenizer.from_file(str(tokenizer_json)))
+
+
+def folded_vocabulary(vocabulary_json: str) -> list[int]:
+    """The same from a tokenizer.json document's text (an embedded tokenizer's `vocabulary_json()`)."""
+    from tokenizers import Tokenizer
+
+    return _fold(Tokenizer.from_str(vocabulary_json))
+
+
+def _fold(tok: Any) -> list[int]:
+    from tokenizers import Regex, normalizers
 
     sentinel = "\ue000"  # keeps a lone space a space through the strip
     norm = normalizers.Sequence([
@@ -17,7 +31,6 @@ def folded_token_ids(tokenizer_json: str | Path) -> list[int]:
         normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
         normalizers.Strip(), normalizers.Replace(sentinel, " "),
     ])
-    tok = Tokenizer.from_file(str(tokenizer_json))
     index: dict[str, int] = {}
     out = []
     for i in range(tok.get_vocab_size(with_added_tokens=True)):

@@ -39,7 +39,7 @@ IMAGE = "<｜image｜>"  # an image placeholder
 # Ids a prompt holds but the model never writes: the sampler never draws them.
 INPUT_ONLY_SPECIALS = (BOS, PAD, USER, ASSISTANT, LATEST_REMINDER, SYSTEM, IMAGE)
 
-# The prompt-format tokens of DeepSeek-V4, in the order they get ids in the byte tokenizer.
+# The prompt-format tokens of DeepSeek-V4 (then V4.1's two), in the order they get ids in the byte tokenizer.
 # BOS/EOS/PAD sit at 0/1/2 as in the real vocabulary; the rest are packed after them.
 _NAMED_SPECIALS: tuple[str, ...] = (
     BOS,
@@ -57,6 +57,8 @@ _NAMED_SPECIALS: tuple[str, ...] = (
     "<｜domain｜>",
     "<｜title｜>",
     "<｜read_url｜>",
+    SYSTEM,
+    IMAGE,
 )
 
 NUM_SPECIAL_TOKENS = 64
@@ -133,9 +135,10 @@ class ByteTokenizer:
     eos_token_id: int = 1
     pad_token_id: int = 2
     exact_token_bytes: bool = True
-    model_type: str | None = None  # the embedded tiny model: DeepSeek-V4's format
-
-    def __init__(self) -> None:
+    def __init__(self, model_type: str | None = None) -> None:
+        """`model_type`: the embedded model's, which decides the prompt format (None: DeepSeek-V4's;
+        `tiny-v41` is "deepseek_v41")."""
+        self.model_type = model_type
         self.special_tokens: tuple[str, ...] = BYTE_SPECIAL_TOKENS
         self.special_token_ids: frozenset[int] = BYTE_SPECIAL_IDS
         self._special_to_id = {tok: i for i, tok in enumerate(self.special_tokens)}
@@ -455,6 +458,11 @@ def _first_int(value: Any) -> int | None:
     if isinstance(value, list):
         value = value[0] if value else None
     return value if isinstance(value, int) else None
+
+
+def embedded_tokenizer(model: str) -> ByteTokenizer:
+    """The byte tokenizer of an embedded model (`tiny`, `tiny-v41`), with its model's prompt format."""
+    return ByteTokenizer("deepseek_v41" if model == "tiny-v41" else None)
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:

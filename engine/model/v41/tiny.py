@@ -25,7 +25,9 @@ TINY_V41_CONFIG = V41Config(
     hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-20,
     rope_theta=10000.0, compress_rope_theta=160000.0, yarn=YarnScaling(),
     engram_layers=(1, 4), engram_num_embeddings=(3000, 3000), engram_max_ngram=3, engram_vocab_size=256,
-    engram_n_heads=4, engram_head_dim=32, engram_pad_token_id=2, image_token_id=63,
+    engram_n_heads=4, engram_head_dim=32, engram_pad_token_id=2,
+    image_token_id=16,  # the byte tokenizer's <｜image｜>
+    engram_compressed_vocab_size=291,  # the byte tokenizer's ids folded as the Engram folds them
 )
 
 
@@ -33,15 +35,12 @@ def tiny_v41_config(**overrides: object) -> V41Config:
     return dataclasses.replace(TINY_V41_CONFIG, **overrides)
 
 
-def byte_token_map(vocab_size: int) -> list[int]:
-    """The embedded tokenizer's Engram map: its ids are bytes, each its own n-gram id."""
-    return list(range(vocab_size))
-
-
 @torch.no_grad()
-def build_tiny_v41(cfg: V41Config | None = None, seed: int = 0) -> DeepseekV41:
+def build_tiny_v41(token_map: list[int], cfg: V41Config | None = None, seed: int = 0) -> DeepseekV41:
+    """`token_map`: the embedded byte tokenizer's Engram map (`server.text.engram_map.folded_vocabulary` of
+    its vocabulary), which the front end builds: text is not the engine's."""
     cfg = cfg or TINY_V41_CONFIG
-    model = DeepseekV41(cfg, byte_token_map(cfg.vocab_size))
+    model = DeepseekV41(cfg, token_map)
     gen = torch.Generator().manual_seed(seed)
     state = sorted(model.state_dict().items())
     model.load_state_dict({name: _init(name, t, gen) for name, t in state})

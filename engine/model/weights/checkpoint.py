@@ -4,19 +4,16 @@ end's: `v4serve make-checkpoint` adds them.)"""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.parallel.sharding import ParallelConfig, RankShard, local
 from v4serve.engine.model.v4.model import DeepseekV4
-from v4serve.engine.model.weights.files import read_config_json
+from v4serve.engine.model.weights.files import read_config_json, save_checkpoint_files
 from v4serve.engine.model.weights.layout import packed_formats
 from v4serve.engine.model.weights.loader import stream_checkpoint
 from v4serve.engine.model.weights.packed import pack_model, packed_count, resident_bytes
@@ -49,29 +46,7 @@ def write_checkpoint(model: DeepseekV4, folder: str | Path, max_shard_bytes: int
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "weight_block_size": [128, 128],
                                       **({"expert_dtype": "fp4"} if quantize != "fp8" else {})}
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    shards = _shard(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        _save(shards[0], folder / "model.safetensors")
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save(shard, folder / name)
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return folder
-
-
-def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors writes its files readable by their owner alone; a checkpoint gets the mode any other
-    file would (the umask's), so a container's user can read one made on its host."""
-    save_file(tensors, path, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
+    return save_checkpoint_files(folder, raw, tensors, max_shard_bytes)
 
 
 def quantize_checkpoint_state(state: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
@@ -97,19 +72,6 @@ def _quantized_format(name: str, mode: str) -> str | None:
     if _FP8_NAMES.search(name) and mode != "fp4":
         return "fp8"
     return None
-
-
-def _shard(tensors: dict[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if limit and shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

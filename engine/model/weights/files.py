@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -196,3 +198,49 @@ def short_list(items: Iterable[str], limit: int = _LIST_LIMIT, sep: str = ", ", 
     items = list(items)
     shown = lead + sep.join(items[:limit])
     return shown if len(items) <= limit else f"{shown}{sep}... ({len(items) - limit} more)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing (make-checkpoint, tests)
+
+
+def save_checkpoint_files(folder: Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                          max_shard_bytes: int | None = None) -> Path:
+    """config.json and the tensors as safetensors: one `model.safetensors`, or shards of at most
+    `max_shard_bytes` with their index."""
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    shards = _shard(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        _save(shards[0], folder / SINGLE_FILE)
+        return folder
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _save(shard, folder / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return folder
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors writes its files readable by their owner alone; a checkpoint gets the mode any other
+    file would (the umask's), so a container's user can read one made on its host."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def _shard(tensors: Mapping[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if limit and shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
