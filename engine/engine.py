@@ -159,8 +159,11 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: Model, ranks
     return "on"
 
 
-def _check_v41(config: EngineConfig, ranks: Ranks | None) -> None:
+def _check_v41(model: Model, config: EngineConfig, ranks: Ranks | None) -> None:
     """What a DeepSeek-V4.1 engine does not do yet, refused before anything is allocated."""
+    if model.kernels is not None and model.kernels.batch_invariant:
+        raise ValueError("--batch-invariant is not available for DeepSeek-V4.1 yet (its step has no per-row "
+                         "kernels): leave it out")
     if ranks is not None:
         raise ValueError("DeepSeek-V4.1 runs on one rank for now: --tensor-parallel-size 1")
     if config.speculative is not None:
@@ -187,7 +190,7 @@ class LLMEngine:
         """`ranks`: under tensor/expert parallelism, the other ranks this engine (rank 0) drives;
         `model` is then rank 0's shard."""
         if model.family == "v4.1":
-            _check_v41(config, ranks)
+            _check_v41(model, config, ranks)
         self.model = model
         self.ranks = ranks
         self.config = config

@@ -18,6 +18,7 @@ from v4serve.engine.model.v41 import attention
 from v4serve.engine.model.v41.model import DeepseekV41
 from v4serve.engine.model.v41.tiny import build_tiny_v41
 from v4serve.engine.speculative import SpeculativeConfig
+from v4serve.kernels.registry import load_kernels
 from v4serve.server.text.engram_map import folded_vocabulary
 from v4serve.server.text.tokenizer import ByteTokenizer
 
@@ -113,6 +114,13 @@ def test_with_kv_rounding_a_zero_mode_hit_is_bitwise_the_cold_run(model: Deepsee
 def test_what_v41_does_not_do_yet_is_refused_by_name(model: DeepseekV41, config: EngineConfig, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         LLMEngine(model, config)
+
+
+def test_batch_invariance_is_refused_by_name() -> None:
+    model = build_tiny_v41(folded_vocabulary(ByteTokenizer().vocabulary_json()))
+    model.use_kernels(load_kernels("torch", batch_invariant=True))
+    with pytest.raises(ValueError, match="--batch-invariant"):
+        LLMEngine(model, EngineConfig())
 
 
 @pytest.mark.parametrize("mode", ["zero", "periodic"])
