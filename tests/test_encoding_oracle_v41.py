@@ -8,11 +8,14 @@ is refused at start, naming it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import deepseek_recipe
+import httpx
 import pytest
 
+from tests.daemon import PATIENCE, start_daemon
 from tests.test_encoding_oracle import CORPUS, MESSAGES, REFUSED, RESPONSES
 from v4serve.server import jobs
 from v4serve.server import messages as messages_api
@@ -21,18 +24,15 @@ from v4serve.server.errors import ApiError
 from v4serve.server.protocol import ChatCompletionRequest
 from v4serve.server.serve import ServeConfig, load_front_tokenizer
 from v4serve.server.text.chat_encoding import V4, V41, missing_specials, prompt_format_of, render_messages
-from v4serve.server.text.tokenizer import ByteTokenizer, HFTokenizer, write_byte_tokenizer_files
+from v4serve.server.text.tokenizer import ByteTokenizer, HFTokenizer, embedded_tokenizer, write_byte_tokenizer_files
 from v4serve.server.tools import plan_tools
 
 MODEL = "DeepSeek-V4.1-Flash"
 
 
 def v41_tokenizer() -> ByteTokenizer:
-    """The byte vocabulary read as a V4.1 checkpoint's: the format is V4.1's, and its two V4.1 specials, which
-    this vocabulary lacks, come out as their characters, so the decoded prompt is the rendered string."""
-    tokenizer = ByteTokenizer()
-    tokenizer.model_type = "deepseek_v41"
-    return tokenizer
+    """The embedded tiny-v41's tokenizer: the byte vocabulary (V4.1's specials included) with V4.1's format."""
+    return embedded_tokenizer("tiny-v41")
 
 
 def converted(body: dict[str, Any]) -> Any:
@@ -106,6 +106,49 @@ def test_the_format_is_the_checkpoints_and_a_tokenizer_lacking_a_special_it_writ
         if fmt is V4:
             assert missing_specials(tokenizer, fmt) == ([], []) and load_front_tokenizer(ServeConfig(model=str(folder)))
             continue
-        assert missing_specials(tokenizer, fmt) == (["<｜System｜>"], ["<｜image｜>"])
+        assert missing_specials(tokenizer, fmt) == ([], []) and load_front_tokenizer(ServeConfig(model=str(folder)))
+        # The same vocabulary without V4.1's two specials (their ids spelled as reserved ones).
+        vocabulary = (folder / "tokenizer.json").read_text(encoding="utf-8")
+        (folder / "tokenizer.json").write_text(vocabulary.replace("<｜System｜>", "<｜reserved_15｜>")
+                                               .replace("<｜image｜>", "<｜reserved_16｜>"), encoding="utf-8")
+        assert missing_specials(HFTokenizer(folder), fmt) == (["<｜System｜>"], ["<｜image｜>"])
         with pytest.raises(ValueError, match="has no token '<｜System｜>', which the deepseek_v41 prompt format"):
             load_front_tokenizer(ServeConfig(model=str(folder)))
+
+
+@pytest.fixture(scope="module")
+def thinking_v41() -> Iterator[str]:
+    """The embedded tiny-v41 (V4.1's format), with the converter's default (thinking)."""
+    served = start_daemon("--model", "tiny-v41", "--default-chat-template-kwargs", '{"thinking": true}')
+    try:
+        yield served.url
+    finally:
+        served.stop()
+
+
+def _ids(rendering: Any) -> list[int]:
+    """A converter rendering in the embedded vocabulary: its special ranges as the specials' own ids (V4.1's
+    <｜System｜> among them), everything else (special literals in user text included) as text bytes."""
+    tokenizer, prompt, ids, at = v41_tokenizer(), rendering.prompt, [], 0
+    for start, end in rendering.special_ranges:
+        ids += tokenizer.encode_text(prompt[at:start]) + tokenizer.encode(prompt[start:end])
+        at = end
+    return ids + tokenizer.encode_text(prompt[at:])
+
+
+def test_over_http_tiny_v41_renders_the_v41_converters_prompts(thinking_v41: str) -> None:
+    with httpx.Client(base_url=thinking_v41, timeout=PATIENCE) as client:
+        for name, body in CORPUS:
+            reply = client.post("/v1/chat/completions/render", json={"model": "v4serve-tiny-v41", **body})
+            assert reply.status_code == 200, (name, reply.text)
+            expected = theirs(converted(body))
+            assert reply.json()["prompt"] == expected.prompt, name
+            assert reply.json()["prompt_token_ids"] == _ids(expected), name
+        for name, body in REFUSED:
+            reply = client.post("/v1/chat/completions/render", json={"model": "v4serve-tiny-v41", **body})
+            assert reply.status_code == 400, (name, reply.text)
+        counted = client.post("/v1/messages/count_tokens", json={"model": "v4serve-tiny-v41", **MESSAGES[1][1]})
+        expected_messages = deepseek_recipe.MessagesRequest({"model": MODEL, **MESSAGES[1][1]}).convert(
+            deepseek_recipe.ConversionOptions()).conversation
+        assert counted.json()["input_tokens"] == len(_ids(theirs(expected_messages)))
+

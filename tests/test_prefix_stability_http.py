@@ -2,7 +2,7 @@
 prompt (the render endpoint's ids) begins with the previous turn's prompt token for token (its earlier turns
 re-rendered byte for byte, its generation prompt the way the assistant turn opens), and the request is a
 prefix-cache hit for at least every block of that earlier prompt (`cached_tokens`), on Chat Completions and
-on Anthropic Messages alike."""
+on Anthropic Messages alike, in DeepSeek-V4's format (`tiny`) and V4.1's (`tiny-v41`)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["chat-mode", "thinking"])
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, bool]]:
-    daemon = start_daemon("--default-chat-template-kwargs", json.dumps({"thinking": request.param}))
+@pytest.fixture(scope="module", params=[("tiny", False), ("tiny", True), ("tiny-v41", False), ("tiny-v41", True)],
+                ids=["chat-mode", "thinking", "v41-chat-mode", "v41-thinking"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, bool, str]]:
+    model, thinking = request.param
+    daemon = start_daemon("--model", model, "--default-chat-template-kwargs", json.dumps({"thinking": thinking}))
     try:
-        yield daemon.url, request.param
+        yield daemon.url, thinking, f"v4serve-{model}"
     finally:
         daemon.stop()
 
@@ -36,14 +38,14 @@ def held_prefix(earlier: list[int], prompt: list[int], cached: int) -> None:
     assert cached >= len(earlier) // BLOCK * BLOCK > 0, (cached, len(earlier))
 
 
-def test_a_chat_agent_conversation_stays_a_prefix_hit_turn_after_turn(served: tuple[str, bool]) -> None:
-    url, thinking = served
+def test_a_chat_agent_conversation_stays_a_prefix_hit_turn_after_turn(served: tuple[str, bool, str]) -> None:
+    url, thinking, model = served
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
                                       {"role": "user", "content": DOC + "What is the weather in Paris?"}]
     earlier: list[int] = []
     with httpx.Client(base_url=url, timeout=PATIENCE) as client:
         for turn in range(4):
-            body = {"model": "v4serve-tiny", "messages": messages, "tools": [WEATHER], "max_tokens": 96,
+            body = {"model": model, "messages": messages, "tools": [WEATHER], "max_tokens": 96,
                     "temperature": 0, "tool_choice": "required" if turn % 2 == 0 else "auto"}
             prompt = client.post("/v1/chat/completions/render", json=body).json()["prompt_token_ids"]
             reply = client.post("/v1/chat/completions", json=body)
@@ -62,15 +64,15 @@ def test_a_chat_agent_conversation_stays_a_prefix_hit_turn_after_turn(served: tu
                 messages.append({"role": "user", "content": "And tomorrow?"})
 
 
-def test_a_messages_agent_conversation_stays_a_prefix_hit_turn_after_turn(served: tuple[str, bool]) -> None:
-    url, thinking = served
+def test_a_messages_agent_conversation_stays_a_prefix_hit_turn_after_turn(served: tuple[str, bool, str]) -> None:
+    url, thinking, model = served
     tool = {"name": "get_weather", "description": "Current weather",
             "input_schema": WEATHER["function"]["parameters"]}
     messages: list[dict[str, Any]] = [{"role": "user", "content": DOC + "What is the weather in Paris?"}]
     earlier = 0  # the previous turn's prompt length
     with httpx.Client(base_url=url, timeout=PATIENCE) as client:
         for turn in range(3):
-            body = {"model": "v4serve-tiny", "max_tokens": 12, "temperature": 0, "system": "You are an agent.",
+            body = {"model": model, "max_tokens": 12, "temperature": 0, "system": "You are an agent.",
                     "messages": messages, "tools": [tool]}
             counted = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
             reply = client.post("/v1/messages", json=body)
