@@ -149,8 +149,8 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: Model, ranks
         return "off (--enforce-eager)"
     if device.type != "cuda":
         return f"off (not on CUDA: {device.type})"
-    if model.family == "v4.1":
-        return "off (DeepSeek-V4.1 steps run in plain torch: no captured decode step yet)"
+    if model.abilities.graphs:
+        return f"off ({model.abilities.graphs})"
     assert model.kernels is not None
     if model.kernels.backend != "triton":
         return "off (--attention-backend torch reads values back on the host)"
@@ -159,19 +159,16 @@ def _cuda_graphs(device: torch.device, config: EngineConfig, model: Model, ranks
     return "on"
 
 
-def _check_v41(model: Model, config: EngineConfig, ranks: Ranks | None) -> None:
-    """What a DeepSeek-V4.1 engine does not do yet, refused before anything is allocated."""
-    if model.kernels is not None and model.kernels.batch_invariant:
-        raise ValueError("--batch-invariant is not available for DeepSeek-V4.1 yet (its step has no per-row "
-                         "kernels): leave it out")
-    if ranks is not None:
-        raise ValueError("DeepSeek-V4.1 runs on one rank for now: --tensor-parallel-size 1")
-    if config.speculative is not None:
-        raise ValueError("speculative decoding is not available for DeepSeek-V4.1 yet (its drafter is DSpark, "
-                         "which v4serve does not run yet): leave out --speculative-config")
-    if config.kv_cache_dtype != "auto":
-        raise ValueError("--kv-cache-dtype fp8: DeepSeek-V4.1 keeps its KV rounded as the released model stores "
-                         "it (an FP8 window, NVFP4 entries, MXFP4 indexer keys) already; use auto")
+def _check_abilities(model: Model, config: EngineConfig, ranks: Ranks | None) -> None:
+    """A setting the model's step cannot serve, refused with its reason before anything is allocated."""
+    can = model.abilities
+    asked = {"batch_invariant": model.kernels is not None and model.kernels.batch_invariant,
+             "parallel": ranks is not None, "speculation": config.speculative is not None,
+             "fp8_keys": config.kv_cache_dtype != "auto"}
+    for ability, wanted in asked.items():
+        reason = getattr(can, ability)
+        if wanted and reason:
+            raise ValueError(reason)
 
 
 def _sample_or_raise(sample: Sample | Exception) -> Sample:
@@ -189,8 +186,7 @@ class LLMEngine:
                  ranks: Ranks | None = None) -> None:
         """`ranks`: under tensor/expert parallelism, the other ranks this engine (rank 0) drives;
         `model` is then rank 0's shard."""
-        if model.family == "v4.1":
-            _check_v41(model, config, ranks)
+        _check_abilities(model, config, ranks)
         self.model = model
         self.ranks = ranks
         self.config = config
@@ -209,7 +205,7 @@ class LLMEngine:
                                                  config.speculative is not None)
         if model.context_tokens and self.async_scheduling == "on":
             # The step reads the tokens before each chunk on the host: the one in flight is not there yet.
-            self.async_scheduling = "off (DeepSeek-V4.1's Engram reads each step's preceding tokens on the host)"
+            self.async_scheduling = "off (the model reads each step's preceding tokens on the host)"
         self._in_flight: InFlight | None = None  # the last step launched ahead, its samples not yet read
         graphs = self.cuda_graphs == "on" or config.uncaptured_graphs
         # Drafted passes (the last token and k drafts per sequence) run row-wise (`RowWrites`): without a
@@ -235,8 +231,7 @@ class LLMEngine:
             swa_checkpoint_interval=config.swa_checkpoint_interval,
             enable_prefix_caching=config.enable_prefix_caching, snapshot_bytes=config.snapshot_bytes,
             overlap_ratio=cfg.csa_ratio if "csa" in {cfg.layer_kind(i) for i in range(cfg.num_layers)} else 0,
-            # A V4.1 step hands no rows to a capture (its slot is written whole): its chunks end on them.
-            snapshots_inside_chunks=not mtp and model.family == "v4")
+            snapshots_inside_chunks=not mtp and model.abilities.captures_rows)
         store = None
         persistent = bool(config.kv_store_dir and config.enable_prefix_caching)
         # KV that outlives the process is keyed by every byte of the weights; within one process the
@@ -277,9 +272,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._cpu_threads = torch.get_num_threads()
         self._forward_failures = 0
-        # V4's FP8 key records, shown beside its default for comparison (V4.1 rounds its own way).
-        fp8 = (key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8") if model.family == "v4"
-               else None)
+        # The FP8 key records, shown beside the default for comparison where the model can keep them.
+        fp8 = (key_record(cfg.head_dim, cfg.rope_dim, _dtype_name(config.kv_dtype), "fp8")
+               if model.abilities.fp8_keys is None else None)
         log.info("%s", cache_table(self.layout, self.device_kv.itemsize, config.max_num_seqs, num_blocks, fp8))
         width = -(-config.max_model_len // block)
         self.slot_tables = SlotTables(config.max_num_seqs + scratch, width, device)

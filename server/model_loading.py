@@ -196,7 +196,7 @@ def version_info(model: Model, econf: EngineConfig) -> dict[str, str | bool | in
     assert kernels is not None  # `load` chose them
     return {"device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
             "model_family": model.family,
-            "attention_backend": kernels.backend if model.family == "v4" else "torch",
+            "attention_backend": kernels.backend,
             "batch_invariant": kernels.batch_invariant,
             "kv_cache_dtype": kv_cache_dtype,
             "weight_dtype": "checkpoint" if packed_count(model) else str(param.dtype).removeprefix("torch."),
@@ -259,8 +259,7 @@ def build_engine(cfg: ServeConfig, tokenizer_json: str | None, eos_token_id: int
              "%s kernels%s", cfg.model_name, cfg.model, model.family.upper(), model.cfg.num_layers,
              resident_bytes(model) / 1e6, " on rank 0" if ranks is not None else "", packed_count(model),
              str(next(model.parameters()).dtype).removeprefix("torch."), device,
-             kernels.backend if model.family == "v4" else "torch", (" (batch-invariant)" if kernels.batch_invariant
-                                                                    else "") + split)
+             kernels.backend, (" (batch-invariant)" if kernels.batch_invariant else "") + split)
     log.info("prefix caching %s, SWA cache mode %s (%s), max model len %d",
              "on" if econf.enable_prefix_caching else "off", econf.swa_cache_mode,
              swa_mode_words(econf.swa_cache_mode, econf.swa_checkpoint_interval), econf.max_model_len)

@@ -28,8 +28,8 @@ CFG = V41Config(
     engram_vocab_size=100, engram_n_heads=2, engram_head_dim=16)
 
 
-@pytest.fixture(scope="module")
-def model() -> DeepseekV41:
+def random_model() -> DeepseekV41:
+    """CFG with random weights (seeded), scaled so that activations stay O(1)."""
     torch.manual_seed(0)
     m = DeepseekV41(CFG, token_map=list(range(CFG.vocab_size)))
     with torch.no_grad():
@@ -37,6 +37,11 @@ def model() -> DeepseekV41:
             if not any(s in name for s in ("norm", "scale", "q_weight", "k_weight")):
                 p.normal_(0, 0.1 if p.dim() > 1 else 0.02)
     return m
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepseekV41:
+    return random_model()
 
 
 def _run(model: DeepseekV41, ids: torch.Tensor, chunk: int) -> torch.Tensor:

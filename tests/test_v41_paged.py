@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_v41_model import CFG
+from tests.test_v41_model import CFG, random_model
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
@@ -21,13 +21,7 @@ BACK = CFG.engram_max_ngram - 1
 
 @pytest.fixture(scope="module")
 def model() -> DeepseekV41:
-    torch.manual_seed(0)
-    m = DeepseekV41(CFG, token_map=list(range(CFG.vocab_size)))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not any(s in name for s in ("norm", "scale", "q_weight", "k_weight")):
-                p.normal_(0, 0.1 if p.dim() > 1 else 0.02)
-    return m
+    return random_model()
 
 
 def _ids(seed: int, n: int = 300) -> torch.Tensor:

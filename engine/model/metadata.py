@@ -15,6 +15,20 @@ from v4serve.cache.state_capture import StateCapture
 from v4serve.kernels.attention import RaggedBatch, RowLayout, SlotTables
 
 
+@dataclass(frozen=True)
+class StepAbilities:
+    """What a model's step can do, which the engine plans by: None where it can, else why it cannot (the
+    engine refuses a setting that needs it with that reason, or says why it is off)."""
+    graphs: str | None = None  # a captured decode step (CUDA graphs)
+    speculation: str | None = None  # drafted passes
+    parallel: str | None = None  # tensor/expert parallel ranks
+    batch_invariant: str | None = None  # per-row kernels
+    fp8_keys: str | None = None  # --kv-cache-dtype fp8 (V4's FP8 key records)
+    # The step hands the rows it writes into slot rings to a StateCapture, so snapshots may fall inside a
+    # prefill chunk; without it chunks end on them.
+    captures_rows: bool = True
+
+
 @dataclass
 class SeqChunk:
     slot: int

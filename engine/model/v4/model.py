@@ -22,7 +22,7 @@ from torch import nn
 from v4serve.cache.device_kv import DeviceKV, LayerKV
 from v4serve.engine.model.config import ModelConfig
 from v4serve.engine.model.layers import RMSNorm, Rotary
-from v4serve.engine.model.metadata import AttentionMetadata
+from v4serve.engine.model.metadata import AttentionMetadata, StepAbilities
 from v4serve.engine.model.moe import MoE
 from v4serve.engine.model.parallel.sharding import ParallelConfig, embed_shard, gather_vocab, local
 from v4serve.engine.model.v4.attention import Attention
@@ -100,6 +100,7 @@ class MTPBlock(Block):
 class DeepseekV4(nn.Module):
     family = "v4"
     context_tokens = 0  # tokens before each chunk a step reads (V4 reads its KV alone)
+    abilities = StepAbilities()
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None, mtp_layers: int = 0) -> None:
         """`mtp_layers`: how many of the checkpoint's multi-token-prediction layers to build (for

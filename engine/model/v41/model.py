@@ -12,19 +12,23 @@ Shapes: n = new tokens of the sequence, hc = residual streams, D = hidden size, 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.engine.model.layers import RMSNorm, Rotary
-from v4serve.engine.model.metadata import AttentionMetadata
+from v4serve.engine.model.metadata import AttentionMetadata, StepAbilities
 from v4serve.engine.model.moe import MoE
 from v4serve.engine.model.v41 import paged
 from v4serve.engine.model.v41.attention import Attention, Pick, SequenceKV
 from v4serve.engine.model.v41.config import V41Config
 from v4serve.engine.model.v41.engram import Engram, NgramHash
 from v4serve.kernels.mhc import collapse, mhc_coefficients, mhc_post
-from v4serve.kernels.registry import Kernels
+from v4serve.kernels.registry import Kernels, load_kernels
+
+log = logging.getLogger(__name__)
 
 
 class Block(nn.Module):
@@ -67,8 +71,18 @@ class Block(nn.Module):
 
 class DeepseekV41(nn.Module):
     family = "v4.1"
-    # What the engine asks of either family: V4.1 runs unsplit, without a multi-token-prediction layer,
-    # through its plain-torch step.
+    # Its step runs in plain torch, one sequence at a time, through a dense view of its cache that is written
+    # back whole (paged.py): these come with the batched kernels.
+    abilities = StepAbilities(
+        graphs="DeepSeek-V4.1 steps run in plain torch: no captured decode step yet",
+        speculation="speculative decoding is not available for DeepSeek-V4.1 yet (its drafter is DSpark, which "
+                    "v4serve does not run yet): leave out --speculative-config",
+        parallel="DeepSeek-V4.1 runs on one rank for now: --tensor-parallel-size 1",
+        batch_invariant="--batch-invariant is not available for DeepSeek-V4.1 yet (its step has no per-row "
+                        "kernels): leave it out",
+        fp8_keys="--kv-cache-dtype fp8: DeepSeek-V4.1 keeps its KV rounded as the released model stores it (an "
+                 "FP8 window, NVFP4 entries, MXFP4 indexer keys) already; use auto",
+        captures_rows=False)
     parallel = None
     mtp: tuple[nn.Module, ...] = ()
 
@@ -95,9 +109,13 @@ class DeepseekV41(nn.Module):
         return self.cfg.engram_max_ngram - 1 if self.cfg.engram_layers else 0
 
     def use_kernels(self, kernels: Kernels) -> None:
+        """The step computes in plain torch whatever backend was asked for (V4.1's Triton kernels are not
+        written yet): the set kept is the torch one, so /version and the log say what runs."""
         for rotary in (self.rotary_main, self.rotary_compress):
             rotary.place(self.head.weight.device)
-        self.kernels = kernels
+        if kernels.backend != "torch":
+            log.info("DeepSeek-V4.1: its steps run in plain torch (no %s kernels for it yet)", kernels.backend)
+        self.kernels = load_kernels("torch", batch_invariant=kernels.batch_invariant)
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV.empty(self.cfg, self.head.weight.device, self.head.weight.dtype)
