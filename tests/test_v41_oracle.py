@@ -20,6 +20,7 @@ prompt is checked to have such ties, so the rule is tested too.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -228,3 +229,24 @@ def test_make_checkpoint_writes_tiny_v41_as_the_released_checkpoint_is(tmp_path:
     assert all(torch.equal(a, b) for a, b in zip(embedded.state_dict().values(), written.state_dict().values(),
                                                   strict=True))
     assert torch.equal(_run(written, ids, 100), _run(embedded, ids, 100))
+
+
+def test_the_vision_tower_and_the_dspark_draft_are_skipped_with_a_log_line(oracle: dict[str, Any], tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A released V4.1 checkpoint also holds the vision tower (vision.*, aligner.*, image_*) and the DSpark
+    draft (mtp.*): the text model loads without them, each group named in the log, and computes the same."""
+    def extra(t: dict[str, torch.Tensor]) -> None:
+        t["vision.blocks.0.attn.qkv.weight"] = torch.zeros(8, 8)
+        t["aligner.proj.weight"] = torch.zeros(8, 8)
+        t["image_newline"] = torch.zeros(8)
+        t["mtp.0.attn.wq_a.weight"] = torch.zeros(32, 32).to(torch.float8_e4m3fn)
+        t["mtp.0.attn.wq_a.scale"] = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+
+    folder = _rewrite(oracle, tmp_path, extra)
+    with caplog.at_level(logging.DEBUG, logger="v4serve.engine.model.weights.loader"):
+        model = _load(folder)
+    assert "skipping 3 tensors: the vision tower and aligner (images are not served yet)" in caplog.text
+    assert "skipping 2 tensors: the DSpark draft" in caplog.text
+    reference = _load(oracle["tiny"]["ckpt"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(),
+                                                  strict=True))

@@ -102,3 +102,34 @@ def test_a_v41_checkpoint_folder_serves_the_same_answers(url: str, tmp_path: Pat
         answer, _ = _ask(_client(served))
     assert version["model_family"] == "v4.1"
     assert answer == embedded
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+def test_an_image_is_refused_by_name_on_every_surface_and_nothing_else_is_lost(url: str) -> None:
+    """V4.1's format writes an image as its placeholder; the vision tower is not served yet, so a request with
+    one is a 400 saying so (never a placeholder read with no image behind it), and the daemon serves on."""
+    image_url = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+    chat = {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_url]}]}
+    with httpx.Client(base_url=url, timeout=PATIENCE) as client:
+        rendered = client.post("/v1/chat/completions/render", json=chat)
+        assert rendered.status_code == 200 and "<｜image｜>" in rendered.json()["prompt"]
+        refused = [
+            client.post("/v1/chat/completions", json=chat),
+            client.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user",
+                        "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                 "data": PNG}},
+                                    {"type": "text", "text": "What is this?"}]}]}),
+            client.post("/v1/responses", json={"model": MODEL, "max_output_tokens": 4, "input": [{"role": "user",
+                        "content": [{"type": "input_text", "text": "What is this?"},
+                                    {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}"}]}]}),
+        ]
+        for reply in refused:
+            assert reply.status_code == 400, reply.text
+            assert "images are not read yet" in reply.text
+        # The placeholder's literal in text is text, not an image.
+        literal = client.post("/v1/chat/completions", json={**chat, "messages": [
+            {"role": "user", "content": "a literal <｜image｜> in text"}]})
+        assert literal.status_code == 200, literal.text

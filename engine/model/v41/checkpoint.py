@@ -27,6 +27,10 @@ _FP8_NAMES = re.compile(r"\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|f
                         r"|engram\.wkv)\.weight$")
 _ROUTED_NAMES = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 _ENGRAM_TABLES = re.compile(r"\.engram\.embed\.weight$")
+# What a released V4.1 checkpoint holds that the text model does not load.
+_VISION = "the vision tower and aligner (images are not served yet)"
+NOT_LOADED = {"vision.": _VISION, "aligner.": _VISION, "image_": _VISION,
+              "mtp.": "the DSpark draft (speculative decoding with DSpark is not served yet)"}
 
 
 def write_checkpoint(model: DeepseekV41, folder: str | Path, quantize: bool = True,
@@ -64,7 +68,7 @@ def load_model(folder: str | Path, token_map: list[int] | None, device: str | to
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, tensor in stream_checkpoint(folder, expected, dtype=dtype, progress=progress):
+        for name, tensor in stream_checkpoint(folder, expected, dtype=dtype, progress=progress, skip=NOT_LOADED):
             targets[name].copy_(tensor)
     log.info("loaded %s: DeepSeek-V4.1, %d layers", folder, cfg.num_layers)
     return model.eval()

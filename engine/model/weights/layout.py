@@ -236,12 +236,15 @@ class Plan:
     units: list[Unit] = field(default_factory=list)
     sources: dict[str, Unit] = field(default_factory=dict)
     skipped_mtp: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # tensors left out, by the reason given for them
     problems: list[str] = field(default_factory=list)
 
 
-def plan_units(stored: Mapping[str, Stored], mtp: bool = False, fp8_block: tuple[int, int] = FP8_BLOCK) -> Plan:
+def plan_units(stored: Mapping[str, Stored], mtp: bool = False, fp8_block: tuple[int, int] = FP8_BLOCK,
+               skip: Mapping[str, str] | None = None) -> Plan:
     """How to read every tensor of a checkpoint; multi-token-prediction ones (`mtp.*`) only with `mtp`
-    (counted as skipped otherwise). `fp8_block`: the FP8 scale tile the checkpoint declares."""
+    (counted as skipped otherwise). `fp8_block`: the FP8 scale tile the checkpoint declares. `skip`: name
+    prefixes the model does not load, each with the reason (counted, never read)."""
     plan = Plan()
     weights, unscaled_fp8 = _pair_scales(stored)
     for key in unscaled_fp8:
@@ -251,6 +254,10 @@ def plan_units(stored: Mapping[str, Stored], mtp: bool = False, fp8_block: tuple
     for key, scale in weights.items():
         entry = stored[key]
         name = official_name(key)
+        reason = next((why for prefix, why in (skip or {}).items() if name.startswith(prefix)), None)
+        if reason is not None:
+            plan.skipped[reason] = plan.skipped.get(reason, 0) + 1 + (scale is not None)
+            continue
         if name.startswith("mtp.") and not (mtp and name.startswith("mtp.0.")):  # the first layer serves
             plan.skipped_mtp += 1
             continue

@@ -218,6 +218,7 @@ def stream_checkpoint(
     progress: bool = True,
     packed: Mapping[str, PackedFormat] | None = None,
     sharding: Sharding | None = None,
+    skip: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(official name, tensor) for every tensor of `expected`, read one at a time, so the caller can
     put each on its device before the next is read (no whole-model copy in host memory).
@@ -229,13 +230,14 @@ def stream_checkpoint(
     bytes, then `NAME.scale` (e8m0 bytes, or fp32 scales as int32 bits). Multi-token-prediction
     tensors (`mtp.*`) are read when `expected` names them, else skipped. Raises CheckpointError
     naming the offending tensors, before any tensor data is read, when the checkpoint does not match.
-    `sharding`: one rank's part (module docstring); `expected` then holds that rank's shapes.
+    `sharding`: one rank's part (module docstring); `expected` then holds that rank's shapes. `skip`: name
+    prefixes the model does not load, each with the reason the log gives.
     """
     path = Path(path)
     packed = dict(packed or {})
     files, weight_map = shard_files(path)
     mtp = any(name.startswith("mtp.") for name in expected)
-    plan = plan_units(read_headers(files, weight_map), mtp, fp8_tile(path, FP8_BLOCK))
+    plan = plan_units(read_headers(files, weight_map), mtp, fp8_tile(path, FP8_BLOCK), skip)
     if mtp and not any(name.startswith("mtp.") for name in plan.sources):
         raise CheckpointError(f"checkpoint {path} holds no multi-token-prediction tensors (mtp.*), though its "
                               "config names an MTP layer (transformers leaves them out when it saves a model): "
@@ -246,6 +248,8 @@ def stream_checkpoint(
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
     reporter = _Progress(files, progress)
+    for reason, count in plan.skipped.items():
+        reporter.emit(f"skipping {count} tensors: {reason}")
     if plan.skipped_mtp:
         reporter.emit(
             f"skipping {plan.skipped_mtp} multi-token-prediction (mtp.*) tensors: "
