@@ -13,7 +13,7 @@ from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
 from v4serve.engine.model.v41 import attention
-from v4serve.engine.model.v41.model import DeepseekV41
+from v4serve.engine.model.v41.model import Block, DeepseekV41
 from v4serve.engine.model.v41.paged import gather
 
 BACK = CFG.engram_max_ngram - 1
@@ -123,3 +123,31 @@ def test_a_prefix_hit_reads_its_entries_and_recomputes_its_window(model: Deepsee
     mine = gather(CFG, kv, SeqChunk(slot=1, block_table=[*table, 9], start=len(second), num_new=0))
     for layer in CFG.kv_source_layers:
         torch.testing.assert_close(mine.sources[layer].entries, view.sources[layer].entries, rtol=1e-5, atol=1e-5)
+
+
+def test_the_layers_past_the_last_source_run_on_the_tail_of_a_long_prefill(model: DeepseekV41,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers 5-7 own no entries: a prefill chunk runs them on the rows that reach its wanted rows or the next
+    step's windows (W − 1 fewer at each layer up), after a chunk that did the same, and what follows is the
+    full computation's."""
+    for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):  # fewer rows: last bits differ, as between chunkings
+        monkeypatch.setattr(attention, name, lambda rows: rows)
+    computed: list[int] = []
+    forward = Block.forward
+
+    def counting(block: Block, h: torch.Tensor, *args: object) -> object:
+        computed.append(h.shape[0])
+        return forward(block, h, *args)
+
+    ids, kv, table = _ids(7, 1003), _kv(), [4, 10, 0, 6, 2, 8, 11, 1]
+    monkeypatch.setattr(Block, "forward", counting)
+    first = _chunk(ids, 0, table, 0, 500)
+    model(ids[:500], AttentionMetadata.build([first], [[]]), kv)  # a chunk whose logits no one wants
+    got = [model(ids[500:1000], AttentionMetadata.build([_chunk(ids, 0, table, 500, 1000)]), kv)]
+    # Each chunk: 373 = min(wanted, 500 − 127) rows, less 127 per layer above, skipped by layers 6 and 7.
+    assert computed == 2 * ([500] * 6 + [500 - 119, 500 - 246])
+    for at in range(1000, 1003):
+        got.append(model(ids[at:at + 1], AttentionMetadata.build([_chunk(ids, 0, table, at, at + 1)]), kv))
+    monkeypatch.setattr(Block, "forward", forward)
+    cold = model.run_sequence(ids, len(ids), model.new_sequence())
+    torch.testing.assert_close(torch.cat(got), cold[999:1003], rtol=1e-5, atol=1e-5)

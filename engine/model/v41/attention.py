@@ -71,6 +71,11 @@ class Pick:
     topk: torch.Tensor | None = None  # [n, k] entry ids, −1 where fewer are visible
     candidates: torch.Tensor | None = None  # [n, N] bool
 
+    def after(self, rows: int) -> Pick:
+        """The same pick for the queries past the first `rows` (a layer that computes fewer rows)."""
+        return Pick(self.source, self.ratio, None if self.topk is None else self.topk[rows:],
+                    None if self.candidates is None else self.candidates[rows:])
+
 
 class Compressor(nn.Module):
     """Pools each `ratio` tokens into one entry (a softmax over the group per channel; ratio 1 is
@@ -159,18 +164,21 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, layer) if layer in cfg.index_source_layers else None
 
     def forward(self, x: torch.Tensor, kv: SequenceKV, pick: Pick, rotary: Rotary,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, Pick]:
-        """x [n, D] (the next n tokens, from position kv.length) → [n, D] and the pick for the next
-        layer. `rotary`: this layer's angles (YaRN-scaled on compressed layers); `cos_sin`: its
-        cos/sin at the tokens' positions (shared by the layers of a kind)."""
+                cos_sin: tuple[torch.Tensor, torch.Tensor], start: int, ring: bool = True
+                ) -> tuple[torch.Tensor, Pick]:
+        """x [n, D] (tokens from position `start`) → [n, D] and the pick for the next layer. `ring`: the
+        window rows kept in `kv` end just before `start` (False: this layer computes only the step's last
+        rows, and its first W − 1 queries see a window cut short, which the layer above drops).
+        `rotary`: this layer's angles (YaRN-scaled on compressed layers); `cos_sin`: its cos/sin at the
+        tokens' positions (shared by the layers of a kind)."""
         n, eps = x.shape[0], self.cfg.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))  # [n, q_lora]
         q = rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), *cos_sin)  # [n, H, d]
         new_kv = round_fp8(rope(rms_norm(self.wkv(x), self.kv_norm.weight, eps), *cos_sin))  # [n, d]
-        window = torch.cat([kv.window[self.layer], new_kv])  # positions kv.length − w .. end − 1
+        window = torch.cat([kv.window[self.layer], new_kv]) if ring else new_kv  # positions start − w .. end − 1
         if self.ratio:
-            pick = self._pick(x, qr, kv, pick, rotary, cos_sin)
-        out = self._attend(q, window, kv.length, pick if self.ratio else None)
+            pick = self._pick(x, qr, kv, pick, rotary, cos_sin, start)
+        out = self._attend(q, window, start, pick if self.ratio else None)
         kv.window[self.layer] = window[max(0, window.shape[0] - (self.window - 1)):]
         out = rope(out, *cos_sin, inverse=True)  # V = K carried RoPE: rotate back
         groups = out.reshape(n, self.cfg.o_groups, -1)  # [n, G, H·d/G]
@@ -178,14 +186,14 @@ class Attention(nn.Module):
         return self.wo_b(torch.einsum("ngi,goi->ngo", groups, wo_a).flatten(1)), pick
 
     def _pick(self, x: torch.Tensor, qr: torch.Tensor, kv: SequenceKV, pick: Pick, rotary: Rotary,
-              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> Pick:
+              cos_sin: tuple[torch.Tensor, torch.Tensor], start: int) -> Pick:
         """A compressed layer's entries and top-k: made here (source, index layer) or passed down."""
         if self.compressor is not None:
             source = kv.sources[self.layer]
             latents = self.compressor.latents(x, source)
             # Entries of the groups closed this step, from `first`; those already held (a prefix hit's,
             # read from the Block Cache while the window is recomputed) are kept as they are.
-            first = kv.length // self.ratio
+            first = start // self.ratio
             known = source.entries.shape[0] - first
             assert known >= 0 and self.indexer is not None  # every source indexes
             if latents.shape[0] > known:
@@ -199,7 +207,7 @@ class Attention(nn.Module):
             return pick
         assert pick.source is not None
         keys = pick.source.index_keys
-        positions = torch.arange(kv.length, kv.length + x.shape[0], device=x.device)
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
         visible = (positions + 1) // self.ratio  # [n]: entries whose group is whole
         scores = self.indexer.scores(x, qr, keys, *cos_sin)
         scores = scores.masked_fill(torch.arange(keys.shape[0], device=x.device) >= visible[:, None], float("-inf"))

@@ -54,15 +54,15 @@ class Block(nn.Module):
                                 cfg.hc_sinkhorn_iters)
 
     def forward(self, h: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, engram_rows: torch.Tensor | None,
-                kv: SequenceKV, pick: Pick, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor, Pick]:
-        """h [n, hc, D], pre [n, hc] (the input gates the previous sublayer computed) → the streams,
-        the next block's input gates and the pick for the next layer."""
+                kv: SequenceKV, pick: Pick, rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                start: int, ring: bool = True) -> tuple[torch.Tensor, torch.Tensor, Pick]:
+        """h [n, hc, D] (tokens from position `start`), pre [n, hc] (the input gates the previous sublayer
+        computed) → the streams, the next block's input gates and the pick for the next layer."""
         if self.engram is not None:
             assert engram_rows is not None
             h = self.engram(h, engram_rows)
         attn_pre, post, comb = self._gates(h, "attn")
-        y, pick = self.attn(self.attn_norm(collapse(h, pre)), kv, pick, rotary, cos_sin)
+        y, pick = self.attn(self.attn_norm(collapse(h, pre)), kv, pick, rotary, cos_sin, start, ring)
         h = mhc_post(h, y, post, comb)
         ffn_pre, post, comb = self._gates(h, "ffn")
         h = mhc_post(h, self.ffn(self.ffn_norm(collapse(h, attn_pre)), input_ids), post, comb)
@@ -130,26 +130,38 @@ class DeepseekV41(nn.Module):
         for seq in meta.seqs:
             new = input_ids[seq.offset:seq.offset + seq.num_new]
             history = torch.cat([torch.tensor(seq.history, dtype=torch.long, device=new.device), new])
-            kv = paged.gather(self.cfg, device_kv, seq)
-            x = self.hidden(history, seq.num_new, kv)
-            paged.scatter(self.cfg, device_kv, seq, kv)
             wanted = [r - seq.offset for r in meta.logits_rows if seq.offset <= r < seq.offset + seq.num_new]
-            rows.append(x[wanted])
+            kv = paged.gather(self.cfg, device_kv, seq)
+            x, first = self.hidden(history, seq.num_new, kv, min(wanted, default=seq.num_new))
+            paged.scatter(self.cfg, device_kv, seq, kv)
+            rows.append(x[[r - first for r in wanted]])
         return self.logits(torch.cat(rows))
 
     def run_sequence(self, history: torch.Tensor, num_new: int, kv: SequenceKV) -> torch.Tensor:
         """One sequence in private dense KV: history [P + n] (its next n tokens, preceded by up to N − 1
         earlier ones) → logits [n, V] (fp32); `kv` advances by n."""
         with torch.inference_mode():
-            return self.logits(self.hidden(history, num_new, kv))
+            return self.logits(self.hidden(history, num_new, kv)[0])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head's input [n, D] → fp32 logits [n, V]."""
         return torch.nn.functional.linear(x.float(), self.head.weight.float())
 
-    def hidden(self, history: torch.Tensor, num_new: int, kv: SequenceKV) -> torch.Tensor:
+    def row_cuts(self, num_new: int, first_needed: int) -> list[int]:
+        """Per layer, how many of a step's leading rows it skips. A layer past the last KV source owns no
+        entries: of its rows only those matter whose outputs reach a wanted row (from `first_needed` on) or
+        whose keys the next step's window reads (the last W − 1), and each layer below them must be exact
+        W − 1 rows further back (the window reaches that far into the layer below). So a long prefill runs
+        those layers on its tail alone, exactly."""
+        w, last, layers = self.cfg.window - 1, max(self.cfg.kv_source_layers), self.cfg.num_layers
+        top = min(first_needed, num_new - w)
+        return [max(0, top - (layers - layer) * w) if layer > last else 0 for layer in range(layers)]
+
+    def hidden(self, history: torch.Tensor, num_new: int, kv: SequenceKV, first_needed: int = 0
+               ) -> tuple[torch.Tensor, int]:
         """history [P + n]: the sequence's next n tokens, preceded by up to N − 1 earlier ones (the
-        Engram's n-grams reach back that far) → the head's input [n, D]; `kv` advances by n."""
+        Engram's n-grams reach back that far) → the head's input for rows [c, n) and c, where rows before
+        `first_needed` are not wanted (`row_cuts`); `kv` advances by n."""
         input_ids = history[history.shape[0] - num_new:]
         positions = torch.arange(kv.length, kv.length + num_new, device=input_ids.device)
         main = self.rotary_main.cos_sin(positions)
@@ -159,11 +171,17 @@ class DeepseekV41(nn.Module):
         h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [n, hc, D]
         pre = torch.zeros(num_new, self.cfg.hc_mult, device=e.device)
         pre[:, 0] = 1  # the first sublayer reads stream 0: the embedding
-        pick = Pick()
-        for block in self.layers:
+        pick, done = Pick(), 0
+        for block, cut in zip(self.layers, self.row_cuts(num_new, first_needed), strict=True):
+            if cut > done:  # rows [done, cut) matter no more
+                drop = cut - done
+                h, pre, input_ids, pick = h[drop:], pre[drop:], input_ids[drop:], pick.after(drop)
+                rows = rows[drop:] if rows is not None else None
+                main, compress = (main[0][drop:], main[1][drop:]), (compress[0][drop:], compress[1][drop:])
+                done = cut
             own_rows = rows[:, block.engram.slot] if block.engram is not None and rows is not None else None
             rotary, cos_sin = ((self.rotary_compress, compress) if block.attn.ratio
                                else (self.rotary_main, main))
-            h, pre, pick = block(h, pre, input_ids, own_rows, kv, pick, rotary, cos_sin)
+            h, pre, pick = block(h, pre, input_ids, own_rows, kv, pick, rotary, cos_sin, kv.length + done, done == 0)
         kv.length += num_new
-        return self.norm(collapse(h, pre))
+        return self.norm(collapse(h, pre)), done
