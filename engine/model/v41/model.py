@@ -85,6 +85,8 @@ class DeepseekV41(nn.Module):
         captures_rows=False)
     parallel = None
     mtp: tuple[nn.Module, ...] = ()
+    # Layers past the last KV source run on a prefill chunk's tail alone (`row_cuts`); off only to measure it.
+    late_layers_on_tail = True
 
     def __init__(self, cfg: V41Config, token_map: list[int] | None = None) -> None:
         """`token_map`: the tokenizer's Engram map (`server.text.engram_map.folded_token_ids`), needed when the
@@ -154,7 +156,7 @@ class DeepseekV41(nn.Module):
         W − 1 rows further back (the window reaches that far into the layer below). So a long prefill runs
         those layers on its tail alone, exactly."""
         w, last, layers = self.cfg.window - 1, max(self.cfg.kv_source_layers), self.cfg.num_layers
-        top = min(first_needed, num_new - w)
+        top = min(first_needed, num_new - w) if self.late_layers_on_tail else 0
         return [max(0, top - (layers - layer) * w) if layer > last else 0 for layer in range(layers)]
 
     def hidden(self, history: torch.Tensor, num_new: int, kv: SequenceKV, first_needed: int = 0
