@@ -37,8 +37,9 @@ from v4serve.server.metrics import Metrics
 from v4serve.server.preprocess import PreprocessConfig, Preprocessor
 from v4serve.server.protocol import SamplingFields
 from v4serve.server.tenants import CURRENT_TENANT, DEFAULT_TENANT, ApiKeys, scoped_salt
+from v4serve.server.text.chat_encoding import prompt_format_of
 from v4serve.server.text.output import ChoiceText, Delta, OutputOptions, joined, joins
-from v4serve.server.text.tokenizer import THINK_END, Tokenizer
+from v4serve.server.text.tokenizer import IMAGE, THINK_END, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +305,9 @@ class FrontEnd:
         self._compilers = ThreadPoolExecutor(GRAMMAR_COMPILERS, thread_name_prefix="v4serve-grammar")
         think_end = tokenizer.encode(THINK_END)
         self.think_end_id = think_end[0] if len(think_end) == 1 else None
+        # Where the prompt format writes an image as its placeholder (V4.1), the one id the model must not read
+        # without an image behind it (the vision tower is not served yet).
+        self.image_id = tokenizer.token_to_id(IMAGE) if prompt_format_of(tokenizer).image_text is None else None
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (replies carry it), or the first one when it named none."""
@@ -361,6 +365,9 @@ class FrontEnd:
         prompt's logprobs are the same for every choice: only the first computes them
         (`Generation.prompt_logprobs`); the others start after it and reuse its prefix from the cache like
         any sibling. A hand-over (prefill and decode apart) is made by the first choice too."""
+        if self.image_id is not None and self.image_id in prompt:
+            raise ApiError(400, "images are not read yet: v4serve serves DeepSeek-V4.1's text model, not its vision "
+                                "tower; send the request without image parts")
         tenant = CURRENT_TENANT.get()
         salt = scoped_salt(tenant if self.config.isolate_tenants else None, body.cache_salt)
         handover, source = request_transfer(self.config.handovers, body.kv_transfer_params, body.stream, prompts)

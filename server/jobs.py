@@ -16,7 +16,7 @@ from typing import Any
 from v4serve.engine.request import GrammarSpec
 from v4serve.server.errors import ApiError
 from v4serve.server.text.chat_encoding import prompt_format_of, render_messages
-from v4serve.server.text.tokenizer import IMAGE, encode_rendered
+from v4serve.server.text.tokenizer import encode_rendered
 from v4serve.server.tools import ToolPlan, answer_grammar, plan_tools
 
 
@@ -63,16 +63,6 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int, pa
     prompt = encode_rendered(tokenizer, rendered.text, rendered.special_ranges)
     check_length(prompt, max_len, param)
     return ids(prompt)
-
-
-def refuse_images(tokenizer: Any, prompt: array, param: str) -> None:
-    """A prompt holding an image placeholder (V4.1's format writes one per image) is a 400: v4serve does not
-    run the vision tower yet, and the model must not read a placeholder with no image behind it. A
-    placeholder's literal in text is text (another id), so only an image part is refused."""
-    image = tokenizer.token_to_id(IMAGE)
-    if image is not None and image in prompt:
-        raise ApiError(400, "images are not read yet: v4serve serves DeepSeek-V4.1's text model, not its vision "
-                            "tower; send the request without image parts", param=param)
 
 
 def encode_texts(tokenizer: Any, texts: list[str], add_bos: bool, max_len: int, param: str = "prompt") -> list[array]:
@@ -124,7 +114,6 @@ def chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None
     grammar = answer_grammar(plan, response_format, think_end, prefill)
     prompt = encode_chat(tokenizer, messages, max_len, param, tools=plan.offered, response_format=response_format,
                          call_prefill=prefill, **options)
-    refuse_images(tokenizer, prompt, param)
     return Prepared(prompt, plan.parse_calls, plan.parallel, grammar, prefill)
 
 

@@ -413,7 +413,6 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
     turns = conversation(body.system, body.messages, body.context_management)
     prompt = jobs.encode_chat(tokenizer, turns, max_len, thinking=thinking, tools=tools.offered,
                               reasoning_effort=effort(body), call_prefill=prefill)
-    jobs.refuse_images(tokenizer, prompt, "messages")
     return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar, prefill), _marked(body)
 
 

@@ -547,7 +547,6 @@ def prepared(tokenizer: Any, data: bytes, think_end_id: int | None, max_len: int
         prompt = jobs.continuation(tokenizer, system + earlier[0], new, earlier[2], max_len, **options)
     if prompt is None:
         prompt = jobs.encode_chat(tokenizer, system + messages, max_len, "input", **options)
-    jobs.refuse_images(tokenizer, prompt, "input")
     return jobs.Prepared(prompt, tools.parse_calls, tools.parallel, grammar, prefill), messages, settings
 
 
