@@ -1,4 +1,5 @@
-"""The SSD prefix store on a long-document workload (tiny model): a document, then questions.
+"""The SSD prefix store on a long-document workload (an embedded model: `tiny`, or `tiny-v41` with `--model`): a
+document, then questions.
 
 Per SWA caching mode and document length (4K-128K tokens): time to first token cold, on a
 device-cache hit and on a disk hit (a fresh engine, as after a restart, warmed by one unrelated
@@ -11,7 +12,7 @@ and auto, and within 2x of (read floor + device hit); and a decode running besid
 its inter-token latency within 1.2x of its idle value while the hit's files are read (the reads never
 block the engine loop).
 
-    python bench/bench_store.py [--docs 4096,16384,65536,131072] [--modes full,periodic,zero,auto]
+    python bench/bench_store.py [--docs 4096,16384,65536,131072] [--modes full,periodic,zero,auto] [--model tiny-v41]
 """
 
 from __future__ import annotations
@@ -182,8 +183,19 @@ def _token_gaps(engine: LLMEngine, decoder: Request, done: object) -> list[float
     return gaps
 
 
+def build(name: str) -> torch.nn.Module:
+    if name == "tiny-v41":
+        from v4serve.engine.model.v41.tiny import build_tiny_v41
+        from v4serve.server.text.engram_map import folded_vocabulary
+        from v4serve.server.text.tokenizer import ByteTokenizer
+
+        return build_tiny_v41(folded_vocabulary(ByteTokenizer().vocabulary_json()))
+    return build_tiny()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("tiny", "tiny-v41"), default="tiny", help="the embedded model")
     parser.add_argument("--docs", default="4096,16384,65536,131072")
     parser.add_argument("--modes", default="full,periodic,zero,auto")
     parser.add_argument("--repeats", type=int, default=3, help="device and disk hits per case (medians)")
@@ -191,7 +203,7 @@ def main() -> None:
                                                                     "check (0: skip it)")
     parser.add_argument("--dir", default=None, help="where to put the store (default: a temp folder)")
     args = parser.parse_args()
-    model = build_tiny()
+    model = build(args.model)
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-store-"))
     base.mkdir(parents=True, exist_ok=True)
     bandwidth, buffered = disk_read_bandwidth(base)
@@ -207,8 +219,9 @@ def main() -> None:
     rows = [[r["doc_tokens"], r["mode"], r["ttft_cold_s"], r["ttft_device_hit_s"], r["ttft_disk_hit_s"],
              r["disk_over_device"], r["read_floor_s"], r["disk_over_floor"], r["cold_over_disk"],
              r["bytes_written_per_1k_tokens"], r["recomputed_tokens"]] for r in results]
-    print_table(f"long document, new question: time to first token (s); disk/device goal <= {DISK_OVER_DEVICE_GOAL} "
-                f"(16K+; full, periodic, auto), disk/(floor+device) goal <= {DISK_OVER_FLOOR_GOAL}",
+    print_table(f"{args.model}, long document, new question: time to first token (s); disk/device goal <= "
+                f"{DISK_OVER_DEVICE_GOAL} (16K+; full, periodic, auto), disk/(floor+device) goal <= "
+                f"{DISK_OVER_FLOOR_GOAL}",
                 ["doc", "mode", "cold", "device hit", "disk hit", "disk/device", "read floor", "disk/(floor+dev)",
                  "cold/disk", "written B/1K tok", "recomputed"], rows)
     print_table("where a disk hit's load went (ms, medians; read and verify are reader-thread time)",
@@ -227,9 +240,9 @@ def main() -> None:
                     [[1000 * itl["itl_idle_median_s"], 1000 * (itl["itl_loading_median_s"] or 0),
                       1000 * (itl["itl_loading_max_s"] or 0), itl["loading_samples"], itl["itl_ratio"] or 0.0,
                       1000 * itl["load_window_s"]]])
-    write_results("bench_store", {"disk_read_bandwidth_bytes_s": bandwidth,
-                                  "buffered_read_bandwidth_bytes_s": buffered, "cases": results,
-                                  "decode_beside_disk_hit": itl})
+    name = "bench_store" if args.model == "tiny" else f"bench_store_{args.model}"
+    write_results(name, {"model": args.model, "disk_read_bandwidth_bytes_s": bandwidth,
+                         "buffered_read_bandwidth_bytes_s": buffered, "cases": results, "decode_beside_disk_hit": itl})
 
 
 if __name__ == "__main__":
