@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import engine_for, greedy, rel_err, tokens
+from tests.helpers import engine_for, greedy, rel_err, tokens, v41_rounding_off
 from v4serve.engine.engine import EngineConfig, LLMEngine
-from v4serve.engine.model.v41 import attention
 from v4serve.engine.model.v41.model import DeepseekV41
 from v4serve.engine.model.v41.tiny import build_tiny_v41
 from v4serve.engine.speculative import SpeculativeConfig
@@ -32,8 +31,7 @@ def model() -> DeepseekV41:
 
 @pytest.fixture
 def no_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):
-        monkeypatch.setattr(attention, name, lambda rows: rows)
+    v41_rounding_off(monkeypatch)
 
 
 def reference(model: DeepseekV41, prompt: list[int], outputs: list[int]) -> torch.Tensor:
@@ -128,8 +126,7 @@ def test_a_disk_hit_after_a_restart_equals_the_cold_run(model: DeepseekV41, mode
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The SSD store's files carry V4.1's blocks and slot snapshots: a fresh engine reads them back."""
     if mode == "periodic":  # it restores a snapshot, then computes another chunk than the cold run's
-        for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):
-            monkeypatch.setattr(attention, name, lambda rows: rows)
+        v41_rounding_off(monkeypatch)
     prompt = tokens(2 * BLOCK + 20, 7)
     first = engine_for(model, kv_store_dir=str(tmp_path), swa_cache_mode=mode)
     first.generate([greedy("first", prompt)])

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import v41_rounding_off
 from v4serve.engine.model.config import YarnScaling
-from v4serve.engine.model.v41 import attention
 from v4serve.engine.model.v41.config import V41Config
 from v4serve.engine.model.v41.model import DeepseekV41
 
@@ -56,8 +56,7 @@ def _run(model: DeepseekV41, ids: torch.Tensor, chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [1, 37, 127, 128, 129])
 def test_chunks_and_decodes_equal_the_whole_prompt(model: DeepseekV41, chunk: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):
-        monkeypatch.setattr(attention, name, lambda rows: rows)
+    v41_rounding_off(monkeypatch)
     ids = torch.randint(0, CFG.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
     whole = _run(model, ids, len(ids))
     assert whole.abs().max() > 0.5  # not a degenerate model

@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from v4serve.engine.model.v41 import attention
+from tests.helpers import v41_rounding_off
 from v4serve.engine.model.v41.checkpoint import load_model
 from v4serve.engine.model.v41.model import Block, DeepseekV41
 from v4serve.engine.model.v41.tiny import build_tiny_v41
@@ -84,8 +84,7 @@ def _load(ckpt: Path) -> DeepseekV41:
 
 @pytest.fixture
 def no_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):
-        monkeypatch.setattr(attention, name, lambda rows: rows)
+    v41_rounding_off(monkeypatch)
 
 
 def _run(model: DeepseekV41, ids: torch.Tensor, chunk: int, record: dict[int, list[Any]] | None = None,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import v41_rounding_off
 from tests.test_v41_model import CFG, random_model
 from v4serve.cache.device_kv import DeviceKV
 from v4serve.cache.layout import KVLayout
 from v4serve.engine.model.metadata import AttentionMetadata, SeqChunk
-from v4serve.engine.model.v41 import attention
 from v4serve.engine.model.v41.model import Block, DeepseekV41
 from v4serve.engine.model.v41.paged import gather
 
@@ -98,8 +98,7 @@ def test_a_prefix_hit_reads_its_entries_and_recomputes_its_window(model: Deepsee
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Rounding off: the recomputed window rows come from a chunk of another size than the first run's,
     # so they match in all but their last bits (see test_v41_model).
-    for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):
-        monkeypatch.setattr(attention, name, lambda rows: rows)
+    v41_rounding_off(monkeypatch)
     # The hit: 9 blocks. From nothing, a state is exact again (W − 1) · L tokens on (the zero mode's
     # span: each layer's window reaches W − 1 further back), so those are recomputed into a fresh slot.
     hit, span = 9 * 128, (CFG.window - 1) * CFG.num_layers
@@ -130,8 +129,7 @@ def test_the_layers_past_the_last_source_run_on_the_tail_of_a_long_prefill(model
     """Layers 5-7 own no entries: a prefill chunk runs them on the rows that reach its wanted rows or the next
     step's windows (W − 1 fewer at each layer up), after a chunk that did the same, and what follows is the
     full computation's."""
-    for name in ("round_fp8", "round_mxfp4", "round_nvfp4"):  # fewer rows: last bits differ, as between chunkings
-        monkeypatch.setattr(attention, name, lambda rows: rows)
+    v41_rounding_off(monkeypatch)  # fewer rows: last bits differ, as between chunkings
     computed: list[int] = []
     forward = Block.forward
 
